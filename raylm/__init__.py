@@ -1,0 +1,21 @@
+"""raylm: a Ray-native, elastic trainer for Hugging Face language models.
+
+    from raylm import TrainConfig, train
+    result = train(TrainConfig(max_steps=50, num_workers=2))
+    print(result.metrics, result.output_dir)
+"""
+
+from raylm.config import TrainConfig
+from raylm.errors import ConfigError, TrainingFailed
+
+__version__ = "0.1.0"
+__all__ = ["TrainConfig", "train", "TrainResult", "ConfigError", "TrainingFailed"]
+
+
+def __getattr__(name):
+    # Importing raylm stays light (the CLI's --help needs neither Ray nor torch).
+    if name in ("train", "TrainResult"):
+        from raylm.runtime import driver
+
+        return getattr(driver, name)
+    raise AttributeError(name)

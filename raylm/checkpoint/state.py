@@ -1,0 +1,59 @@
+"""What a rank saves and restores: model, optimizer, LR schedule, RNG (worker side).
+
+Model and optimizer go through torch.distributed.checkpoint, keyed by the model's own
+parameter names, so a checkpoint does not depend on the layout that wrote it (later
+layouts shard the same keys differently and DCP reshards on load). RNG states are per
+rank, written with safetensors (no pickle anywhere in a checkpoint). The LR schedule is a
+pure function of the step, so it is rebuilt from the step rather than stored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+
+def _rng_path(path: str, rank: int) -> str:
+    return os.path.join(path, "rng", f"rank-{rank:05d}.safetensors")
+
+
+def save_rank_state(path: str, model, optimizer, rank: int, process_group=None) -> None:
+    """Collective: every rank of ``process_group`` calls this with the same ``path``."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
+             process_group=process_group)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    os.makedirs(os.path.dirname(_rng_path(path, rank)), exist_ok=True)
+    save_file(rng, _rng_path(path, rank))
+
+
+def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
+                    process_group=None) -> None:
+    """Collective: restore model and optimizer, and this rank's RNG.
+
+    A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
+    from ``fallback_seed`` instead.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+    rng_file = _rng_path(path, rank)
+    if os.path.exists(rng_file):
+        rng = load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.manual_seed(fallback_seed)

@@ -1,0 +1,151 @@
+"""``raylm`` command line: train, tokenize, tokenizer train.
+
+Every error the user can fix is one line, ``raylm: error: ...``, exit status 2, printed
+before any actor starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from raylm.cli.args import (OneLineParser, add_config_arguments, config_from_namespace,
+                            load_run_file)
+from raylm.errors import ConfigError, TrainingFailed
+
+TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "config_name",
+                   "model_type", "config_overrides", "tokenizer_name", "block_size",
+                   "line_by_line", "text_column", "preprocessing_num_workers", "cache_dir",
+                   "address")
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="raylm", description="Ray-native trainer for Hugging Face "
+                           "language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+
+    train = sub.add_parser(
+        "train", help="train or fine-tune a causal language model",
+        description="Train or fine-tune a Hugging Face causal LM on a Ray cluster. With no "
+        "flags: a tiny GPT-2 on the built-in Shakespeare sample, on a local Ray cluster. "
+        "Flags mirror Hugging Face's run_clm.py.")
+    train.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag "
+                       "values (flags given on the command line win)")
+    add_config_arguments(train)
+
+    tok = sub.add_parser(
+        "tokenize", help="tokenize data into raylm's block cache (train reuses it)",
+        description="Tokenize and pack --train_file (and --validation_file) into the "
+        "parquet block cache that `raylm train` with the same data, tokenizer and "
+        "block size reuses.")
+    tok.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag values")
+    add_config_arguments(tok, only=TOKENIZE_FIELDS)
+
+    tk = sub.add_parser("tokenizer", help="tokenizer tools")
+    tk_sub = tk.add_subparsers(dest="tokenizer_command", metavar="COMMAND",
+                               parser_class=OneLineParser)
+    tkt = tk_sub.add_parser(
+        "train", help="train a tokenizer that AutoTokenizer loads",
+        description="Train a byte-level BPE (GPT-2 style) or WordPiece (BERT style) "
+        "tokenizer on text files and save it for AutoTokenizer.from_pretrained.")
+    tkt.add_argument("files", nargs="+", help="files, directories or globs")
+    tkt.add_argument("-o", "--output_dir", required=True, help="where to save the tokenizer")
+    tkt.add_argument("--type", choices=("bpe", "wordpiece"), default="bpe",
+                     help="tokenizer model (default: bpe)")
+    tkt.add_argument("--vocab_size", type=int, default=8192, help="(default: 8192)")
+    tkt.add_argument("--min_frequency", type=int, default=2, help="(default: 2)")
+    tkt.add_argument("--text_column", default=None,
+                     help="text column of .jsonl/.csv/.parquet files")
+    return parser
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _config(ns):
+    file_values = load_run_file(ns.run_file) if getattr(ns, "run_file", None) else {}
+    return config_from_namespace(ns, file_values)
+
+
+def cmd_train(ns) -> int:
+    from raylm.runtime.driver import train
+
+    result = train(_config(ns))
+    m = result.metrics
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+    print(f"raylm: done: {result.output_dir}  {shown}")
+    return 0
+
+
+def cmd_tokenize(ns) -> int:
+    from raylm.runtime import cluster
+    from raylm.runtime.prepare import check_inputs, prepare_data
+
+    import ray
+
+    cfg = _config(ns)
+    cfg.do_train, cfg.do_eval = True, bool(cfg.validation_file)
+    inputs = check_inputs(cfg, check_output_dir=False)  # tokenize writes only the cache
+    owns = cluster.connect(cfg.address)
+    try:
+        data = prepare_data(cfg, inputs)
+    finally:
+        if owns:
+            ray.shutdown()
+    for name, ds in (("train", data.train), ("validation", data.eval)):
+        if ds is not None:
+            print(f"raylm: {name}: {ds.num_samples} samples of {ds.block_size} tokens in "
+                  f"{ds.cache_dir} ({'reused' if ds.reused else 'tokenized'})")
+    return 0
+
+
+def cmd_tokenizer_train(ns) -> int:
+    from raylm.data.sources import resolve_files, validate_files
+    from raylm.data.tokenizer_train import train_tokenizer
+
+    files = resolve_files(ns.files, "FILES")
+    validate_files(files, ns.text_column, "FILES")
+    out = train_tokenizer(files, ns.output_dir, type=ns.type, vocab_size=ns.vocab_size,
+                          min_frequency=ns.min_frequency, text_column=ns.text_column)
+    print(f"raylm: tokenizer saved to {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        # Report against the subcommand's own parser: "see raylm train --help".
+        sub = parser._subparsers._group_actions[0].choices.get(ns.command, parser)
+        if ns.command == "tokenizer" and ns.tokenizer_command:
+            sub = sub._subparsers._group_actions[0].choices[ns.tokenizer_command]
+        sub.error("unrecognized arguments: " + " ".join(extra))
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    if ns.command == "tokenizer" and ns.tokenizer_command is None:
+        parser.parse_args(["tokenizer", "--help"])
+    _setup_logging()
+    try:
+        if ns.command == "train":
+            return cmd_train(ns)
+        if ns.command == "tokenize":
+            return cmd_tokenize(ns)
+        return cmd_tokenizer_train(ns)
+    except ConfigError as e:
+        sys.stderr.write(f"raylm: error: {e}\n")
+        return 2
+    except TrainingFailed as e:
+        sys.stderr.write(f"raylm: training failed: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("raylm: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

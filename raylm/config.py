@@ -1,0 +1,182 @@
+"""TrainConfig: every setting of a raylm run, in one dataclass.
+
+Field names are the flag names of Hugging Face's ``run_clm.py`` where one exists (same
+meaning), so ``raylm train --help`` reads like that script's. The CLI, YAML/JSON run files
+and the Python API all fill this one object; ``--help`` text comes from each field's
+``help`` metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEDULER_TYPES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+
+
+def _f(default: Any, help: str, group: str = "training", **extra: Any) -> Any:
+    meta = {"help": help, "group": group, **extra}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    # --- model -------------------------------------------------------------------------
+    model_name_or_path: Optional[str] = _f(
+        None, "Pretrained model directory to fine-tune (config, weights, tokenizer).", "model")
+    config_name: Optional[str] = _f(
+        None, "Model config to train from scratch: a directory or a config.json file.", "model")
+    model_type: Optional[str] = _f(
+        None, "Model type to train from scratch when no config is given (e.g. gpt2, llama). "
+        "Default when nothing names a model: a tiny GPT-2.", "model")
+    config_overrides: Optional[str] = _f(
+        None, "Override config values when training from scratch, e.g. "
+        "\"n_layer=2,n_embd=64,resid_pdrop=0.0\".", "model")
+    tokenizer_name: Optional[str] = _f(
+        None, "Tokenizer directory, if not the model's. Default for a model trained from "
+        "scratch: the tokenizer shipped with the built-in sample corpus.", "model")
+
+    # --- data --------------------------------------------------------------------------
+    train_file: list = _f(
+        [], "Training data: files, directories or globs (.txt, .jsonl/.json, .csv, .parquet; "
+        "local paths or s3://, gs://, file:// URIs). Several allowed. Default: the built-in "
+        "Shakespeare sample.", "data", nargs="*")
+    validation_file: list = _f(
+        [], "Validation data, same forms as --train_file. Default: a held-out split of the "
+        "training data.", "data", nargs="*")
+    validation_split_percentage: float = _f(
+        5.0, "Percentage of the training blocks held out for evaluation when no "
+        "--validation_file is given.", "data")
+    text_column: Optional[str] = _f(
+        None, "Column holding the text in .jsonl/.csv/.parquet files (default: 'text', or "
+        "the only string column).", "data")
+    block_size: Optional[int] = _f(
+        None, "Tokens per training sample. Default: min(model max positions, 1024).", "data")
+    line_by_line: bool = _f(
+        False, "Treat each line (or row) as one sample, padded/truncated to block_size, "
+        "instead of concatenating and chunking.", "data")
+    preprocessing_num_workers: Optional[int] = _f(
+        None, "Parallel tokenization tasks (default: Ray Data decides).", "data")
+    cache_dir: Optional[str] = _f(
+        None, "Where tokenized blocks are cached (default: $RAYLM_CACHE_DIR or "
+        "~/.cache/raylm).", "data")
+
+    # --- optimisation (run_clm / TrainingArguments names) --------------------------------
+    do_train: Optional[bool] = _f(None, "Train. Default: on, unless only --do_eval is given.")
+    do_eval: Optional[bool] = _f(
+        None, "Evaluate perplexity on the validation split. Alone (without --do_train): "
+        "evaluate the given model, no training. Default: on.")
+    per_device_train_batch_size: int = _f(
+        8, "Micro-batch size per data-parallel replica.")
+    per_device_eval_batch_size: int = _f(8, "Evaluation batch size per data-parallel replica.")
+    gradient_accumulation_steps: int = _f(
+        1, "Micro-batches per optimizer step on each replica. The global batch is "
+        "per_device_train_batch_size x gradient_accumulation_steps x dp, and stays fixed "
+        "when the cluster changes.")
+    learning_rate: float = _f(5e-4, "Peak AdamW learning rate (run_clm's default is 5e-5; "
+                              "raylm's default run trains from scratch, so it is higher).")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to biases and norms).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
+    lr_scheduler_type: str = _f("linear", "Learning-rate schedule.", choices=SCHEDULER_TYPES)
+    warmup_steps: int = _f(0, "Linear warm-up steps.")
+    num_train_epochs: float = _f(3.0, "Epochs to train (ignored when --max_steps > 0).")
+    max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs.")
+    seed: int = _f(42, "Seed for model init, data order and dropout.")
+
+    # --- logging, evaluation and checkpoints ---------------------------------------------
+    output_dir: str = _f("raylm-output", "Where the model, metrics and checkpoints go.", "output")
+    overwrite_output_dir: bool = _f(
+        False, "Start afresh in an existing output_dir instead of resuming from it.", "output")
+    logging_steps: int = _f(10, "Log loss, learning rate and tokens/s every N steps.", "output")
+    eval_steps: Optional[int] = _f(
+        None, "Evaluate every N steps as well as at the end (default: only at the end).",
+        "output")
+    save_steps: int = _f(
+        500, "Write a checkpoint every N steps (and at the end of training).", "output")
+    save_total_limit: Optional[int] = _f(
+        None, "Keep at most N checkpoints, deleting the oldest.", "output")
+    resume_from_checkpoint: Optional[str] = _f(
+        None, "Checkpoint directory to resume from. Re-running the same command on the same "
+        "output_dir resumes from its latest checkpoint anyway.", "output")
+    log_sample_ids: bool = _f(
+        False, "Also write the sample ids each data-parallel rank trained on, per step, to "
+        "output_dir/samples.jsonl (a data audit).", "output")
+    disable_tqdm: bool = _f(False, "No progress bar (logs only).", "output")
+
+    # --- raylm: cluster and layout -------------------------------------------------------
+    address: Optional[str] = _f(
+        None, "Ray cluster to join ('auto', 'ray://host:10001', host:port). Default: "
+        "$RAY_ADDRESS, else start a local cluster.", "cluster")
+    num_workers: int = _f(
+        0, "Rank actors (dp x tp x pp). 0: as many as the cluster's CPUs (or GPUs with "
+        "--use_gpu) allow.", "cluster")
+    cpus_per_worker: float = _f(
+        1.0, "CPUs each rank actor reserves (fractions allowed); torch uses that many "
+        "threads.", "cluster")
+    dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "cluster")
+    tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "cluster")
+    pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "cluster")
+    max_failures: int = _f(
+        3, "Worker or node failures to recover from (restart from the latest checkpoint) "
+        "before the run fails.", "cluster")
+    use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "cluster")
+    collective_timeout_s: float = _f(
+        300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
+
+    # ---------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        for name in ("train_file", "validation_file"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [value])
+            elif value is None:
+                setattr(self, name, [])
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def should_train(self) -> bool:
+        # No flag: train (and evaluate). --do_eval alone: evaluate the given model only.
+        return self.do_train if self.do_train is not None else self.do_eval is not True
+
+    @property
+    def should_eval(self) -> bool:
+        return True if self.do_eval is None else self.do_eval
+
+    # Settings that change what is trained: a run in an existing output_dir with a
+    # different value of any of these is a different run (error unless
+    # --overwrite_output_dir). Logging, saving and cluster settings are free to change;
+    # the layout in particular may change on resume.
+    RUN_DEFINING = (
+        "model_name_or_path", "config_name", "model_type", "config_overrides",
+        "tokenizer_name", "train_file", "validation_file", "validation_split_percentage",
+        "text_column", "block_size", "line_by_line", "learning_rate", "weight_decay",
+        "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
+        "warmup_steps", "num_train_epochs", "max_steps", "seed",
+    )
+
+    def run_fingerprint(self) -> dict:
+        d = {k: getattr(self, k) for k in self.RUN_DEFINING}
+        d["digest"] = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return d

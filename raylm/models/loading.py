@@ -1,0 +1,172 @@
+"""Hugging Face models in: resolve what to build (on the driver), build it (on each rank).
+
+The driver resolves and validates the model source without building weights, so a bad
+name, a bad override or a block size past the model's positions is one clear error before
+any actor starts. Each rank actor then builds the same model from the resolved spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from raylm.errors import ConfigError
+
+log = logging.getLogger("raylm")
+
+# The built-in default model: a tiny GPT-2 that trains in minutes on two CPU cores.
+DEFAULT_MODEL_TYPE = "gpt2"
+DEFAULT_MODEL_CONFIG = dict(n_positions=128, n_embd=128, n_layer=4, n_head=4)
+
+
+@dataclass
+class ModelSpec:
+    """Everything a rank needs to build the model: picklable, no weights."""
+
+    config: object  # transformers.PretrainedConfig
+    pretrained_path: Optional[str]  # load weights from here, else init from config
+    tokenizer_dir: str
+    vocab_size: int  # len(tokenizer)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        return max_positions(self.config)
+
+
+def max_positions(config) -> Optional[int]:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _apply_overrides(config, overrides: Optional[str]) -> None:
+    if not overrides:
+        return
+    # PretrainedConfig.update_from_string parses "a=1,b=x" with the types of the current
+    # values, and refuses keys the config lacks; turn its error into ours.
+    for item in overrides.split(","):
+        if "=" not in item:
+            raise ConfigError(f"--config_overrides: '{item}' is not of the form key=value")
+        key = item.split("=", 1)[0].strip()
+        if not hasattr(config, key):
+            raise ConfigError(
+                f"--config_overrides: {type(config).__name__} has no key '{key}'")
+    try:
+        config.update_from_string(overrides)
+    except ValueError as e:
+        raise ConfigError(f"--config_overrides: {e}") from None
+
+
+def resolve_model(cfg) -> ModelSpec:
+    """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
+    from transformers import AutoConfig, AutoTokenizer, CONFIG_MAPPING
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from raylm.data.sources import builtin_tokenizer_dir
+
+    pretrained = None
+    if cfg.model_name_or_path:
+        path = cfg.model_name_or_path
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"--model_name_or_path: {path} is not a model directory (no config.json); "
+                "raylm loads local Hugging Face model directories")
+        config = AutoConfig.from_pretrained(path)
+        pretrained = os.path.abspath(path)
+        if cfg.config_overrides:
+            raise ConfigError("--config_overrides applies to models trained from scratch, "
+                              "not to --model_name_or_path")
+    elif cfg.config_name:
+        if not os.path.exists(cfg.config_name):
+            raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
+        try:
+            config = AutoConfig.from_pretrained(cfg.config_name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--config_name: cannot read a model config from "
+                              f"{cfg.config_name}: {str(e).splitlines()[0]}") from None
+        _apply_overrides(config, cfg.config_overrides)
+    else:
+        model_type = cfg.model_type or DEFAULT_MODEL_TYPE
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"--model_type: unknown model type '{model_type}'")
+        config = CONFIG_MAPPING[model_type]()
+        if cfg.model_type is None:
+            for k, v in DEFAULT_MODEL_CONFIG.items():
+                setattr(config, k, v)
+        _apply_overrides(config, cfg.config_overrides)
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"model type '{config.model_type}' has no causal-LM head; raylm "
+                          "trains causal language models (run_clm)")
+
+    if cfg.tokenizer_name:
+        tokenizer_dir = cfg.tokenizer_name
+    elif pretrained and any(os.path.exists(os.path.join(pretrained, f)) for f in
+                            ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        tokenizer_dir = pretrained
+    elif pretrained:
+        raise ConfigError(f"--model_name_or_path {pretrained} has no tokenizer files; "
+                          "give one with --tokenizer_name")
+    else:
+        tokenizer_dir = builtin_tokenizer_dir()
+    if not os.path.isdir(tokenizer_dir):
+        raise ConfigError(f"--tokenizer_name: no such directory: {tokenizer_dir}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # transformers raises many types for an unreadable tokenizer
+        raise ConfigError(f"--tokenizer_name: cannot load a tokenizer from {tokenizer_dir}: "
+                          f"{str(e).splitlines()[0]}") from None
+    vocab = len(tokenizer)
+    if vocab > config.vocab_size:
+        if pretrained:
+            raise ConfigError(f"the tokenizer in {tokenizer_dir} has {vocab} tokens but the "
+                              f"model's embedding has {config.vocab_size}")
+        # Like run_clm resizing embeddings: a model from scratch is sized to its tokenizer.
+        config.vocab_size = vocab
+    if not pretrained and cfg.model_type is None and cfg.config_name is None:
+        config.vocab_size = vocab
+    if not pretrained:
+        _set_special_tokens(config, tokenizer)
+    return ModelSpec(config=config, pretrained_path=pretrained,
+                     tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab)
+
+
+def _set_special_tokens(config, tokenizer) -> None:
+    # A model from scratch takes its special tokens from its tokenizer (GPT2Config's
+    # defaults name token 50256, which a small vocabulary does not have).
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None or getattr(config, name, None) is not None:
+            setattr(config, name, value)
+
+
+def resolve_block_size(cfg, spec: ModelSpec) -> int:
+    limit = spec.max_positions
+    if cfg.block_size is None:
+        return min(limit or 1024, 1024)
+    if cfg.block_size < 2:
+        raise ConfigError(f"--block_size must be at least 2 (got {cfg.block_size})")
+    if limit is not None and cfg.block_size > limit:
+        raise ConfigError(f"--block_size {cfg.block_size} is larger than the model's maximum "
+                          f"positions ({limit})")
+    return cfg.block_size
+
+
+def build_model(spec: ModelSpec, seed: int):
+    """Build the model on this rank: identical on every rank (same seed, same weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if spec.pretrained_path:
+        model = AutoModelForCausalLM.from_pretrained(spec.pretrained_path, config=spec.config,
+                                                     dtype=torch.float32)
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
+    # HF models default to the KV cache for generation; training never uses it.
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,74 @@
+"""The Ray cluster as the driver sees it: connect, measure capacity, reserve bundles."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+log = logging.getLogger("raylm")
+
+
+def connect(address: str | None) -> bool:
+    """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local one.
+
+    Returns True when this call started Ray (and the caller should shut it down).
+    """
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        log.info("starting a local Ray cluster")
+        ray.init(logging_level=logging.WARNING, include_dashboard=False)
+    return True
+
+
+def capacity(cpus_per_worker: float, use_gpu: bool) -> int:
+    """How many rank actors the live nodes can hold, each with its CPUs (and one GPU).
+
+    Counted per node from total resources: a rank never spans nodes.
+    """
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        fit = math.floor(res.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 10**6
+        if use_gpu:
+            fit = min(fit, int(res.get("GPU", 0)))
+        total += fit
+    return total
+
+
+def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float):
+    """A placement group of ``num`` rank bundles, or None if it cannot be placed in time.
+
+    PACK keeps ranks together (fewer nodes, faster collectives) but spreads when it must.
+    """
+    bundle = {"CPU": cpus_per_worker}
+    if use_gpu:
+        bundle["GPU"] = 1
+    pg = placement_group([dict(bundle) for _ in range(num)], strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if ready:
+        return pg
+    remove_placement_group(pg)
+    return None
+
+
+def wait_for_capacity(target: int, cpus_per_worker: float, use_gpu: bool,
+                      settle_s: float = 20.0) -> int:
+    """After a failure: wait until the cluster's view settles, return the usable ranks."""
+    deadline = time.time() + settle_s
+    n = capacity(cpus_per_worker, use_gpu)
+    while n < 1 and time.time() < deadline:
+        time.sleep(0.5)
+        n = capacity(cpus_per_worker, use_gpu)
+    return min(target, n)

@@ -1,0 +1,365 @@
+"""The driver: plans the layout, starts the rank actors, hands out steps, recovers.
+
+States (logged on every change, so a failure's path reads straight from the log):
+
+    planning -> starting -> running -> finished
+                    ^           |
+                    +- recovering <- (a rank or its node died)
+
+The driver never touches tensors: it sends each rank the sample ids of its micro-batches
+and gets scalars back. Failure policy: on any rank failure, tear the whole group down,
+re-plan on the live nodes (same global batch), restore the latest checkpoint and go on,
+up to ``max_failures`` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
+from raylm.config import TrainConfig
+from raylm.data.sampler import GlobalBatchSampler, micro_batches, rank_share, step_schedule
+from raylm.errors import ConfigError, TrainingFailed
+from raylm.plan.layout import Plan, make_plan
+from raylm.runtime import cluster
+from raylm.runtime.metrics import MetricsLog, Progress
+from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
+                                   start_output_dir, total_steps)
+from raylm.runtime.worker import RankWorker
+
+log = logging.getLogger("raylm")
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    metrics: dict
+    history: list = field(default_factory=list)  # one dict per optimizer step
+    failures: int = 0
+
+
+class WorkerFailure(Exception):
+    pass
+
+
+class Driver:
+    def __init__(self, cfg: TrainConfig, callbacks: tuple = ()):
+        self.cfg = cfg
+        # Each callback may define on_step_end(driver, step, record); tests use it to
+        # kill a rank mid-run.
+        self.callbacks = list(callbacks)
+        self.state = None
+        self.workers: list = []
+        self.worker_info: list[dict] = []
+        self.pg = None
+        self.failures = 0
+        self.history: list[dict] = []
+
+    # -- state machine ---------------------------------------------------------------------
+    def _enter(self, state: str, detail: str = "") -> None:
+        log.info("driver: %s%s", state, f" ({detail})" if detail else "")
+        self.state = state
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [i["pid"] for i in self.worker_info]
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self._enter("planning")
+        inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
+        owns_ray = cluster.connect(cfg.address)
+        try:
+            cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu)
+            plan = make_plan(cfg, cap)
+            if inputs.run_record and inputs.run_record.get("global_batch_size"):
+                # Resuming: the global batch is the run's, whatever the layout now.
+                plan = dataclasses.replace(
+                    plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
+            data = prepare_data(cfg, inputs)
+            self.target_workers = plan.world_size
+            log.info("plan: %s", plan.describe())
+            if cfg.should_train:
+                return self._train(inputs, data, plan)
+            return self._evaluate_only(inputs, data, plan)
+        finally:
+            self._teardown()
+            if owns_ray:
+                ray.shutdown()
+
+    # -- group lifecycle -------------------------------------------------------------------
+    def _start_group(self, plan: Plan, inputs: Inputs, data: Data, steps: int,
+                     restore: Optional[str], restore_step: int) -> Plan:
+        """Reserve bundles, start one actor per rank, join them, restore state."""
+        self._enter("starting", f"{plan.world_size} rank(s)")
+        n = plan.world_size
+        while True:
+            self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu, timeout_s=30)
+            if self.pg is not None:
+                break
+            if n <= 1:
+                raise TrainingFailed("could not place a single rank actor on the cluster")
+            n = max(1, n - plan.pp * plan.tp)
+            log.warning("could not place %d rank(s) within 30 s; trying %d", n + 1, n)
+        if n != plan.world_size:
+            plan = plan.resized(n)
+            log.info("re-planned: %s", plan.describe())
+        actor = ray.remote(RankWorker)
+        gpus = 1 if plan.use_gpu else 0
+        self.workers = [
+            actor.options(
+                num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=rank),
+            ).remote(rank, n, plan.torch_threads)
+            for rank in range(n)
+        ]
+        self.worker_info = self._wait([w.info.remote() for w in self.workers])
+        for i in self.worker_info:
+            log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
+                     i["node_id"][:8], i["ip"])
+        port = self._wait([self.workers[0].free_port.remote()])[0]
+        master = f"{self.worker_info[0]['ip']}:{port}"
+        cfg_dict = self.cfg.to_dict()
+        self._wait([w.setup.remote(master, plan, inputs.spec, data.train, cfg_dict, steps)
+                    for w in self.workers])
+        if restore:
+            self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
+            log.info("restored %s (step %d)", restore, restore_step)
+        return plan
+
+    def _teardown(self) -> None:
+        if self.workers:
+            for w in self.workers:
+                try:
+                    ray.kill(w, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.pg = None
+
+    def _wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
+        """Results of ``refs`` in order; the first failure of any rank raises at once."""
+        timeout_s = timeout_s or self.cfg.collective_timeout_s + 60
+        pending = list(refs)
+        deadline = time.time() + timeout_s
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1,
+                                          timeout=max(0.0, deadline - time.time()))
+                if not ready:
+                    raise WorkerFailure(f"no answer from the ranks in {timeout_s:.0f} s")
+                ray.get(ready[0])  # raises if that rank failed
+            return ray.get(refs)
+        except (RayActorError, RayTaskError, GetTimeoutError) as e:
+            raise WorkerFailure(_first_line(e)) from e
+
+    def _dead_ranks(self) -> list[str]:
+        dead = []
+        for i, w in enumerate(self.workers):
+            try:
+                ray.get(w.info.remote(), timeout=5)
+            except Exception:
+                info = self.worker_info[i] if i < len(self.worker_info) else {}
+                dead.append(f"rank {i} (pid {info.get('pid')}, node "
+                            f"{str(info.get('node_id'))[:8]})")
+        return dead
+
+    # -- training --------------------------------------------------------------------------
+    def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
+        cfg = self.cfg
+        sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.seed)
+        steps = total_steps(cfg, sampler.steps_per_epoch)
+        self.ckpt = CheckpointManager(cfg.output_dir)
+        self.metrics = MetricsLog(cfg.output_dir)
+        restore = inputs.resume_from
+        start_step = read_trainer_state(restore)["step"] if restore else 0
+        record = start_output_dir(cfg, plan.global_batch_size)
+        self.ckpt.clear_partial()
+        self.metrics.truncate_after(start_step)
+        if restore:
+            log.info("resuming from %s at step %d of %d", restore, start_step, steps)
+        log.info("training %d step(s): %d sample(s), %d step(s) per epoch", steps,
+                 sampler.num_samples, sampler.steps_per_epoch)
+
+        plan = self._start_group(plan, inputs, data, steps, restore, start_step)
+        self.plan = plan
+        self.step = start_step
+        self.progress = Progress(steps, start_step, cfg.disable_tqdm)
+        t_start = time.time()
+        while True:
+            try:
+                self._enter("running", f"step {self.step + 1} of {steps}")
+                self._run_steps(sampler, steps, data, record)
+                break
+            except WorkerFailure as failure:
+                self._recover(failure, inputs, data, steps)
+        train_runtime = time.time() - t_start
+        self.progress.close()
+
+        final = {}
+        if cfg.should_eval and data.eval is not None:
+            final.update(self._eval(data))
+        self._wait([w.save_pretrained.remote(os.path.abspath(cfg.output_dir))
+                    for w in self.workers])
+        self._save_tokenizer(inputs)
+        trained = [h for h in self.history]
+        tokens = sum(h["tokens"] for h in trained)
+        final.update({
+            "global_step": self.step,
+            "train_loss": (sum(h["loss"] for h in trained) / len(trained)) if trained else None,
+            "final_loss": trained[-1]["loss"] if trained else None,
+            "train_runtime": train_runtime,
+            "train_tokens_per_second": tokens / train_runtime if train_runtime > 0 else 0.0,
+            "failures": self.failures,
+            "world_size": self.plan.world_size,
+        })
+        with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
+            json.dump(final, f, indent=2)
+        self._enter("finished", f"step {self.step}, output in {cfg.output_dir}")
+        return TrainResult(output_dir=os.path.abspath(cfg.output_dir), metrics=final,
+                           history=self.history, failures=self.failures)
+
+    def _run_steps(self, sampler: GlobalBatchSampler, steps: int, data: Data,
+                   record: dict) -> None:
+        cfg, plan = self.cfg, self.plan
+        window_tokens, window_start = 0, time.time()
+        schedule = step_schedule(sampler.global_batch(self.step), plan.dp, plan.micro_batch_size)
+        while self.step < steps:
+            t0 = time.time()
+            nxt = (step_schedule(sampler.global_batch(self.step + 1), plan.dp,
+                                 plan.micro_batch_size) if self.step + 1 < steps else None)
+            refs = [w.train_step.remote(self.step, schedule[r], nxt[r] if nxt else None)
+                    for r, w in enumerate(self.workers)]
+            results = self._wait(refs)
+            self.step += 1
+            schedule = nxt
+            out = results[0]
+            wall = time.time() - t0
+            rec = {"step": self.step, "epoch": round(sampler.epoch_of(self.step), 4),
+                   "loss": out["loss"], "learning_rate": out["learning_rate"],
+                   "grad_norm": out["grad_norm"], "tokens": out["tokens"],
+                   "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
+                   "data_wait_s": max(r["data_wait_s"] for r in results)}
+            self.history = [h for h in self.history if h["step"] < self.step] + [rec]
+            if cfg.log_sample_ids:
+                with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
+                    f.write(json.dumps({"step": self.step, "ranks": [r["sample_ids"]
+                                                                      for r in results]}) + "\n")
+            window_tokens += out["tokens"]
+            self.progress.update(self.step, rec["loss"], rec["tokens_per_second"])
+            if self.step % cfg.logging_steps == 0 or self.step == steps:
+                tps = window_tokens / max(time.time() - window_start, 1e-9)
+                self.metrics.append({"step": self.step, "epoch": rec["epoch"],
+                                     "loss": rec["loss"], "learning_rate": rec["learning_rate"],
+                                     "tokens_per_second": tps})
+                self.progress.write(f"step {self.step}/{steps}  loss {rec['loss']:.4f}  "
+                                    f"lr {rec['learning_rate']:.3g}  {tps:,.0f} tokens/s")
+                window_tokens, window_start = 0, time.time()
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < steps \
+                    and cfg.should_eval and data.eval is not None:
+                self._eval(data)
+            if self.step % cfg.save_steps == 0 or self.step == steps:
+                self._save_checkpoint(sampler, record)
+            for cb in self.callbacks:
+                if hasattr(cb, "on_step_end"):
+                    cb.on_step_end(self, self.step, rec)
+
+    def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:
+        tmp = self.ckpt.begin(self.step)
+        self._wait([w.save_checkpoint.remote(tmp) for w in self.workers])
+        path = self.ckpt.commit(tmp, self.step, {
+            "step": self.step, "epoch": sampler.epoch_of(self.step),
+            "global_batch_size": self.plan.global_batch_size,
+            "world_size": self.plan.world_size,
+            "layout": {"dp": self.plan.dp, "pp": self.plan.pp, "tp": self.plan.tp},
+            "run": record,
+        })
+        self.ckpt.rotate(self.cfg.save_total_limit)
+        log.info("checkpoint saved: %s", path)
+
+    def _eval(self, data: Data) -> dict:
+        plan = self.plan
+        eval_ds = data.eval if data.eval is not data.train else None
+        refs = [w.evaluate.remote(micro_batches(rank_share(data.eval_ids, r, plan.dp),
+                                                self.cfg.per_device_eval_batch_size), eval_ds)
+                for r, w in enumerate(self.workers)]
+        out = self._wait(refs)[0]
+        step = getattr(self, "step", 0)
+        self.metrics.append({"step": step, "eval_loss": out["eval_loss"],
+                             "perplexity": out["perplexity"]})
+        self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
+                            f"perplexity {out['perplexity']:.2f}")
+        return {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
+
+    def _recover(self, failure: WorkerFailure, inputs: Inputs, data: Data, steps: int) -> None:
+        self.failures += 1
+        self._enter("recovering", f"failure {self.failures} of at most {self.cfg.max_failures}")
+        dead = self._dead_ranks()
+        log.warning("rank failure at step %d: %s%s", self.step + 1, failure,
+                    f"; dead: {', '.join(dead)}" if dead else "")
+        self._teardown()
+        if self.failures > self.cfg.max_failures:
+            raise TrainingFailed(f"{self.failures} failure(s), more than --max_failures "
+                                 f"{self.cfg.max_failures}; last: {failure}") from failure
+        restore = self.ckpt.latest()
+        restore_step = read_trainer_state(restore)["step"] if restore else 0
+        log.warning("restoring %s: %d step(s) will be redone",
+                    restore or "the initial model (no checkpoint yet)", self.step - restore_step)
+        n = cluster.wait_for_capacity(self.target_workers, self.plan.cpus_per_worker,
+                                      self.plan.use_gpu)
+        plan = self.plan.resized(n) if n != self.plan.world_size else self.plan
+        self.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
+        self.step = restore_step
+        self.history = [h for h in self.history if h["step"] <= restore_step]
+        self.metrics.truncate_after(restore_step)
+        self.progress.reset_to(restore_step)
+
+    # -- evaluation only -------------------------------------------------------------------
+    def _evaluate_only(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
+        os.makedirs(self.cfg.output_dir, exist_ok=True)
+        self.metrics = MetricsLog(self.cfg.output_dir)
+        self.progress = Progress(0, 0, True)
+        self.plan = self._start_group(plan, inputs, data, 1, None, 0)
+        self.step = 0
+        self._enter("running", "evaluation")
+        out = self._eval(data)
+        with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        self._enter("finished", f"eval_loss {out['eval_loss']:.4f}, perplexity "
+                    f"{out['perplexity']:.2f}")
+        return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
+
+    def _save_tokenizer(self, inputs: Inputs) -> None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(inputs.spec.tokenizer_dir).save_pretrained(
+            self.cfg.output_dir)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def train(config: TrainConfig, callbacks: tuple = ()) -> TrainResult:
+    """Train (and/or evaluate) as ``config`` says; returns final metrics and output path."""
+    if not isinstance(config, TrainConfig):
+        raise ConfigError("train() takes a raylm.TrainConfig")
+    return Driver(config, callbacks).run()

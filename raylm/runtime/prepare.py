@@ -1,0 +1,187 @@
+"""Everything the driver checks and builds before any actor starts.
+
+Split in two: ``check_inputs`` needs no cluster (flags, files, model, output_dir) and
+runs first, so most bad input fails in a second; ``prepare_data`` tokenizes with Ray
+Data (or reuses the cache) once Ray is up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
+from raylm.config import TrainConfig
+from raylm.errors import ConfigError
+
+log = logging.getLogger("raylm")
+RUN_RECORD = "raylm_run.json"
+
+
+@dataclass
+class Inputs:
+    spec: object  # ModelSpec
+    block_size: int
+    train_files: list
+    eval_files: list
+    resume_from: Optional[str] = None  # checkpoint directory
+    run_record: Optional[dict] = None  # of the run being resumed
+
+
+@dataclass
+class Data:
+    train: object  # TokenizedDataset (None when not training)
+    eval: object  # TokenizedDataset the eval ids index into (None: no eval)
+    train_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    eval_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+
+def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
+    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+    from raylm.models.loading import resolve_block_size, resolve_model
+
+    _check_numbers(cfg)
+    if cfg.should_train:
+        train_files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
+                       else builtin_sample_files())
+        validate_files(train_files, cfg.text_column, "--train_file")
+    else:
+        train_files = []
+    eval_files = []
+    if cfg.validation_file:
+        eval_files = resolve_files(cfg.validation_file, "--validation_file")
+        validate_files(eval_files, cfg.text_column, "--validation_file")
+    elif not cfg.should_train and cfg.should_eval:
+        if not cfg.train_file:
+            raise ConfigError("--do_eval without training needs --validation_file (or "
+                              "--train_file, whose held-out split is evaluated)")
+        train_files = resolve_files(cfg.train_file, "--train_file")
+        validate_files(train_files, cfg.text_column, "--train_file")
+    if not cfg.should_train and not cfg.model_name_or_path:
+        raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
+                          "--model_name_or_path")
+
+    spec = resolve_model(cfg)
+    block_size = resolve_block_size(cfg, spec)
+    inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
+                    eval_files=eval_files)
+    if cfg.should_train and check_output_dir:
+        _check_output_dir(cfg, inputs)
+    return inputs
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
+                "gradient_accumulation_steps", "logging_steps", "save_steps")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.eval_steps is not None and cfg.eval_steps < 1:
+        raise ConfigError(f"--eval_steps must be >= 1 (got {cfg.eval_steps})")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"--learning_rate must be > 0 (got {cfg.learning_rate})")
+    if not 0 <= cfg.validation_split_percentage < 100:
+        raise ConfigError("--validation_split_percentage must be in [0, 100)")
+    if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
+        raise ConfigError("give --max_steps > 0 or --num_train_epochs > 0")
+    if cfg.cpus_per_worker < 0:
+        raise ConfigError("--cpus_per_worker must be >= 0")
+    if cfg.max_failures < 0:
+        raise ConfigError("--max_failures must be >= 0")
+
+
+def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
+    """Fresh, resumable (same run), or an error: decided before anything starts."""
+    out = cfg.output_dir
+    record_path = os.path.join(out, RUN_RECORD)
+    if cfg.resume_from_checkpoint:
+        if not os.path.isfile(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")):
+            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} is not "
+                              "a raylm checkpoint (no trainer_state.json)")
+        inputs.resume_from = os.path.abspath(cfg.resume_from_checkpoint)
+        inputs.run_record = read_trainer_state(inputs.resume_from).get("run")
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    if cfg.overwrite_output_dir:
+        return  # cleared in start_output_dir, once the run really starts
+    if not os.path.isfile(record_path):
+        raise ConfigError(f"--output_dir {out} already exists and is not empty; use "
+                          "--overwrite_output_dir to train over it")
+    with open(record_path) as f:
+        record = json.load(f)
+    mine = cfg.run_fingerprint()
+    if record.get("digest") != mine["digest"]:
+        differs = sorted(k for k in mine if k != "digest" and record.get(k) != mine[k])
+        raise ConfigError(f"--output_dir {out} holds a different run (differs in: "
+                          f"{', '.join(differs) or 'settings'}); use --overwrite_output_dir "
+                          "or another --output_dir")
+    if inputs.resume_from is None:
+        latest = CheckpointManager(out).latest()
+        if latest:
+            inputs.resume_from = latest
+            inputs.run_record = record
+
+
+def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
+    """Create (or clear, with --overwrite_output_dir) output_dir and write the run record."""
+    out = cfg.output_dir
+    if cfg.overwrite_output_dir and os.path.isdir(out):
+        for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", RUN_RECORD,
+                     "all_results.json", "eval_results.json"):
+            p = os.path.join(out, name)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+    os.makedirs(out, exist_ok=True)
+    record = cfg.run_fingerprint()
+    record["global_batch_size"] = global_batch_size
+    tmp = os.path.join(out, RUN_RECORD + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    os.replace(tmp, os.path.join(out, RUN_RECORD))
+    return record
+
+
+def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
+    """Tokenize (or reuse the cache) and choose the train and eval sample ids."""
+    from raylm.data.sampler import split_train_eval
+    from raylm.data.tokenized import build_tokenized_dataset
+
+    def build(files):
+        return build_tokenized_dataset(
+            files, inputs.spec.tokenizer_dir, inputs.block_size,
+            line_by_line=cfg.line_by_line, text_column=cfg.text_column,
+            cache_root=cfg.cache_dir, num_workers=cfg.preprocessing_num_workers)
+
+    train = build(inputs.train_files) if inputs.train_files else None
+    if train is not None:
+        log.info("training data: %d samples of %d tokens (%s)", train.num_samples,
+                 inputs.block_size, "cached" if train.reused else "tokenized now")
+    if inputs.eval_files:
+        eval_ds = build(inputs.eval_files)
+        eval_ids = np.arange(eval_ds.num_samples, dtype=np.int64)
+        train_ids = np.arange(train.num_samples, dtype=np.int64) if train else eval_ids[:0]
+    else:
+        pct = cfg.validation_split_percentage if cfg.should_eval else 0.0
+        train_ids, eval_ids = split_train_eval(train.num_samples, pct, seed=0)
+        if not cfg.should_train and pct == 0:  # evaluate a model on all of --train_file
+            train_ids, eval_ids = train_ids[:0], train_ids
+        eval_ds = train if len(eval_ids) else None
+    if cfg.should_train and len(train_ids) == 0:
+        raise ConfigError("no training samples left after the validation split; give more "
+                          "data, a smaller --block_size or --validation_split_percentage")
+    return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids)
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))

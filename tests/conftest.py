@@ -1,0 +1,50 @@
+"""Shared fixtures: one real local Ray cluster per test session, tiny models, real files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare"
+
+# A GPT-2 small enough that a step takes milliseconds; dropout off for exact parity.
+TINY_GPT2 = ("n_layer=2,n_embd=32,n_head=2,n_positions=64,"
+             "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0")
+TINY_GPT2_DROPOUT = "n_layer=2,n_embd=32,n_head=2,n_positions=64"
+
+# Ray sees 4 logical CPUs on this 2-core machine so that 4 rank actors of 1 CPU each
+# can be placed; each uses one torch thread.
+RAY_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by every test that needs one; stopped at the end."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """Three Shakespeare plays copied into a temporary directory (a small sharded corpus)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for name in ("comedy_of_errors.txt", "macbeth.txt", "julius_caesar.txt"):
+        shutil.copy(SHAKESPEARE / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory):
+    """Tokenized-block cache shared by the session's runs (tokenize once)."""
+    return str(tmp_path_factory.mktemp("raylm-cache"))

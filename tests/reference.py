@@ -1,0 +1,55 @@
+"""A plain single-process PyTorch training loop: the ground truth layouts are held to.
+
+It shares with raylm only the choice of samples (the seeded global batches) and the
+model config; the model, the loss (Hugging Face's own ``labels=`` loss), the optimizer
+and the schedule are built here directly from torch and transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from raylm.data.reader import BlockReader
+from raylm.data.sampler import GlobalBatchSampler
+
+
+def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: int):
+    """Train ``steps`` optimizer steps; returns (per-step losses, final state_dict).
+
+    Each global batch is cut into micro-batches of ``cfg.per_device_train_batch_size``;
+    every micro-batch's mean loss is divided by their number (gradient accumulation), so
+    batches must be full (no epoch tail) for this to equal the global token mean.
+    """
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
+    model.train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_epsilon, foreach=False)
+    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
+                          num_training_steps=steps)
+    sampler = GlobalBatchSampler(train_ids, global_batch_size, cfg.seed)
+    reader = BlockReader(dataset)
+    mb = cfg.per_device_train_batch_size
+    losses = []
+    for step in range(steps):
+        ids = sampler.global_batch(step)
+        assert len(ids) == global_batch_size, "reference needs full batches"
+        chunks = [ids[i:i + mb] for i in range(0, len(ids), mb)]
+        total = 0.0
+        for chunk in chunks:
+            b = reader.read(chunk)
+            loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss / len(chunks)
+            loss.backward()
+            total += loss.item()
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,135 @@
+"""Bad input: one clear error line, exit status 2, no traceback, no actor started."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raylm import ConfigError, TrainConfig
+from raylm.cli.main import main
+from raylm.runtime.driver import Driver
+from tests.conftest import TINY_GPT2
+
+
+def run_cli(capsys, *args):
+    rc = main(["train", *args])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    return rc, errors, err
+
+
+def base_args(tmp_path, data, cache_root):
+    return ["--model_type", "gpt2", "--config_overrides", TINY_GPT2, "--train_file", str(data),
+            "--block_size", "32", "--cache_dir", cache_root, "--output_dir",
+            str(tmp_path / "out"), "--max_steps", "2", "--disable_tqdm"]
+
+
+def test_unknown_flag_is_one_line_from_the_real_command():
+    proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "train", "--learning_rat",
+                           "0.1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "raylm train: error: unrecognized arguments: --learning_rat (did you mean "
+        "--learning_rate?) (see raylm train --help)"]
+    assert proc.stdout == ""
+
+
+def test_missing_train_file_from_the_real_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "train", "--train_file",
+                           str(tmp_path / "nope.txt")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    [line] = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert line.startswith("raylm: error: --train_file") and "nope.txt" in line
+
+
+@pytest.mark.parametrize("case", ["empty", "no_match", "bad_parquet", "not_utf8"])
+def test_bad_train_files(case, tmp_path, capsys, cache_root):
+    if case == "empty":
+        data = tmp_path / "empty.txt"
+        data.write_text("")
+        expect = ["empty.txt", "empty"]
+    elif case == "no_match":
+        data = tmp_path / "*.jsonl"
+        expect = ["matches no"]
+    elif case == "bad_parquet":
+        data = tmp_path / "broken.parquet"
+        data.write_bytes(b"PAR1 this is not parquet at all")
+        expect = ["broken.parquet"]
+    else:
+        data = tmp_path / "latin1.txt"
+        data.write_bytes("good line\n".encode() * 3 + b"caf\xe9\n")
+        expect = ["latin1.txt", "byte 33"]
+    rc, errors, err = run_cli(capsys, *base_args(tmp_path, data, cache_root))
+    assert rc == 2, err
+    assert len(errors) == 1 and errors[0].startswith("raylm: error:"), err
+    for word in expect:
+        assert word in errors[0], errors[0]
+    assert "Traceback" not in err
+
+
+def test_block_size_past_model_positions(tmp_path, capsys, corpus_dir, cache_root):
+    args = base_args(tmp_path, corpus_dir, cache_root)
+    args[args.index("--block_size") + 1] = "65"
+    rc, errors, _ = run_cli(capsys, *args)
+    assert rc == 2
+    assert errors == ["raylm: error: --block_size 65 is larger than the model's maximum "
+                      "positions (64)"]
+
+
+def test_config_override_unknown_key(tmp_path, capsys, corpus_dir, cache_root):
+    args = base_args(tmp_path, corpus_dir, cache_root)
+    args[args.index("--config_overrides") + 1] = "n_layer=2,n_wings=3"
+    rc, errors, _ = run_cli(capsys, *args)
+    assert rc == 2
+    assert errors == ["raylm: error: --config_overrides: GPT2Config has no key 'n_wings'"]
+
+
+def test_output_dir_of_a_different_run(tmp_path, capsys, corpus_dir, cache_root):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "raylm_run.json").write_text(json.dumps({"digest": "something-else", "seed": 1}))
+    rc, errors, _ = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root))
+    assert rc == 2
+    assert len(errors) == 1 and "holds a different run" in errors[0]
+    assert "--overwrite_output_dir" in errors[0]
+
+
+def test_output_dir_not_empty(tmp_path, capsys, corpus_dir, cache_root):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    rc, errors, _ = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root))
+    assert rc == 2 and "already exists and is not empty" in errors[0]
+
+
+def test_more_workers_than_the_cluster_can_place(ray_cluster, tmp_path, corpus_dir,
+                                                 cache_root):
+    cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
+                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      output_dir=str(tmp_path / "out"), max_steps=2, num_workers=9)
+    driver = Driver(cfg)
+    with pytest.raises(ConfigError, match="--num_workers 9: the cluster can place only 4"):
+        driver.run()
+    assert driver.workers == [] and driver.state == "planning"
+
+
+def test_run_file_unknown_key(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("max_steps: 3\nlearning_rte: 0.1\n")
+    rc, errors, _ = run_cli(capsys, str(run))
+    assert rc == 2
+    assert errors == [f"raylm: error: run file {run}: unknown key 'learning_rte' "
+                      "(did you mean 'learning_rate'?)"]
+
+
+def test_parquet_without_text_column(tmp_path, capsys, cache_root):
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"body": [1, 2, 3]}), data)
+    rc, errors, _ = run_cli(capsys, *base_args(tmp_path, data, cache_root))
+    assert rc == 2 and len(errors) == 1 and "d.parquet" in errors[0]

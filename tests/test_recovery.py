@@ -1,0 +1,115 @@
+"""Resume and fault tolerance: an interrupted run continues with the uninterrupted losses.
+
+Dropout is on here, so equal losses also prove that each rank's RNG, the optimizer, the
+LR schedule and the data position were all restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from raylm import TrainConfig, train
+from tests.conftest import TINY_GPT2_DROPOUT
+
+STEPS = 20
+SAVE = 10
+
+
+def run_config(out, corpus, cache_root, **kw) -> TrainConfig:
+    base = dict(model_type="gpt2", config_overrides=TINY_GPT2_DROPOUT,
+                train_file=[str(corpus)], block_size=32, cache_dir=cache_root,
+                output_dir=str(out), max_steps=STEPS, save_steps=SAVE, logging_steps=1,
+                disable_tqdm=True, learning_rate=1e-3, num_workers=2,
+                per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                do_eval=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def logged_losses(output_dir) -> dict:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
+    result = train(run_config(tmp_path_factory.mktemp("base") / "out", corpus_dir, cache_root))
+    return {h["step"]: h["loss"] for h in result.history}
+
+
+class KillRank:
+    """Kills one rank actor's process (SIGKILL, by pid) when a step ends."""
+
+    def __init__(self, at_step: int, rank: int):
+        self.at_step, self.rank, self.killed = at_step, rank, None
+
+    def on_step_end(self, driver, step, record):
+        if step == self.at_step and self.killed is None:
+            self.killed = driver.worker_pids[self.rank]
+            os.kill(self.killed, signal.SIGKILL)
+
+
+def test_rank_killed_mid_run_recovers_with_same_losses(uninterrupted, ray_cluster, corpus_dir,
+                                                       cache_root, tmp_path, caplog):
+    killer = KillRank(at_step=13, rank=1)
+    caplog.set_level("INFO", logger="raylm")
+    result = train(run_config(tmp_path / "out", corpus_dir, cache_root), callbacks=(killer,))
+
+    assert killer.killed is not None
+    assert result.failures == 1
+    losses = {h["step"]: h["loss"] for h in result.history}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    steps = list(range(1, STEPS + 1))
+    np.testing.assert_allclose([losses[s] for s in steps], [uninterrupted[s] for s in steps],
+                               rtol=1e-5)
+    # The file log is the uninterrupted history too: redone steps replace the lost ones.
+    logged = logged_losses(result.output_dir)
+    np.testing.assert_allclose([logged[s] for s in steps], [uninterrupted[s] for s in steps],
+                               rtol=1e-5)
+    log = caplog.text
+    assert "recovering" in log
+    assert f"pid {killer.killed}" in log
+    assert "3 step(s) will be redone" in log
+
+
+def test_killed_driver_resumes_by_rerunning_the_command(uninterrupted, ray_cluster, corpus_dir,
+                                                        cache_root, tmp_path):
+    out = tmp_path / "out"
+    address = ray_cluster.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raylm.cli.main", "train", "--model_type", "gpt2",
+           "--config_overrides", TINY_GPT2_DROPOUT, "--train_file", str(corpus_dir),
+           "--block_size", "32", "--cache_dir", cache_root, "--output_dir", str(out),
+           "--max_steps", str(STEPS), "--save_steps", str(SAVE), "--logging_steps", "1",
+           "--learning_rate", "1e-3", "--num_workers", "2",
+           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+           "--do_eval", "false", "--address", address]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    checkpoint = out / "checkpoints" / f"step-{SAVE:08d}" / "trainer_state.json"
+    deadline = time.time() + 240
+    try:
+        while not checkpoint.exists():
+            assert first.poll() is None, first.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "no checkpoint at step 10"
+            time.sleep(0.1)
+    finally:
+        first.kill()  # the driver dies; Ray reaps its rank actors with its job
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming from {checkpoint.parent}" in second.stderr
+    logged = logged_losses(out)
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    steps = list(range(SAVE + 1, STEPS + 1))
+    np.testing.assert_allclose([logged[s] for s in steps], [uninterrupted[s] for s in steps],
+                               rtol=1e-5)
