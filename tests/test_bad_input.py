@@ -65,7 +65,7 @@ def test_bad_train_files(case, tmp_path, capsys, cache_root):
     else:
         data = tmp_path / "latin1.txt"
         data.write_bytes("good line\n".encode() * 3 + b"caf\xe9\n")
-        expect = ["latin1.txt", "byte 33"]
+        expect = ["latin1.txt", "not valid UTF-8", "offset 33"]
     rc, errors, err = run_cli(capsys, *base_args(tmp_path, data, cache_root))
     assert rc == 2, err
     assert len(errors) == 1 and errors[0].startswith("raylm: error:"), err
