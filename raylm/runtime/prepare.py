@@ -59,10 +59,9 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
         eval_files = resolve_files(cfg.validation_file, "--validation_file")
         validate_files(eval_files, cfg.text_column, "--validation_file")
     elif not cfg.should_train and cfg.should_eval:
-        if not cfg.train_file:
-            raise ConfigError("--do_eval without training needs --validation_file (or "
-                              "--train_file, whose held-out split is evaluated)")
-        train_files = resolve_files(cfg.train_file, "--train_file")
+        # Evaluate on the held-out split of --train_file (or of the built-in sample).
+        train_files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
+                       else builtin_sample_files())
         validate_files(train_files, cfg.text_column, "--train_file")
     if not cfg.should_train and not cfg.model_name_or_path:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
@@ -170,7 +169,9 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
         eval_ids = np.arange(eval_ds.num_samples, dtype=np.int64)
         train_ids = np.arange(train.num_samples, dtype=np.int64) if train else eval_ids[:0]
     else:
-        pct = cfg.validation_split_percentage if cfg.should_eval else 0.0
+        # Held out whether or not this run evaluates (as run_clm does), so that the
+        # training samples do not depend on --do_eval.
+        pct = cfg.validation_split_percentage
         train_ids, eval_ids = split_train_eval(train.num_samples, pct, seed=0)
         if not cfg.should_train and pct == 0:  # evaluate a model on all of --train_file
             train_ids, eval_ids = train_ids[:0], train_ids

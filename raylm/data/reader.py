@@ -1,0 +1,140 @@
+"""Worker-side random access to tokenized samples by global id, and read-ahead.
+
+Each rank reads exactly the ids its sampler assigns, so the data a step sees depends only on
+the ids, not on Ray Data's scheduling: this is what lets a run resume, or continue on a
+different number of workers, with the same sample order.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Hashable, Sequence
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from raylm.data.sources import filesystem_for
+from raylm.data.tokenized import TokenizedDataset
+
+IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
+
+
+class BlockReader:
+    """Reads samples by id from a TokenizedDataset's shards.
+
+    A shard is loaded whole on first use (memory-mapped parquet for local files, pyarrow's
+    filesystem for URIs) and kept as a ``[rows, block_size]`` int32 array, so later reads
+    are numpy fancy indexing.
+    """
+
+    def __init__(self, dataset: TokenizedDataset):
+        self.dataset = dataset
+        self.block_size = dataset.block_size
+        self._offsets = np.asarray(dataset.shard_offsets, dtype=np.int64)
+        self._shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()  # the Prefetcher's thread and the caller may both read
+
+    def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.dataset.num_samples):
+            bad = ids[(ids < 0) | (ids >= self.dataset.num_samples)][0]
+            raise IndexError(f"sample id {bad} out of range 0..{self.dataset.num_samples - 1}")
+        input_ids = np.empty((len(ids), self.block_size), dtype=np.int32)
+        lengths = np.empty(len(ids), dtype=np.int32)
+        shard_of = np.searchsorted(self._offsets, ids, side="right") - 1
+        # One numpy gather per shard touched, not one Python step per row.
+        for shard in np.unique(shard_of):
+            rows = shard_of == shard
+            tokens, shard_lengths = self._shard(int(shard))
+            local = ids[rows] - self._offsets[shard]
+            input_ids[rows] = tokens[local]
+            lengths[rows] = shard_lengths[local]
+
+        input_ids_t = torch.from_numpy(input_ids).long()
+        attention_mask = torch.arange(self.block_size) < torch.from_numpy(lengths).long()[:, None]
+        labels = input_ids_t.masked_fill(~attention_mask, IGNORE_INDEX)
+        return {"input_ids": input_ids_t, "labels": labels,
+                "attention_mask": attention_mask.long()}
+
+    def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        shard = self._shards.get(index)
+        if shard is None:
+            with self._lock:
+                shard = self._shards.get(index)
+                if shard is None:
+                    shard = self._shards[index] = self._load(self.dataset.shard_files[index])
+        return shard
+
+    def _load(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        fs, fs_path = filesystem_for(path)
+        if isinstance(fs, pafs.LocalFileSystem):
+            table = pq.read_table(fs_path, memory_map=True)
+        else:
+            table = pq.read_table(fs_path, filesystem=fs)
+        column = table.column("input_ids").combine_chunks()
+        # flatten() honours the list offsets; every list is block_size long by construction.
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        if len(values) != table.num_rows * self.block_size:
+            raise ValueError(f"{path}: rows are not all {self.block_size} tokens long")
+        tokens = np.ascontiguousarray(values.reshape(table.num_rows, self.block_size))
+        lengths = table.column("length").to_numpy().astype(np.int32, copy=False)
+        return tokens, lengths
+
+
+class Prefetcher:
+    """Reads the next steps' microbatches in a background thread while the model computes.
+
+    ``submit(key, ids)`` starts reading; ``get(key, ids)`` returns the result, or reads now
+    when that key was not submitted (or with other ids, e.g. after the plan changed). At
+    most ``depth`` submitted reads are kept: submitting more drops the oldest.
+    """
+
+    def __init__(self, reader: BlockReader, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.reader = reader
+        self.depth = depth
+        # One thread: reads are memory-bound numpy work and come in step order.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-prefetch")
+        self._pending: collections.OrderedDict[Hashable, tuple[list[np.ndarray], Future]] = (
+            collections.OrderedDict())
+
+    def submit(self, key: Hashable, ids_per_microbatch: list) -> None:
+        if key in self._pending:
+            return
+        ids = [np.asarray(m, dtype=np.int64) for m in ids_per_microbatch]
+        self._pending[key] = (ids, self._pool.submit(self._read_all, ids))
+        while len(self._pending) > self.depth:
+            _, (_, future) = self._pending.popitem(last=False)
+            future.cancel()
+
+    def get(self, key: Hashable, ids_per_microbatch: list) -> list[dict[str, torch.Tensor]]:
+        ids = [np.asarray(m, dtype=np.int64) for m in ids_per_microbatch]
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            submitted, future = pending
+            same = len(submitted) == len(ids) and all(
+                np.array_equal(a, b) for a, b in zip(submitted, ids))
+            if same:
+                return future.result()  # re-raises a read error here, in the caller
+            future.cancel()
+        return self._read_all(ids)
+
+    def close(self) -> None:
+        for _, future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def _read_all(self, ids: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
+        return [self.reader.read(m) for m in ids]
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

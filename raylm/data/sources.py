@@ -1,0 +1,433 @@
+"""Training data sources: find the files, check them, and read their texts.
+
+A source spec is a file, a directory (searched recursively) or a glob, either a local path or
+a URI that ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://``, ``gs://``, ``file://``).
+Everything here goes through pyarrow filesystems so the same code serves local disks and
+object stores.
+
+The texts of a file are what ``run_clm.py`` would see with ``datasets``:
+
+- ``.txt`` / ``.text``: one text per line (``str.splitlines``, line breaks dropped), like the
+  ``datasets`` text loader;
+- ``.jsonl`` / ``.json`` (JSON Lines), ``.csv``, ``.parquet``: one text per row, from the text
+  column (``--text_column``; default ``text``, else the only string column).
+
+Everything is read in bounded chunks, so a file never has to fit in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.fs as pafs
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from raylm.errors import ConfigError
+
+TEXT_EXTENSIONS = (".txt", ".text")
+TABLE_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
+SUPPORTED_EXTENSIONS = TEXT_EXTENSIONS + TABLE_EXTENSIONS
+# Formats read as raw bytes that must be UTF-8 (parquet has its own encoding checks).
+UTF8_EXTENSIONS = TEXT_EXTENSIONS + (".jsonl", ".json", ".csv")
+
+DEFAULT_TEXT_COLUMN = "text"
+
+# Bytes read per step when scanning or reading a text file.
+TEXT_CHUNK_BYTES = 4 << 20
+# Rows per batch handed to the tokenizer from .jsonl/.csv/.parquet files.
+TABLE_BATCH_ROWS = 1024
+# pyarrow's JSON and CSV readers need every row to fit in one block: allow long documents.
+READER_BLOCK_BYTES = 16 << 20
+
+_SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+
+
+# --- filesystems and paths -----------------------------------------------------------------
+
+def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem holding ``path`` and the path inside it."""
+    if "://" in path:
+        try:
+            return _filesystem_from_uri(path)
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise ConfigError(f"cannot open {path}: {_one_line(e)}") from None
+    return _LOCAL_FS, os.path.abspath(os.path.expanduser(path))
+
+
+_LOCAL_FS = pafs.LocalFileSystem()
+
+
+def _filesystem_from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    parts = urllib.parse.urlsplit(uri)
+    fs, base = _cached_filesystem(parts.scheme, parts.netloc, parts.query)
+    path = urllib.parse.unquote(parts.path).strip("/")
+    return fs, (base + "/" + path).rstrip("/") or "/"
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_filesystem(scheme: str, netloc: str, query: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of a URI's root, and the path of that root inside it.
+
+    Building an object-store filesystem resolves credentials and regions: it is done once
+    per bucket (scheme, netloc and options), not once per file. The root's path tells how
+    the scheme maps URIs to paths ('s3://bucket/' is 'bucket', 'file:///' is '/').
+    """
+    fs, base = pafs.FileSystem.from_uri(urllib.parse.urlunsplit((scheme, netloc, "/", query, "")))
+    return fs, base.rstrip("/")
+
+
+def _display_path(spec: str, fs: pafs.FileSystem, fs_path: str) -> str:
+    """How a found file is named from now on: a local absolute path, or a URI.
+
+    ``file://`` URIs become plain local paths (the same file then has one name, and one
+    cache entry). Other URIs keep the spec's scheme and credentials part (``anonymous@``)
+    and query (``?region=``), so that ``filesystem_for`` reopens the same filesystem.
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        return fs_path
+    parts = urllib.parse.urlsplit(spec)
+    userinfo = parts.netloc.rpartition("@")[0]
+    prefix = f"{parts.scheme}://" + (f"{userinfo}@" if userinfo else "")
+    quoted = urllib.parse.quote(fs_path, safe="/:=+,;~!$&'()*-._")
+    return prefix + quoted + (f"?{parts.query}" if parts.query else "")
+
+
+def extension(path: str) -> str:
+    """Lower-cased extension of a path or URI (query string ignored)."""
+    path = urllib.parse.urlsplit(path).path if "://" in path else path
+    return os.path.splitext(path)[1].lower()
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# --- resolve_files ---------------------------------------------------------------------------
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def resolve_files(specs: list[str], flag: str = "--train_file") -> list[str]:
+    """Expand files, directories and globs into a sorted, de-duplicated list of files.
+
+    Directories are searched recursively for supported files; names starting with ``.`` or
+    ``_`` below them (``.ipynb_checkpoints``, ``_SUCCESS``) are skipped, as Spark and Ray Data
+    do. A file named explicitly must have a supported extension.
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    found: set[str] = set()
+    for spec in specs:
+        try:
+            found.update(_resolve_one(spec))
+        except ConfigError as e:
+            raise ConfigError(f"{flag}: {e}") from None
+        except OSError as e:  # e.g. an object store refusing access
+            raise ConfigError(f"{flag}: cannot access {spec}: {_one_line(e)}") from None
+    return sorted(found)
+
+
+def _resolve_one(spec: str) -> list[str]:
+    fs, path = filesystem_for(spec)
+    if _GLOB_CHARS.search(path):
+        files = []
+        for info in _glob(fs, path):
+            if info.type == pafs.FileType.Directory:
+                files.extend(_supported_files_below(fs, info.path))
+            elif extension(info.path) in SUPPORTED_EXTENSIONS:
+                files.append(info.path)
+        if not files:
+            raise ConfigError(f"{spec} matches no {_supported_list()} file")
+    else:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise ConfigError(f"no such file or directory: {spec}")
+        if info.type == pafs.FileType.Directory:
+            files = _supported_files_below(fs, path)
+            if not files:
+                raise ConfigError(f"directory {spec} contains no {_supported_list()} file")
+        elif extension(path) not in SUPPORTED_EXTENSIONS:
+            raise ConfigError(f"{spec}: unsupported file type '{extension(path) or '(none)'}' "
+                              f"(supported: {_supported_list()})")
+        else:
+            files = [path]
+    return [_display_path(spec, fs, f) for f in files]
+
+
+def _supported_list() -> str:
+    return ", ".join(SUPPORTED_EXTENSIONS)
+
+
+def _supported_files_below(fs: pafs.FileSystem, directory: str) -> list[str]:
+    directory = directory.rstrip("/")
+    out = []
+    for info in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        relative = info.path[len(directory):].lstrip("/")
+        if any(part.startswith((".", "_")) for part in relative.split("/")):
+            continue
+        if extension(info.path) in SUPPORTED_EXTENSIONS:
+            out.append(info.path)
+    return out
+
+
+def _glob(fs: pafs.FileSystem, pattern: str) -> list[pafs.FileInfo]:
+    """Files and directories matching a glob.
+
+    pyarrow filesystems have no glob (and Python 3.11's ``glob`` only knows local disks), so
+    this lists the deepest directory without wildcards and matches the full paths against
+    the pattern: ``*`` and ``?`` stay within one path component, ``**`` spans several, and
+    wildcards skip hidden (dot) names as the shell does.
+    """
+    parts = pattern.split("/")
+    first_wild = next(i for i, p in enumerate(parts) if _GLOB_CHARS.search(p))
+    base = "/".join(parts[:first_wild]) or "/"
+    regex = re.compile(_glob_to_regex(pattern))
+    recursive = "**" in pattern or first_wild < len(parts) - 1
+    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=recursive))
+    return [info for info in infos if regex.fullmatch(info.path)]
+
+
+def _glob_to_regex(pattern: str) -> str:
+    """Regex for a glob. As in the shell, a wildcard never matches a name starting with '.'."""
+    not_hidden = "(?![.])"
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        at_component_start = i == 0 or pattern[i - 1] == "/"
+        if pattern.startswith("**/", i):
+            out.append(f"(?:{not_hidden}[^/]*/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(f"(?:{not_hidden}[^/]*/)*{not_hidden}[^/]*")
+            i += 2
+        elif pattern[i] in "*?":
+            out.append((not_hidden if at_component_start else "")
+                       + ("[^/]*" if pattern[i] == "*" else "[^/]"))
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            negate = body.startswith("!")
+            body = body[1:] if negate else body
+            out.append("[" + ("^" if negate else "") + body.replace("\\", "\\\\") + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+def _prefix(flag: Optional[str]) -> str:
+    return f"{flag}: " if flag else ""
+
+
+def iter_text_chunks(path: str, chunk_bytes: int = TEXT_CHUNK_BYTES,
+                     flag: Optional[str] = None) -> Iterator[str]:
+    """Decode a UTF-8 file chunk by chunk; every chunk but the last ends with a newline.
+
+    Raises ConfigError naming the file and the byte offset of the first invalid byte. The
+    incremental decoding is hand-written because the offset must be exact across chunk
+    boundaries (``codecs``' incremental decoders report offsets into their own buffer).
+    """
+    fs, fs_path = filesystem_for(path)
+    offset = 0          # file offset of data[0]
+    carry_bytes = b""   # an incomplete multi-byte character cut by the chunk boundary
+    carry_text = ""     # text after the last newline, completed by the next chunk
+    with fs.open_input_stream(fs_path) as stream:
+        while True:
+            chunk = stream.read(chunk_bytes)
+            eof = not chunk
+            data = carry_bytes + chunk
+            try:
+                text, carry_bytes = data.decode("utf-8"), b""
+            except UnicodeDecodeError as e:
+                if not eof and e.end == len(data) and e.reason == "unexpected end of data":
+                    text, carry_bytes = data[:e.start].decode("utf-8"), data[e.start:]
+                else:
+                    raise ConfigError(
+                        f"{_prefix(flag)}{path} is not valid UTF-8: invalid byte at offset "
+                        f"{offset + e.start}") from None
+            offset += len(data) - len(carry_bytes)
+            text = carry_text + text
+            if eof:
+                if text:
+                    yield text
+                return
+            cut = text.rfind("\n") + 1
+            if cut:
+                yield text[:cut]
+            carry_text = text[cut:]
+
+
+def _table_info(path: str) -> tuple[pa.Schema, Optional[int]]:
+    """Schema of a .jsonl/.json/.csv/.parquet file, and its row count where that is free
+    (the parquet footer; None for the others)."""
+    fs, fs_path = filesystem_for(path)
+    if extension(path) == ".parquet":
+        with fs.open_input_file(fs_path) as f:
+            pf = pq.ParquetFile(f)
+            return pf.schema_arrow, pf.metadata.num_rows
+    with fs.open_input_stream(fs_path) as stream:
+        return _stream_reader(path, stream, None).schema, None
+
+
+def _iter_column(path: str, column: str) -> Iterator[pa.Array]:
+    """One column of a .jsonl/.json/.csv/.parquet file, streamed in batches."""
+    fs, fs_path = filesystem_for(path)
+    if extension(path) == ".parquet":
+        with fs.open_input_file(fs_path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(
+                    batch_size=TABLE_BATCH_ROWS, columns=[column]):
+                yield batch.column(0)
+        return
+    with fs.open_input_stream(fs_path) as stream:
+        for batch in _stream_reader(path, stream, column):
+            yield batch.column(0)
+
+
+def _stream_reader(path: str, stream, column: Optional[str]):
+    """pyarrow's streaming CSV / JSON Lines reader over ``stream``.
+
+    With ``column``, only that column is read, typed as string: naming its type stops the
+    readers from guessing one that a later block contradicts (a CSV column of digits is
+    still text). Quoted CSV values may span lines (documents often do).
+    """
+    if extension(path) == ".csv":
+        convert = pa_csv.ConvertOptions(
+            include_columns=[column], column_types={column: pa.string()}) if column else None
+        return pa_csv.open_csv(
+            stream,
+            read_options=pa_csv.ReadOptions(block_size=READER_BLOCK_BYTES),
+            parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+            convert_options=convert)
+    parse = pa_json.ParseOptions(
+        explicit_schema=pa.schema([(column, pa.string())]),
+        unexpected_field_behavior="ignore") if column else None
+    return pa_json.open_json(
+        stream, read_options=pa_json.ReadOptions(block_size=READER_BLOCK_BYTES),
+        parse_options=parse)
+
+
+def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str,
+                        flag: Optional[str] = "--train_file") -> str:
+    """The column holding the text: ``text_column``, else ``text``, else the only string one."""
+    string_types = (pa.string(), pa.large_string(), pa.string_view())
+    described = ", ".join(f"{f.name} ({f.type})" for f in schema) or "none"
+    if text_column is not None:
+        if text_column not in schema.names:
+            raise ConfigError(f"{_prefix(flag)}{path} has no column '{text_column}' "
+                              f"(columns: {described}); check --text_column")
+        column = text_column
+    elif DEFAULT_TEXT_COLUMN in schema.names:
+        column = DEFAULT_TEXT_COLUMN
+    else:
+        strings = [f.name for f in schema if f.type in string_types]
+        if len(strings) != 1:
+            raise ConfigError(f"{_prefix(flag)}{path} has no '{DEFAULT_TEXT_COLUMN}' column "
+                              f"and no single string column (columns: {described}); pass "
+                              "--text_column")
+        column = strings[0]
+    # CSV and JSON values are read as strings whatever their inferred type; parquet's
+    # types are real.
+    column_type = schema.field(column).type
+    if extension(path) == ".parquet" and column_type not in string_types:
+        raise ConfigError(f"{_prefix(flag)}{path}: column '{column}' holds {column_type}, "
+                          "not text; check --text_column")
+    return column
+
+
+def _read_error(path: str, e: Exception, flag: Optional[str]) -> ConfigError:
+    kind = {".parquet": "parquet", ".csv": "CSV"}.get(extension(path), "JSON Lines")
+    return ConfigError(f"{_prefix(flag)}cannot read {path} as {kind}: {_one_line(e)}")
+
+
+def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[str] = None,
+               chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[list[str]]:
+    """The texts of one file, in order, in batches (lists of strings).
+
+    Texts are lines for .txt/.text files and rows of the text column otherwise; a missing
+    (null) value is an empty text.
+    """
+    if extension(path) in TEXT_EXTENSIONS:
+        for chunk in iter_text_chunks(path, chunk_bytes, flag):
+            yield chunk.splitlines()
+        return
+    try:
+        column = resolve_text_column(_table_info(path)[0], text_column, path, flag)
+        for array in _iter_column(path, column):
+            yield [t if t is not None else "" for t in array.to_pylist()]
+    except (pa.ArrowException, OSError) as e:
+        raise _read_error(path, e, flag) from None
+
+
+# --- validate_files ------------------------------------------------------------------------
+
+def validate_files(files: list[str], text_column: Optional[str],
+                   flag: str = "--train_file") -> None:
+    """Cheap checks of every file before anything starts; raises ConfigError on the first bad one.
+
+    Text formats are scanned once for UTF-8 validity (streaming); tables are opened to find
+    the text column and at least one row (parquet: from its footer, without reading data).
+    """
+    for path in files:
+        try:
+            _validate_one(path, text_column, flag)
+        except OSError as e:  # e.g. an object store refusing access
+            raise ConfigError(f"{flag}: cannot read {path}: {_one_line(e)}") from None
+
+
+def _validate_one(path: str, text_column: Optional[str], flag: str) -> None:
+    ext = extension(path)
+    if ext not in SUPPORTED_EXTENSIONS:
+        raise ConfigError(f"{flag}: {path}: unsupported file type '{ext or '(none)'}' "
+                          f"(supported: {_supported_list()})")
+    fs, fs_path = filesystem_for(path)
+    info = fs.get_file_info(fs_path)
+    if info.type == pafs.FileType.NotFound:
+        raise ConfigError(f"{flag}: no such file or directory: {path}")
+    if info.size == 0:
+        raise ConfigError(f"{flag}: {path} is empty")
+    if ext in UTF8_EXTENSIONS:
+        has_text = False
+        for chunk in iter_text_chunks(path, flag=flag):
+            has_text = has_text or not chunk.isspace()
+        if not has_text:
+            raise ConfigError(f"{flag}: {path} is empty (only whitespace)")
+    if ext in TABLE_EXTENSIONS:
+        _validate_table(path, text_column, flag)
+
+
+def _validate_table(path: str, text_column: Optional[str], flag: str) -> None:
+    try:
+        schema, num_rows = _table_info(path)
+        column = resolve_text_column(schema, text_column, path, flag)
+        if num_rows is None:
+            # Stops at the first non-empty batch: enough to know the file has rows.
+            num_rows = next((len(a) for a in _iter_column(path, column) if len(a)), 0)
+    except (pa.ArrowException, OSError) as e:
+        raise _read_error(path, e, flag) from None
+    if not num_rows:
+        raise ConfigError(f"{flag}: {path} is empty (no rows)")
+
+
+# --- the built-in sample -------------------------------------------------------------------
+
+def builtin_sample_files() -> list[str]:
+    """The Shakespeare plays shipped with raylm: the default training data."""
+    return sorted(str(p) for p in (_SAMPLE_DIR / "shakespeare").glob("*.txt"))
+
+
+def builtin_tokenizer_dir() -> str:
+    """A 4096-token byte-level BPE tokenizer trained on the built-in sample."""
+    return str(_SAMPLE_DIR / "tokenizer")

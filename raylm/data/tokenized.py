@@ -1,0 +1,441 @@
+"""Tokenize the training files once, with Ray Data, into a parquet cache with global sample ids.
+
+Layout of a cache directory (``<cache_root>/tokens-<key>/``)::
+
+    manifest.json                       what TokenizedDataset.load reads; written last
+    shard-<file>-<first block>.parquet  columns input_ids (list<int32>, block_size long)
+                                        and length (int32)
+
+Sample ids are global and independent of how Ray Data schedules the work: files in the
+order given (``resolve_files`` sorts them), blocks in file order. Each Ray Data task
+tokenizes whole files and tags every block with (file index, block number in the file);
+the driver writes what arrives into shards named by those tags and orders the shards by
+them. Ray Data's ``preserve_order`` would also give a stable order, but only the tags make
+the ids provably independent of block splitting and coalescing inside Ray Data.
+
+The driver writes the shards (not the tasks), so the cache lands where the driver can see
+it even when tasks run on other nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raylm.data.sources import TEXT_CHUNK_BYTES, filesystem_for, iter_texts
+from raylm.errors import ConfigError
+
+# Bump when the meaning or layout of the cached data changes: old caches are then ignored.
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CACHE_PREFIX = "tokens-"
+TMP_PREFIX = ".tmp-"
+
+# Each tokenization task asks for half a CPU: on a 2-CPU machine a whole CPU per task
+# could starve the rest of the pipeline (see notes/platform-facts.md), and the tokenizer
+# spends much of its time in Rust threads anyway.
+TASK_NUM_CPUS = 0.5
+
+# What every tokenization task yields. `error` is set (on a single row) when a file is bad:
+# Ray Data wraps exceptions raised in a UDF in UserCodeException and keeps only their
+# traceback text, so a ConfigError raised in a task would reach the driver as a traceback
+# rather than as one line. Returning it as data keeps the message intact.
+_TASK_SCHEMA = pa.schema([
+    ("file_index", pa.int32()),
+    ("seq", pa.int64()),          # block number within its file
+    ("input_ids", pa.list_(pa.int32())),
+    ("length", pa.int32()),
+    ("error", pa.string()),
+])
+
+
+@dataclass
+class TokenizedDataset:
+    """A tokenized corpus on disk: samples 0..num_samples-1, each ``block_size`` tokens."""
+
+    cache_dir: str            # directory (or URI) holding manifest.json and the shards
+    num_samples: int          # N; sample ids are 0..N-1
+    block_size: int
+    line_by_line: bool
+    pad_token_id: int
+    shard_files: list[str]    # parquet files, in global-id order
+    shard_offsets: list[int]  # first sample id of each shard
+    reused: bool = False      # True when the cache existed and nothing was tokenized
+
+    @classmethod
+    def load(cls, cache_dir: str) -> "TokenizedDataset":
+        fs, path = filesystem_for(cache_dir)
+        try:
+            with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
+                manifest = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{cache_dir} is not a raylm token cache "
+                              f"(no {MANIFEST})") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ConfigError(f"{cache_dir}: token cache format "
+                              f"{manifest.get('format_version')} is not {FORMAT_VERSION}")
+        shards = manifest["shards"]
+        return cls(
+            cache_dir=cache_dir,
+            num_samples=manifest["num_samples"],
+            block_size=manifest["block_size"],
+            line_by_line=manifest["line_by_line"],
+            pad_token_id=manifest["pad_token_id"],
+            shard_files=[_join(cache_dir, s["file"]) for s in shards],
+            shard_offsets=[s["offset"] for s in shards],
+        )
+
+
+def default_cache_root() -> str:
+    return os.environ.get("RAYLM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "raylm")
+
+
+def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: int, *,
+                            line_by_line: bool = False, text_column: Optional[str] = None,
+                            cache_root: Optional[str] = None,
+                            num_workers: Optional[int] = None) -> TokenizedDataset:
+    """Tokenize ``files`` into the cache, or return the cache built earlier from the same inputs.
+
+    Default: run_clm's ``group_texts`` per file (concatenate the token ids of all its texts,
+    cut ``block_size`` blocks, drop the remainder). ``line_by_line``: one sample per
+    non-empty line or row, truncated to ``block_size`` and padded. Ray must be initialised.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ConfigError(f"--block_size: must be a positive integer, got {block_size!r}")
+    if num_workers is not None and num_workers < 1:
+        raise ConfigError(f"--preprocessing_num_workers: must be >= 1, got {num_workers}")
+    if not files:
+        raise ConfigError("no data files to tokenize")
+    # Ray workers need not share the driver's working directory: make local paths absolute.
+    files = [f if "://" in f else os.path.abspath(os.path.expanduser(f)) for f in files]
+    if os.path.isdir(tokenizer_dir):
+        tokenizer_dir = os.path.abspath(tokenizer_dir)
+
+    root = cache_root or default_cache_root()
+    key = cache_key(files, tokenizer_dir, block_size, line_by_line, text_column)
+    fs, root_path = filesystem_for(root)
+    final_path = posixpath.join(root_path, CACHE_PREFIX + key)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    final = final_path if local else _join(root, CACHE_PREFIX + key)
+    if _has_manifest(fs, final_path):
+        return dataclasses.replace(TokenizedDataset.load(final), reused=True)
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    pad_token_id = _pad_token_id(tokenizer, line_by_line, tokenizer_dir)
+
+    # Everything is written under a temporary name and renamed into place at the end: a
+    # build that crashes leaves only a .tmp- directory, which is never read as a cache.
+    tmp_path = posixpath.join(root_path, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
+    fs.create_dir(tmp_path, recursive=True)
+    try:
+        shards, per_file = _tokenize_into(tmp_path, fs, files, tokenizer_dir, block_size,
+                                          line_by_line, text_column, pad_token_id,
+                                          num_workers)
+        num_samples = sum(per_file)
+        if num_samples == 0:
+            raise ConfigError(_no_samples_message(files, block_size, line_by_line))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "key": key,
+            "num_samples": num_samples,
+            "block_size": block_size,
+            "line_by_line": line_by_line,
+            "pad_token_id": pad_token_id,
+            "text_column": text_column,
+            "tokenizer": tokenizer_dir,
+            "sources": [{"path": p, "samples": n} for p, n in zip(files, per_file)],
+            "shards": shards,
+        }
+        with fs.open_output_stream(posixpath.join(tmp_path, MANIFEST)) as f:
+            f.write(json.dumps(manifest, indent=1).encode("utf-8"))
+        _commit(fs, tmp_path, final_path)
+    finally:
+        # After a local commit the directory is gone already; otherwise (failure, lost race,
+        # object-store copy) it is removed here.
+        with contextlib.suppress(OSError):
+            fs.delete_dir(tmp_path)
+    return TokenizedDataset.load(final)
+
+
+# --- cache identity ------------------------------------------------------------------------
+
+def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_line: bool,
+              text_column: Optional[str]) -> str:
+    """Digest of everything the cached samples depend on.
+
+    Files are identified by path, size and modification time (what the filesystem reports
+    without reading them); the tokenizer by the content of its files.
+    """
+    identities = []
+    for path in files:
+        fs, fs_path = filesystem_for(path)
+        info = fs.get_file_info(fs_path)
+        if info.type == pafs.FileType.NotFound:
+            raise ConfigError(f"no such file or directory: {path}")
+        identities.append([path, info.size, info.mtime_ns])
+    spec = {
+        "format_version": FORMAT_VERSION,
+        "files": identities,
+        "tokenizer": tokenizer_digest(tokenizer_dir),
+        "block_size": block_size,
+        "line_by_line": bool(line_by_line),
+        "text_column": text_column,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def tokenizer_digest(tokenizer_dir: str) -> str:
+    """Hash of a local tokenizer directory's files (names and bytes); for a Hub name, the name."""
+    h = hashlib.sha256()
+    if not os.path.isdir(tokenizer_dir):
+        h.update(f"name:{tokenizer_dir}".encode())
+        return h.hexdigest()
+    for dirpath, dirnames, filenames in os.walk(tokenizer_dir):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(n for n in filenames if not n.startswith(".")):
+            full = os.path.join(dirpath, name)
+            h.update(os.path.relpath(full, tokenizer_dir).encode() + b"\0")
+            with open(full, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+def _has_manifest(fs: pafs.FileSystem, dir_path: str) -> bool:
+    return fs.get_file_info(posixpath.join(dir_path, MANIFEST)).type == pafs.FileType.File
+
+
+def _join(base: str, name: str) -> str:
+    """``base``/``name`` for a local path or a URI (keeping a URI's ?query at the end)."""
+    if "://" not in base:
+        return os.path.join(base, name)
+    base, _, query = base.partition("?")
+    return base.rstrip("/") + "/" + name + (f"?{query}" if query else "")
+
+
+def _commit(fs: pafs.FileSystem, tmp_path: str, final_path: str) -> None:
+    """Move a finished cache directory into place.
+
+    Locally this is one rename(2): atomic. Object stores have no directory rename, so the
+    files are copied with the manifest last; since a cache counts only once its manifest
+    exists, a crash midway still leaves nothing that is read as a cache.
+    """
+    if _has_manifest(fs, final_path):
+        # Another build of the same inputs finished first; its result is identical.
+        return
+    if fs.get_file_info(final_path).type != pafs.FileType.NotFound:
+        # A directory without a manifest is an interrupted object-store commit: replace it.
+        fs.delete_dir(final_path)
+    try:
+        fs.move(tmp_path, final_path)
+        return
+    except (OSError, pa.ArrowNotImplementedError):
+        if isinstance(fs, pafs.LocalFileSystem):
+            if _has_manifest(fs, final_path):  # lost a race to a concurrent build
+                return
+            raise
+    names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(tmp_path))]
+    for name in sorted(names, key=lambda n: n == MANIFEST):
+        fs.copy_file(posixpath.join(tmp_path, name), posixpath.join(final_path, name))
+
+
+# --- tokenization --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(tokenizer_dir: str):
+    """The fast tokenizer in ``tokenizer_dir``, loaded once per process (Ray reuses worker
+    processes, so a task pays for loading only the first time it lands on a worker)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer_name: cannot load a tokenizer from {tokenizer_dir}: "
+                          f"{' '.join(str(e).split())}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"--tokenizer_name: {tokenizer_dir} has no fast (Rust) tokenizer "
+                          "(tokenizer.json); raylm needs one")
+    return tokenizer
+
+
+def _pad_token_id(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        if line_by_line:
+            raise ConfigError(f"--line_by_line: the tokenizer {tokenizer_dir} has neither a pad "
+                              "nor an eos token to pad with")
+        pad = 0  # never used: without --line_by_line every block is full
+    return int(pad)
+
+
+def tokenize_file(path: str, tokenizer, block_size: int, line_by_line: bool,
+                  text_column: Optional[str], pad_token_id: int,
+                  chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The samples of one file, in order, as (input_ids [n, block_size] int32, length [n]).
+
+    Streams: memory holds one batch of texts plus fewer than ``block_size`` carried tokens.
+    """
+    pending = np.empty(0, dtype=np.int32)  # tokens not yet filling a block
+    for texts in iter_texts(path, text_column, chunk_bytes=chunk_bytes):
+        if line_by_line:
+            texts = [t for t in texts if t and not t.isspace()]
+            if not texts:
+                continue
+            ids = tokenizer(texts, truncation=True, max_length=block_size,
+                            return_attention_mask=False,
+                            return_token_type_ids=False)["input_ids"]
+            lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+            blocks = np.full((len(ids), block_size), pad_token_id, dtype=np.int32)
+            # Row-major fill: the first lengths[i] slots of row i get that row's tokens.
+            blocks[np.arange(block_size) < lengths[:, None]] = _flatten(ids, int(lengths.sum()))
+            yield blocks, lengths
+        else:
+            ids = tokenizer(texts, return_attention_mask=False,
+                            return_token_type_ids=False)["input_ids"]
+            tokens = np.concatenate([pending, _flatten(ids, sum(map(len, ids)))])
+            n = len(tokens) // block_size
+            pending = tokens[n * block_size:].copy()
+            if n:
+                yield (tokens[:n * block_size].reshape(n, block_size),
+                       np.full(n, block_size, dtype=np.int32))
+    # What is left in `pending` is the remainder shorter than a block: dropped, as
+    # run_clm's group_texts does.
+
+
+def _flatten(ids: list[list[int]], total: int) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
+
+
+def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
+                   line_by_line: bool, text_column: Optional[str],
+                   pad_token_id: int) -> Iterator[pa.Table]:
+    """Ray Data UDF: tokenize the files listed in ``batch`` (columns index, path)."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    for index, path in zip(batch.column("index").to_pylist(), batch.column("path").to_pylist()):
+        seq = 0
+        try:
+            for blocks, lengths in tokenize_file(path, tokenizer, block_size, line_by_line,
+                                                 text_column, pad_token_id):
+                yield _task_table(index, seq, blocks, lengths)
+                seq += len(blocks)
+        except ConfigError as e:
+            yield _error_table(index, str(e))
+            return
+
+
+def _task_table(index: int, seq0: int, blocks: np.ndarray, lengths: np.ndarray) -> pa.Table:
+    n, width = blocks.shape
+    # list<int32> built from a flat buffer and offsets: no per-row Python objects.
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
+    return pa.Table.from_arrays([
+        pa.array(np.full(n, index, np.int32)),
+        pa.array(np.arange(seq0, seq0 + n, dtype=np.int64)),
+        pa.ListArray.from_arrays(offsets, pa.array(blocks.reshape(-1), pa.int32())),
+        pa.array(lengths, pa.int32()),
+        pa.nulls(n, pa.string()),
+    ], schema=_TASK_SCHEMA)
+
+
+def _error_table(index: int, message: str) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"file_index": index, "seq": -1, "input_ids": [], "length": 0, "error": message}],
+        schema=_TASK_SCHEMA)
+
+
+def _tokenize_into(out_path: str, fs: pafs.FileSystem, files: list[str], tokenizer_dir: str,
+                   block_size: int, line_by_line: bool, text_column: Optional[str],
+                   pad_token_id: int, num_workers: Optional[int]):
+    """Run the Ray Data job and write its output as shards under ``out_path``.
+
+    Returns the shard list for the manifest (in global-id order, with offsets) and the
+    number of samples per input file.
+    """
+    import logging
+
+    import ray.data
+
+    # raylm logs one summary line per build; Ray Data's progress lines would drown it.
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+    # One input row, and one block, per file: Ray Data then runs a task per file (or per
+    # few files when there are many), bounded by num_workers.
+    items = [{"index": i, "path": p} for i, p in enumerate(files)]
+    ds = ray.data.from_items(items, override_num_blocks=len(files))
+    ds = ds.map_batches(
+        _tokenize_task, batch_size=1, batch_format="pyarrow",
+        fn_kwargs=dict(tokenizer_dir=tokenizer_dir, block_size=block_size,
+                       line_by_line=line_by_line, text_column=text_column,
+                       pad_token_id=pad_token_id),
+        num_cpus=TASK_NUM_CPUS,
+        compute=ray.data.TaskPoolStrategy(size=num_workers) if num_workers else None)
+
+    runs = []  # (file_index, first seq, rows, shard file name)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        errors = batch.column("error").drop_null()
+        if len(errors):
+            raise ConfigError(errors[0].as_py())
+        for index, seq0, table in _contiguous_runs(batch):
+            name = f"shard-{index:06d}-{seq0:012d}.parquet"
+            pq.write_table(table.select(["input_ids", "length"]),
+                           posixpath.join(out_path, name), filesystem=fs)
+            runs.append((index, seq0, table.num_rows, name))
+
+    # Order the shards by (file, first block) and check they tile each file exactly.
+    runs.sort()
+    per_file = [0] * len(files)
+    shards, offset = [], 0
+    for index, seq0, rows, name in runs:
+        if seq0 != per_file[index]:
+            raise RuntimeError(f"internal error: blocks of {files[index]} arrived with a gap "
+                               f"or overlap at block {seq0}")
+        per_file[index] += rows
+        shards.append({"file": name, "offset": offset, "rows": rows})
+        offset += rows
+    return shards, per_file
+
+
+def _contiguous_runs(batch: pa.Table) -> Iterator[tuple[int, int, pa.Table]]:
+    """Split a batch into runs of consecutive blocks of one file.
+
+    Ray Data may coalesce or split the tables a task yields, so a batch is not assumed to
+    hold one file or to be in order.
+    """
+    if batch.num_rows == 0:
+        return
+    file_index = batch.column("file_index").to_numpy()
+    seq = batch.column("seq").to_numpy()
+    order = np.lexsort((seq, file_index))
+    if not np.array_equal(order, np.arange(len(order))):
+        batch, file_index, seq = batch.take(order), file_index[order], seq[order]
+    breaks = np.flatnonzero((np.diff(file_index) != 0) | (np.diff(seq) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(seq)]])
+    for start, end in zip(starts, ends):
+        yield int(file_index[start]), int(seq[start]), batch.slice(start, end - start)
+
+
+def _no_samples_message(files: list[str], block_size: int, line_by_line: bool) -> str:
+    where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+    if line_by_line:
+        return f"the data in {where} has no non-empty line or row to make a sample from"
+    return (f"the data in {where} yields no samples: every file is shorter than one block "
+            f"of {block_size} tokens; use a smaller --block_size or --line_by_line")

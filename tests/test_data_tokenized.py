@@ -1,0 +1,353 @@
+"""Tokenizing into the parquet cache with Ray Data, and reading samples back by id.
+
+Expected samples are computed here, independently of raylm, with the tokenizer alone:
+tokenize each text, concatenate per file, cut block_size chunks, drop the remainder
+(or, line by line: one padded sample per non-empty text).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from raylm.data.reader import BlockReader, Prefetcher
+from raylm.data.sources import builtin_tokenizer_dir, resolve_files
+from raylm.data.tokenized import (
+    CACHE_PREFIX,
+    TMP_PREFIX,
+    TokenizedDataset,
+    build_tokenized_dataset,
+    load_tokenizer,
+    tokenize_file,
+)
+from raylm.errors import ConfigError
+
+BLOCK = 8
+TOKENIZER = builtin_tokenizer_dir()
+
+# Texts of different lengths: each file gives a few blocks and a remainder to drop.
+TEXTS = {
+    "a": ["When shall we three meet again", "", "In thunder, lightning, or in rain?",
+          "When the hurlyburly's done, ünïcödé ✓"],
+    "b": ["Fair is foul, and foul is fair:", "   ", "Hover through the fog and filthy air."],
+    "c": ["What bloody man is that? He can report,", "As seemeth by his plight, of the revolt",
+          "The newest state."],
+}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """Ray for this module: 2 CPUs, stopped at the end (or a cluster already up, shared)."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+def expected_blocks(tok, texts_per_file, block_size=BLOCK):
+    out = []
+    for texts in texts_per_file:
+        ids = [i for t in texts for i in tok(t)["input_ids"]]
+        out += [ids[k:k + block_size] for k in range(0, len(ids) - block_size + 1, block_size)]
+    return np.array(out, dtype=np.int64).reshape(-1, block_size)
+
+
+def expected_line_by_line(tok, texts_per_file, block_size=BLOCK):
+    rows, lengths = [], []
+    for texts in texts_per_file:
+        for t in texts:
+            if t.strip():
+                ids = tok(t)["input_ids"][:block_size]
+                lengths.append(len(ids))
+                rows.append(ids + [tok.pad_token_id] * (block_size - len(ids)))
+    return np.array(rows, dtype=np.int64), np.array(lengths)
+
+
+def all_samples(ds: TokenizedDataset) -> dict:
+    return BlockReader(ds).read(np.arange(ds.num_samples))
+
+
+def build(files, cache_root, **kw) -> TokenizedDataset:
+    return build_tokenized_dataset(files, TOKENIZER, kw.pop("block_size", BLOCK),
+                                   cache_root=str(cache_root), **kw)
+
+
+def write_txt(path, texts, newline="\n"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(newline.join(texts).encode("utf-8") + newline.encode())
+    return str(path)
+
+
+# --- every input format gives the exact expected blocks ------------------------------------
+
+def write_format(tmp_path, fmt: str) -> tuple[list[str], list[list[str]], dict]:
+    """Files of format `fmt` holding TEXTS; returns (specs, texts per file in order, kwargs)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    kwargs = {}
+    if fmt in ("txt", "dir", "glob", "uri"):
+        # b.txt uses Windows line ends; lines become texts either way.
+        paths = [write_txt(d / f"{k}.txt", v, "\r\n" if k == "b" else "\n")
+                 for k, v in TEXTS.items()]
+        specs = {"txt": paths, "dir": [str(d)], "glob": [str(d / "[ab].txt"), str(d / "c.*")],
+                 "uri": [f"file://{p}" for p in paths]}[fmt]
+        with open(paths[1], encoding="utf-8") as f:  # what a text loader sees
+            texts = [TEXTS["a"], f.read().splitlines(), TEXTS["c"]]
+        return specs, texts, kwargs
+    for name, texts in TEXTS.items():
+        if fmt in ("jsonl", "json"):
+            with open(d / f"{name}.{fmt}", "w") as f:
+                for i, t in enumerate(texts):
+                    f.write(json.dumps({"id": i, "text": t, "meta": {"n": len(t)}}) + "\n")
+        elif fmt == "csv":
+            # The text is one column among others; values with commas, quotes and newlines.
+            kwargs = {"text_column": "body"}
+            with open(d / f"{name}.csv", "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["id", "body", "label"])
+                w.writerows([i, t, "x"] for i, t in enumerate(texts))
+        elif fmt == "parquet":
+            pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}),
+                           d / f"{name}.parquet")
+    return [str(d)], list(TEXTS.values()), kwargs
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "json", "csv", "parquet", "dir", "glob", "uri"])
+def test_each_format_gives_the_expected_blocks(ray_local, tok, tmp_path, fmt):
+    specs, texts, kwargs = write_format(tmp_path, fmt)
+    files = resolve_files(specs)
+    assert len(files) == 3
+    ds = build(files, tmp_path / "cache", **kwargs)
+    want = expected_blocks(tok, texts)
+    assert ds.num_samples == len(want) > 3
+    got = all_samples(ds)
+    assert torch.equal(got["input_ids"], torch.from_numpy(want))
+    assert torch.equal(got["labels"], got["input_ids"])
+    assert bool(got["attention_mask"].all())
+    # One shard per file here, in file order; offsets are the running sample counts.
+    per_file = [len(expected_blocks(tok, [t])) for t in texts]
+    assert ds.shard_offsets == [0, per_file[0], per_file[0] + per_file[1]]
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_line_by_line_pads_and_truncates_each_text(ray_local, tok, tmp_path, fmt):
+    specs, texts, kwargs = write_format(tmp_path, fmt)
+    ds = build(resolve_files(specs), tmp_path / "cache", line_by_line=True, **kwargs)
+    want, lengths = expected_line_by_line(tok, texts)
+    assert ds.line_by_line and ds.pad_token_id == tok.eos_token_id
+    assert ds.num_samples == len(want) == 8  # empty and blank lines are not samples
+    assert lengths.min() < BLOCK and lengths.max() == BLOCK  # some padded, some truncated
+    got = BlockReader(ds).read(np.arange(ds.num_samples))
+    assert torch.equal(got["input_ids"], torch.from_numpy(want))
+    mask = torch.arange(BLOCK)[None, :] < torch.from_numpy(lengths)[:, None]
+    assert torch.equal(got["attention_mask"], mask.long())
+    assert torch.equal(got["labels"], torch.where(mask, got["input_ids"], -100))
+
+
+def test_chunked_reading_does_not_change_the_samples(tok, tmp_path):
+    # A file read in tiny chunks (lines and UTF-8 characters cut at chunk boundaries) gives
+    # the same samples as read whole.
+    path = write_txt(tmp_path / "a.txt", TEXTS["a"] * 5)
+    def samples(chunk_bytes):
+        return np.concatenate([b for b, _ in tokenize_file(
+            path, tok, BLOCK, False, None, tok.pad_token_id, chunk_bytes=chunk_bytes)])
+    whole = samples(1 << 20)
+    np.testing.assert_array_equal(whole, expected_blocks(tok, [TEXTS["a"] * 5]))
+    for chunk_bytes in (1, 3, 17):
+        np.testing.assert_array_equal(samples(chunk_bytes), whole)
+
+
+# --- determinism and the cache -------------------------------------------------------------
+
+@pytest.fixture
+def three_files(tmp_path):
+    return [write_txt(tmp_path / "data" / f"{k}.txt", v) for k, v in TEXTS.items()]
+
+
+def test_same_inputs_give_the_same_samples_whatever_the_parallelism(ray_local, tmp_path,
+                                                                     three_files):
+    one = build(three_files, tmp_path / "c1", num_workers=1)
+    two = build(three_files, tmp_path / "c2", num_workers=3)
+    assert not one.reused and not two.reused
+    assert one.num_samples == two.num_samples
+    assert one.shard_offsets == two.shard_offsets
+    assert [os.path.basename(f) for f in one.shard_files] == [
+        os.path.basename(f) for f in two.shard_files]
+    assert torch.equal(all_samples(one)["input_ids"], all_samples(two)["input_ids"])
+
+
+def snapshot(cache_root):
+    """Every file under the cache root with its inode and mtime."""
+    out = {}
+    for dirpath, _, names in os.walk(cache_root):
+        for n in names:
+            st = os.stat(os.path.join(dirpath, n))
+            out[os.path.join(dirpath, n)] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def test_second_build_reuses_the_cache_without_tokenizing(ray_local, tmp_path, three_files):
+    root = tmp_path / "cache"
+    first = build(three_files, root)
+    assert not first.reused
+    assert os.listdir(root) == [os.path.basename(first.cache_dir)]
+    before = snapshot(root)
+
+    again = build(three_files, root)
+    assert again.reused
+    assert again.cache_dir == first.cache_dir
+    assert again.shard_files == first.shard_files
+    # Nothing was written: same files, same inodes and mtimes, no new directory.
+    assert snapshot(root) == before
+    assert os.listdir(root) == [os.path.basename(first.cache_dir)]
+
+    # Other settings are other caches.
+    assert not build(three_files, root, block_size=4).reused
+    assert len(os.listdir(root)) == 2
+
+
+def test_changed_input_gives_a_new_cache(ray_local, tok, tmp_path, three_files):
+    root = tmp_path / "cache"
+    first = build(three_files, root)
+
+    # Same content, new mtime: a new cache (a file's identity is path, size and mtime).
+    st = os.stat(three_files[0])
+    os.utime(three_files[0], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    touched = build(three_files, root)
+    assert not touched.reused and touched.cache_dir != first.cache_dir
+
+    # New content: a new cache with the new samples.
+    texts = dict(TEXTS, a=TEXTS["a"] + ["Upon the heath."])
+    write_txt(tmp_path / "data" / "a.txt", texts["a"])
+    changed = build(three_files, root)
+    assert not changed.reused and changed.cache_dir not in (first.cache_dir, touched.cache_dir)
+    assert torch.equal(all_samples(changed)["input_ids"],
+                       torch.from_numpy(expected_blocks(tok, list(texts.values()))))
+
+
+def test_leftover_temporary_directory_is_never_used(ray_local, tok, tmp_path, three_files):
+    root = tmp_path / "cache"
+    good = build(three_files, root)
+    key = os.path.basename(good.cache_dir)[len(CACHE_PREFIX):]
+    # What a build killed just before its final rename leaves: a complete-looking directory
+    # (manifest included) under the temporary name. Make its samples wrong, so using it
+    # would show.
+    leftover = root / f"{TMP_PREFIX}{key}-crashed"
+    os.rename(good.cache_dir, leftover)
+    for shard in leftover.glob("*.parquet"):
+        t = pq.read_table(shard)
+        zeros = pa.array([[0] * BLOCK] * t.num_rows, pa.list_(pa.int32()))
+        pq.write_table(t.set_column(0, "input_ids", zeros), shard)
+
+    rebuilt = build(three_files, root)
+    assert not rebuilt.reused
+    assert rebuilt.cache_dir == good.cache_dir
+    assert torch.equal(all_samples(rebuilt)["input_ids"],
+                       torch.from_numpy(expected_blocks(tok, list(TEXTS.values()))))
+    assert leftover.exists()  # another build's directory: not ours to delete or read
+
+
+def test_failed_build_leaves_no_cache(ray_local, tmp_path, three_files):
+    # Files are not validated here: the error comes from a tokenization task, mid-build,
+    # and still reaches the caller as one ConfigError line.
+    bad = tmp_path / "data" / "d.txt"
+    bad.write_bytes(b"fine line\nbad \xff byte\n")
+    root = tmp_path / "cache"
+    with pytest.raises(ConfigError) as e:
+        build(three_files + [str(bad)], root)
+    assert str(e.value) == f"{bad} is not valid UTF-8: invalid byte at offset 14"
+    assert os.listdir(root) == []
+
+
+def test_corpus_shorter_than_one_block_is_an_error(ray_local, tmp_path, three_files):
+    with pytest.raises(ConfigError, match="yields no samples: every file is shorter than one "
+                                          "block of 1024 tokens; use a smaller --block_size "
+                                          "or --line_by_line"):
+        build(three_files, tmp_path / "cache", block_size=1024)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_bad_block_size_is_an_error(tmp_path, three_files):
+    with pytest.raises(ConfigError, match="--block_size: must be a positive integer"):
+        build(three_files, tmp_path / "cache", block_size=0)
+
+
+def test_load_reads_the_manifest(ray_local, tmp_path, three_files):
+    ds = build(three_files, tmp_path / "cache")
+    loaded = TokenizedDataset.load(ds.cache_dir)
+    assert loaded == ds  # reused=False on both: built now, loaded plainly
+    with pytest.raises(ConfigError, match="not a raylm token cache"):
+        TokenizedDataset.load(str(tmp_path))
+
+
+# --- reading by id -------------------------------------------------------------------------
+
+def test_reader_returns_rows_in_the_order_asked_across_shards(ray_local, tok, tmp_path,
+                                                              three_files):
+    ds = build(three_files, tmp_path / "cache")
+    assert len(ds.shard_files) == 3
+    want = expected_blocks(tok, list(TEXTS.values()))
+    reader = BlockReader(ds)
+    rng = np.random.default_rng(0)
+    for ids in (rng.permutation(ds.num_samples), [ds.num_samples - 1, 0, 5, 5, 2],
+                np.array([ds.shard_offsets[2], ds.shard_offsets[1] - 1])):
+        got = reader.read(ids)
+        assert got["input_ids"].dtype == torch.long
+        assert torch.equal(got["input_ids"], torch.from_numpy(want[np.asarray(ids)]))
+    empty = reader.read([])
+    assert {k: tuple(v.shape) for k, v in empty.items()} == {
+        "input_ids": (0, BLOCK), "labels": (0, BLOCK), "attention_mask": (0, BLOCK)}
+    with pytest.raises(IndexError, match="out of range"):
+        reader.read([ds.num_samples])
+
+
+def test_prefetcher_returns_what_a_direct_read_returns(ray_local, tmp_path, three_files):
+    ds = build(three_files, tmp_path / "cache")
+    reader = BlockReader(ds)
+    step0, step1 = [[0, 3], [7, 1]], [[2], [4, 5]]
+    with Prefetcher(reader, depth=2) as pf:
+        pf.submit(0, step0)
+        pf.submit(1, step1)
+        for key, ids in ((0, step0), (1, step1), (2, [[6]]),  # 2: never submitted
+                         (1, [[1, 2]])):                      # 1 again, other ids
+            got = pf.get(key, ids)
+            assert len(got) == len(ids)
+            for mb, mb_ids in zip(got, ids):
+                assert torch.equal(mb["input_ids"], reader.read(mb_ids)["input_ids"])
+        pf.submit(3, [[0]])
+        pf.submit(4, [[1]])
+        pf.submit(5, [[2]])  # depth 2: drops the read for key 3
+        assert torch.equal(pf.get(3, [[0]])[0]["input_ids"], reader.read([0])["input_ids"])
+
+
+def test_cache_dir_can_be_moved(ray_local, tmp_path, three_files):
+    ds = build(three_files, tmp_path / "cache")
+    moved = shutil.copytree(ds.cache_dir, tmp_path / "elsewhere")
+    again = TokenizedDataset.load(str(moved))
+    assert all(f.startswith(str(moved)) for f in again.shard_files)
+    assert torch.equal(all_samples(again)["input_ids"], all_samples(ds)["input_ids"])
+
+
+def test_unloadable_tokenizer_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot load a tokenizer"):
+        load_tokenizer(str(tmp_path))

@@ -1,0 +1,81 @@
+"""Training tokenizers (raylm.data.tokenizer_train) and loading them back with AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from raylm.data.sources import builtin_sample_files
+from raylm.data.tokenizer_train import train_tokenizer
+from raylm.errors import ConfigError
+
+TEXT = "Double, double toil and trouble; Fire burn, and cauldron bubble."
+
+
+@pytest.fixture(scope="module")
+def play():
+    """One play of the built-in sample: enough text to learn a few hundred merges."""
+    return [f for f in builtin_sample_files() if f.endswith("macbeth.txt")]
+
+
+def test_bpe_round_trips_through_auto_tokenizer(tmp_path, play):
+    out = train_tokenizer(play, str(tmp_path / "bpe"), type="bpe", vocab_size=600)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.is_fast and len(tok) == 600
+    assert tok.eos_token == tok.bos_token == tok.unk_token == tok.pad_token == "<|endoftext|>"
+    ids = tok(TEXT)["input_ids"]
+    assert tok.eos_token_id not in ids  # no special tokens appended, as GPT-2
+    assert len(ids) < 0.75 * len(TEXT.encode())  # merges were learnt (bytes alone: 64)
+    assert tok.decode(ids) == TEXT
+    # Byte level: any text, even characters never seen in training, survives.
+    unseen = "naïve — 東京 🙂\n\ttabs"
+    assert tok.decode(tok(unseen)["input_ids"]) == unseen
+
+
+def test_wordpiece_round_trips_through_auto_tokenizer(tmp_path, play):
+    out = train_tokenizer(play, str(tmp_path / "wp"), type="wordpiece", vocab_size=800,
+                          min_frequency=1)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.is_fast and len(tok) == 800
+    specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    assert (tok.pad_token, tok.unk_token, tok.cls_token, tok.sep_token, tok.mask_token) == specials
+    ids = tok(TEXT)["input_ids"]
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+    assert tok.unk_token_id not in ids
+    decoded = tok.decode(ids, skip_special_tokens=True)
+    # BERT-style decoding puts spaces around punctuation; the words and their case survive.
+    assert decoded.replace(" ", "") == TEXT.replace(" ", "")
+    pair = tok("Fair is foul", "foul is fair")
+    assert pair["input_ids"].count(tok.sep_token_id) == 2
+    assert set(pair["token_type_ids"]) == {0, 1}
+
+
+def test_trains_from_a_table_column(tmp_path):
+    rows = [{"id": i, "body": f"line {i} of the witches' song", "label": "x"} for i in range(50)]
+    path = tmp_path / "songs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train_tokenizer([str(path)], str(tmp_path / "tok"), vocab_size=300,
+                          text_column="body")
+    tok = AutoTokenizer.from_pretrained(out)
+    assert "witches" in "".join(tok.convert_ids_to_tokens(tok("the witches")["input_ids"]))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"type": "unigram"}, "unknown tokenizer type 'unigram'"),
+    ({"vocab_size": 100}, "--vocab_size: must be an integer >= 257 for a bpe tokenizer"),
+    ({"type": "wordpiece", "vocab_size": 3}, "must be an integer >= 6 for a wordpiece"),
+    ({"min_frequency": 0}, "--min_frequency: must be an integer >= 1"),
+])
+def test_bad_settings_are_config_errors(tmp_path, play, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        train_tokenizer(play, str(tmp_path / "tok"), **kwargs)
+    assert not (tmp_path / "tok").exists()
+
+
+def test_no_text_is_a_config_error(tmp_path):
+    path = tmp_path / "blank.txt"
+    path.write_text("\n \n")
+    with pytest.raises(ConfigError, match="contain no text"):
+        train_tokenizer([str(path)], str(tmp_path / "tok"))
