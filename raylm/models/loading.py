@@ -127,7 +127,10 @@ def resolve_model(cfg) -> ModelSpec:
                               f"model's embedding has {config.vocab_size}")
         # Like run_clm resizing embeddings: a model from scratch is sized to its tokenizer.
         config.vocab_size = vocab
-    if not pretrained and cfg.model_type is None and cfg.config_name is None:
+    overridden = "vocab_size=" in (cfg.config_overrides or "")
+    if not pretrained and cfg.config_name is None and not overridden:
+        # A model type's default config carries its reference tokenizer's vocabulary
+        # (GPT-2: 50257); from scratch, the embedding is sized to the tokenizer in use.
         config.vocab_size = vocab
     if not pretrained:
         _set_special_tokens(config, tokenizer)

@@ -1,0 +1,88 @@
+"""Run by tests/test_multinode.py in its own process (one Ray connection per process).
+
+A ray.cluster_utils.Cluster with a CPU-less head and two 1-CPU worker nodes. One
+uninterrupted 2-rank run, then the same run during which the node holding rank 1 is
+removed: the driver must re-plan onto the surviving node (1 rank, same global batch) and
+finish with the same losses. Prints one JSON line with what the test checks.
+"""
+
+import json
+import logging
+import sys
+import os
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from raylm import TrainConfig, train
+
+corpus, cache_root = sys.argv[1], sys.argv[2]
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                          "health_check_timeout_ms": 500}
+
+
+def config(out):
+    return TrainConfig(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
+                       "n_positions=64,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+                       train_file=[corpus], block_size=32,
+                       cache_dir=cache_root, output_dir=out, max_steps=12, save_steps=4,
+                       logging_steps=1, disable_tqdm=True, learning_rate=1e-3,
+                       num_workers=2, per_device_train_batch_size=2,
+                       gradient_accumulation_steps=2, do_eval=False)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+class RemoveNodeOfRank:
+    def __init__(self, cluster, at_step, rank):
+        self.cluster, self.at_step, self.rank, self.removed = cluster, at_step, rank, None
+
+    def on_step_end(self, driver, step, record):
+        if step == self.at_step and self.removed is None:
+            node_id = driver.worker_info[self.rank]["node_id"]
+            other = driver.worker_info[1 - self.rank]["node_id"]
+            assert node_id != other, "both ranks landed on one node"
+            [node] = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+            pid = driver.worker_info[self.rank]["pid"]
+            self.cluster.remove_node(node, allow_graceful=False)
+            self.removed = node_id
+            # A lost machine takes its processes with it. Here the node's processes
+            # notice their raylet is gone and exit; wait for that so the next step
+            # meets a dead rank rather than racing it.
+            deadline = time.time() + 30
+            while pid_alive(pid) and time.time() < deadline:
+                time.sleep(0.1)
+            self.rank_exit_s = 30 - (deadline - time.time())
+
+
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+cluster = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+try:
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    base = train(config(tempfile.mkdtemp() + "/out"))
+    remover = RemoveNodeOfRank(cluster, at_step=6, rank=1)
+    hit = train(config(tempfile.mkdtemp() + "/out"), callbacks=(remover,))
+    print("RESULT " + json.dumps({
+        "base": [h["loss"] for h in base.history],
+        "hit": [h["loss"] for h in hit.history],
+        "hit_steps": [h["step"] for h in hit.history],
+        "failures": hit.failures, "removed": remover.removed,
+        "world_size_after": hit.metrics["world_size"],
+        "rank_exit_s": remover.rank_exit_s}))
+finally:
+    ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,30 @@
+"""Node loss on a multi-node cluster (ray.cluster_utils.Cluster): the run re-plans onto
+the nodes still there and finishes with the losses of the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
+    script = Path(__file__).with_name("multinode_node_loss.py")
+    proc = subprocess.run([sys.executable, str(script), str(corpus_dir), cache_root],
+                          capture_output=True, text=True, timeout=540,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    r = json.loads(line[len("RESULT "):])
+    assert r["removed"] and r["failures"] == 1
+    assert r["world_size_after"] == 1  # re-planned onto the surviving node
+    assert r["hit_steps"] == list(range(1, 13))
+    # Same global batch on one rank as on two: the losses do not change.
+    np.testing.assert_allclose(r["hit"], r["base"], rtol=1e-5)
+    log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
+    assert any("driver: recovering" in l for l in log), log
+    assert any("2 step(s) will be redone" in l for l in log), log
+    assert any("driver: starting (1 rank(s))" in l for l in log), log
