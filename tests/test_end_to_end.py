@@ -138,3 +138,25 @@ def test_run_file_with_flags_winning(ray_cluster, cache_root, tmp_path, caplog):
     with open(out / "raylm_run.json") as f:
         assert json.load(f)["learning_rate"] == 2e-3
     assert "samples of 128 tokens (cached)" in caplog.text
+
+
+def test_tokenize_command_builds_the_cache_train_reuses(ray_cluster, corpus_dir, tmp_path,
+                                                        capsys):
+    cache = str(tmp_path / "cache")
+    args = ["tokenize", "--train_file", str(corpus_dir), "--block_size", "48",
+            "--cache_dir", cache]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "raylm: train:" in first and "(tokenized)" in first
+    assert main(args) == 0
+    assert "(reused)" in capsys.readouterr().out
+
+
+def test_tokenizer_train_command(tmp_path, corpus_dir, capsys):
+    out = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--type", "wordpiece", "--vocab_size", "600",
+                 str(corpus_dir / "macbeth.txt"), "-o", str(out)]) == 0
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert len(tok) <= 600
+    ids = tok("Fair is foul, and foul is fair")["input_ids"]
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id

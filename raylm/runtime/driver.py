@@ -203,7 +203,9 @@ class Driver:
         self.step = start_step
         self.progress = Progress(steps, start_step, cfg.disable_tqdm)
         t_start = time.time()
-        while True:
+        if self.step >= steps:
+            log.info("the run is already complete (step %d of %d)", self.step, steps)
+        while self.step < steps:
             try:
                 self._enter("running", f"step {self.step + 1} of {steps}")
                 self._run_steps(sampler, steps, data, record)

@@ -227,6 +227,9 @@ class RankWorker:
     def save_pretrained(self, output_dir: str) -> bool:
         """Rank 0 writes one ordinary Hugging Face model (safetensors)."""
         if self.rank == 0:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
             self.model.config.use_cache = True
             self.model.save_pretrained(output_dir, safe_serialization=True)
             self.model.config.use_cache = False
