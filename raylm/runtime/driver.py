@@ -205,21 +205,23 @@ class Driver:
         t_start = time.time()
         if self.step >= steps:
             log.info("the run is already complete (step %d of %d)", self.step, steps)
-        while self.step < steps:
+        final, train_runtime = {}, 0.0
+        while True:
             try:
-                self._enter("running", f"step {self.step + 1} of {steps}")
-                self._run_steps(sampler, steps, data, record)
+                if self.step < steps:
+                    self._enter("running", f"step {self.step + 1} of {steps}")
+                    self._run_steps(sampler, steps, data, record)
+                train_runtime = time.time() - t_start
+                # The end of the run: evaluate and save; a failure here recovers too
+                # (from the final checkpoint, so nothing is redone).
+                if cfg.should_eval and data.eval is not None:
+                    final.update(self._eval(data))
+                self._wait([w.save_pretrained.remote(os.path.abspath(cfg.output_dir))
+                            for w in self.workers])
                 break
             except WorkerFailure as failure:
                 self._recover(failure, inputs, data, steps)
-        train_runtime = time.time() - t_start
         self.progress.close()
-
-        final = {}
-        if cfg.should_eval and data.eval is not None:
-            final.update(self._eval(data))
-        self._wait([w.save_pretrained.remote(os.path.abspath(cfg.output_dir))
-                    for w in self.workers])
         self._save_tokenizer(inputs)
         trained = [h for h in self.history]
         tokens = sum(h["tokens"] for h in trained)

@@ -48,6 +48,8 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
+    if not cfg.should_train and not cfg.should_eval:
+        raise ConfigError("--do_train false and --do_eval false: nothing to do")
     if cfg.should_train:
         train_files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
                        else builtin_sample_files())
