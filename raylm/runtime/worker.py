@@ -107,7 +107,7 @@ class RankWorker:
             [{"params": decay, "weight_decay": c["weight_decay"]},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=c["learning_rate"], betas=(c["adam_beta1"], c["adam_beta2"]),
-            eps=c["adam_epsilon"], foreach=False)
+            eps=c["adam_epsilon"])
 
     def _make_scheduler(self, total_steps: int):
         from transformers import get_scheduler
