@@ -29,7 +29,7 @@ def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -26,7 +26,9 @@ def connect(address: str | None) -> bool:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         log.info("starting a local Ray cluster")
-        ray.init(logging_level=logging.WARNING, include_dashboard=False)
+        # address="local": a bare ray.init() would join any cluster that `ray start` (or
+        # another program) left running on this machine, silently.
+        ray.init(address="local", logging_level=logging.WARNING, include_dashboard=False)
     return True
 
 

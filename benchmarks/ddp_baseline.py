@@ -1,0 +1,99 @@
+"""Baselines for bench_throughput.py: a plain PyTorch training loop, or the same under DDP.
+
+    python benchmarks/ddp_baseline.py --config_dir D --data_dir C ...          # 1 process
+    torchrun --nproc_per_node 2 benchmarks/ddp_baseline.py --config_dir D ...  # DDP, gloo
+
+What a user would write without raylm: build the model from the same config with the same
+seed, AdamW, gradient clipping, a linear schedule, Hugging Face's own loss
+(``model(input_ids, labels=...)``), and ``DistributedDataParallel`` when launched by
+torchrun. It trains on the same tokenized blocks as raylm (raylm's cache, read with
+raylm's BlockReader) in the same order (raylm's GlobalBatchSampler, same seed), with the
+same global batch split evenly across the ranks.
+
+Rank 0 prints one line ``RESULT {json}`` with per-step wall times; bench_throughput.py
+excludes the warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config_dir", required=True, help="model config (config.json)")
+    ap.add_argument("--data_dir", required=True, help="raylm token cache directory")
+    ap.add_argument("--global_batch", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True, help="all steps, warm-up included")
+    ap.add_argument("--threads", type=int, required=True, help="torch threads per process")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--seed", type=int, default=42)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import numpy as np
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+
+    from raylm.data.reader import BlockReader
+    from raylm.data.sampler import GlobalBatchSampler, rank_share
+    from raylm.data.tokenized import TokenizedDataset
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    if args.global_batch % world:
+        raise SystemExit(f"--global_batch {args.global_batch} does not split over {world} ranks")
+
+    config = AutoConfig.from_pretrained(args.config_dir)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
+                              num_training_steps=args.steps)
+
+    dataset = TokenizedDataset.load(args.data_dir)
+    reader = BlockReader(dataset)
+    sampler = GlobalBatchSampler(np.arange(dataset.num_samples, dtype=np.int64),
+                                 args.global_batch, args.seed)
+
+    step_times, losses = [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        ids = rank_share(sampler.global_batch(step), rank, world)
+        batch = reader.read(ids)
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        step_times.append(time.perf_counter() - t0)
+
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "world_size": world, "threads": args.threads, "global_batch": args.global_batch,
+            "block_size": dataset.block_size, "step_times": step_times, "losses": losses,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
