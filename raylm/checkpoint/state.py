@@ -44,6 +44,7 @@ def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
     A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
     from ``fallback_seed`` instead.
     """
+    _init_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=process_group)
@@ -57,3 +58,20 @@ def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
             torch.cuda.set_rng_state(rng["cuda"])
     else:
         torch.manual_seed(fallback_seed)
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state tensors so there is something to load into.
+
+    torch's get_state_dict does this itself only when every grad is None; raylm's grads
+    are never None (they are views into the flat all-reduce buckets), so do the same here:
+    one step at learning rate 0 on the (zero) gradients, which changes no parameter.
+    """
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr

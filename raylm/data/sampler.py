@@ -13,7 +13,7 @@ batch then split among the data-parallel ranks and into micro-batches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,7 +35,7 @@ def split_train_eval(num_samples: int, percentage: float, seed: int = 0) -> tupl
     return ids[mask], eval_ids
 
 
-@dataclass(frozen=True)
+@dataclass
 class GlobalBatchSampler:
     """Seeded, layout-independent global batches over ``sample_ids``.
 
@@ -47,6 +47,7 @@ class GlobalBatchSampler:
     global_batch_size: int
     seed: int
     shuffle: bool = True
+    _order: tuple = field(default=(None, None), init=False, repr=False)  # (epoch, order)
 
     @property
     def num_samples(self) -> int:
@@ -59,8 +60,10 @@ class GlobalBatchSampler:
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return self.sample_ids
-        rng = np.random.default_rng([self.seed, epoch])
-        return self.sample_ids[rng.permutation(self.num_samples)]
+        if self._order[0] != epoch:  # one permutation per epoch, not per step
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = (epoch, self.sample_ids[rng.permutation(self.num_samples)])
+        return self._order[1]
 
     def global_batch(self, step: int) -> np.ndarray:
         epoch, pos = divmod(step, self.steps_per_epoch)

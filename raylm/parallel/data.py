@@ -1,10 +1,22 @@
-"""Data-parallel gradient sync: a bucketed all-reduce over the dp process group.
+"""Data-parallel gradient sync: a bucketed all-reduce over the dp group, overlapped with
+the last micro-batch's backward.
 
 Not DDP: DDP's reducer hooks into autograd and, composed with pipeline stages, either
-asserts or (static_graph=True) syncs wrong gradients (shared notes). An explicit
-all-reduce after the last micro-batch's backward composes with any schedule that
-accumulates gradients locally, which is every schedule raylm runs. Gradients are summed,
-not averaged: the loss is already normalised by the global token count of the step.
+asserts or (static_graph=True) syncs wrong gradients (shared notes). This is the part of
+DDP raylm needs, written so it composes with any schedule that accumulates gradients
+locally:
+
+* Gradients live in flat per-bucket buffers (each ``param.grad`` is a view), so a bucket
+  is reduced in place, with no copy in or out.
+* On the last micro-batch of a step, a post-accumulate-grad hook counts each bucket's
+  ready gradients; full buckets are reduced asynchronously while backward goes on.
+  Buckets are launched strictly in index order, the same on every rank (a rank with no
+  samples in an epoch's short last step launches them all at the end, in that order).
+* The step's summed loss rides in a slot of the last bucket, so reporting it costs no
+  collective of its own.
+
+Gradients are summed, not averaged: the loss is already normalised by the global token
+count of the step.
 """
 
 from __future__ import annotations
@@ -14,52 +26,94 @@ import torch.distributed as dist
 
 
 class GradientAllReduce:
-    def __init__(self, params, group, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, params, group, bucket_bytes: int = 4 * 2**20):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
-        # Fixed bucket layout, the same on every rank (same model, same order).
-        self.buckets: list[list[torch.nn.Parameter]] = []
+        # Reverse order: backward produces the last layers' gradients first.
+        buckets: list[list[torch.nn.Parameter]] = []
         current, current_bytes = [], 0
-        for p in self.params:
+        for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
             if current and current_bytes + nbytes > bucket_bytes:
-                self.buckets.append(current)
+                buckets.append(current)
                 current, current_bytes = [], 0
             current.append(p)
             current_bytes += nbytes
         if current:
-            self.buckets.append(current)
-
-    def sync(self) -> None:
-        """Sum every parameter's gradient over the group (all ranks call this)."""
-        if self.size == 1:
-            return
-        flats, works = [], []
-        for bucket in self.buckets:
-            # A parameter that took no part in this step still joins the bucket as zeros,
-            # so every rank reduces the same layout.
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in bucket])
-            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group,
-                                         async_op=True))
-            flats.append(flat)
-        for bucket, flat, work in zip(self.buckets, flats, works):
-            work.wait()
+            buckets.append(current)
+        self.buckets = buckets
+        self.flats: list[torch.Tensor] = []
+        self.bucket_of: dict[int, int] = {}
+        for i, bucket in enumerate(buckets):
+            extra = 1 if i == len(buckets) - 1 else 0  # the loss slot
+            flat = torch.zeros(sum(p.numel() for p in bucket) + extra,
+                               dtype=bucket[0].dtype, device=bucket[0].device)
             offset = 0
             for p in bucket:
                 n = p.numel()
-                g = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                p.grad = flat[offset:offset + n].view_as(p)
+                self.bucket_of[id(p)] = i
                 offset += n
+            self.flats.append(flat)
+        self.loss_slot = self.flats[-1][-1:] if self.flats else None
+        self.pending = [0] * len(buckets)
+        self.works: list = []
+        self.launched = 0
+        self.armed = False
+        if self.size > 1:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- per step --------------------------------------------------------------------------
+    def arm(self, loss_sum: torch.Tensor) -> None:
+        """Call before the last micro-batch's backward, with the rank's summed loss."""
+        self.loss_slot.copy_(loss_sum.detach().reshape(1))
+        if self.size > 1:
+            self.pending = [len(b) for b in self.buckets]
+            self.armed = True
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self.pending[i] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        flat = self.flats[self.launched]
+        self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=True))
+        self.launched += 1
+
+    def finish(self) -> torch.Tensor:
+        """Wait for every bucket (launching those still due, in order); returns the loss
+        summed over the group. All ranks call this once per step."""
+        if self.size > 1:
+            while self.launched < len(self.buckets):
+                self._launch()
+            for work in self.works:
+                work.wait()
+        self.works, self.launched, self.armed = [], 0, False
+        return self.loss_slot.clone()
+
+    def zero_grad(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+
+
+def all_reduce_sum_async(values: list[float], group, device="cpu"):
+    """Start summing a few scalars over the group; returns (tensor, work or None)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        return t, dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return t, None
 
 
 def all_reduce_sum(values: list[float], group, device="cpu") -> list[float]:
     """Sum a few scalars over the group in one collective."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    t, work = all_reduce_sum_async(values, group, device)
+    if work is not None:
+        work.wait()
     return t.tolist()

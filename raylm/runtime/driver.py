@@ -244,18 +244,35 @@ class Driver:
                    record: dict) -> None:
         cfg, plan = self.cfg, self.plan
         window_tokens, window_start = 0, time.time()
-        schedule = step_schedule(sampler.global_batch(self.step), plan.dp, plan.micro_batch_size)
-        while self.step < steps:
-            t0 = time.time()
-            nxt = (step_schedule(sampler.global_batch(self.step + 1), plan.dp,
-                                 plan.micro_batch_size) if self.step + 1 < steps else None)
-            refs = [w.train_step.remote(self.step, schedule[r], nxt[r] if nxt else None)
+
+        def schedule(step):
+            if step >= steps:
+                return None
+            return step_schedule(sampler.global_batch(step), plan.dp, plan.micro_batch_size)
+
+        def submit(step):
+            # Each rank gets its micro-batches for `step` and, to prefetch, for step + 1.
+            cur, nxt = schedule(step), schedule(step + 1)
+            return [w.train_step.remote(step, cur[r], nxt[r] if nxt else None)
                     for r, w in enumerate(self.workers)]
-            results = self._wait(refs)
+
+        def driver_acts_after(step):  # the driver needs the ranks between steps
+            return (step % cfg.save_steps == 0 or step == steps
+                    or bool(cfg.eval_steps and step % cfg.eval_steps == 0))
+
+        inflight = submit(self.step)
+        t_last = time.time()
+        while self.step < steps:
+            # Keep the ranks busy: queue the next step before waiting on this one (an
+            # actor runs its calls in order), unless the driver must act in between.
+            ahead = None
+            if self.step + 1 < steps and not driver_acts_after(self.step + 1):
+                ahead = submit(self.step + 1)
+            results = self._wait(inflight)
             self.step += 1
-            schedule = nxt
             out = results[0]
-            wall = time.time() - t0
+            now = time.time()
+            wall, t_last = now - t_last, now
             rec = {"step": self.step, "epoch": round(sampler.epoch_of(self.step), 4),
                    "loss": out["loss"], "learning_rate": out["learning_rate"],
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
@@ -284,6 +301,10 @@ class Driver:
             for cb in self.callbacks:
                 if hasattr(cb, "on_step_end"):
                     cb.on_step_end(self, self.step, rec)
+            if ahead is None and self.step < steps:
+                ahead = submit(self.step)
+                t_last = time.time()
+            inflight = ahead
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:
         tmp = self.ckpt.begin(self.step)

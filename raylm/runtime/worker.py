@@ -129,12 +129,13 @@ class RankWorker:
     def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None) -> dict:
         """One optimizer step over this rank's micro-batches (sample ids from the driver).
 
-        Read top to bottom: data, token count, forward/backward per micro-batch, gradient
-        sync, clip, optimizer, schedule. Returns scalars only.
+        Read top to bottom: data, token count, forward/backward per micro-batch (the
+        gradient all-reduce starts during the last backward), gradient sync, clip,
+        optimizer, schedule. Returns scalars only.
         """
         import torch
 
-        from raylm.parallel.data import all_reduce_sum
+        from raylm.parallel.data import all_reduce_sum_async
 
         t0 = time.time()
         batches = self.prefetcher.get(step, micro_batch_ids)
@@ -142,23 +143,33 @@ class RankWorker:
             self.prefetcher.submit(step + 1, next_ids)
         t_data = time.time() - t0
 
-        # The loss of a step is the mean over every label token of the global batch:
-        # each rank needs the global count before its first backward.
+        # The loss of a step is the mean over every label token of the global batch, so
+        # each rank needs the global count before its first backward: sum it over dp in
+        # the background while the first forward runs.
         local_tokens = sum(count_label_tokens(b["labels"]) for b in batches)
-        (global_tokens,) = all_reduce_sum([local_tokens], self.dp_group, self.device)
+        global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
+                                                         self.device)
 
         self.model.train()
-        loss_sum = 0.0
-        for b in batches:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, b in enumerate(batches):
             input_ids = b["input_ids"].to(self.device)
             labels = b["labels"].to(self.device)
             mask = b["attention_mask"].to(self.device) if self.dataset_padded(b) else None
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits
             mb_loss = causal_lm_loss_sum(logits, labels)
-            (mb_loss / global_tokens).backward()
-            loss_sum += mb_loss.item()
+            loss_sum += mb_loss.detach()
+            if i == 0 and count_work is not None:
+                count_work.wait()
+            if i == len(batches) - 1:
+                self.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
+            (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
+        if not batches:  # no samples for this rank in an epoch's short last step
+            if count_work is not None:
+                count_work.wait()
+            self.grad_sync.arm(loss_sum)
 
-        self.grad_sync.sync()
+        global_loss = self.grad_sync.finish()  # gradients (and the loss) summed over dp
         grad_norm = None
         if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -166,10 +177,10 @@ class RankWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sync.zero_grad()
 
-        (global_loss,) = all_reduce_sum([loss_sum], self.dp_group, self.device)
-        out = {"loss": global_loss / max(global_tokens, 1), "tokens": int(global_tokens),
+        tokens = float(global_tokens[0].item())
+        out = {"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
                "local_tokens": local_tokens, "learning_rate": lr, "grad_norm": grad_norm,
                "data_wait_s": t_data, "step_s": time.time() - t0}
         if self.cfg.get("log_sample_ids"):
