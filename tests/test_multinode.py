@@ -4,6 +4,7 @@ the nodes still there and finishes with the losses of the uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,5 +27,10 @@ def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
     np.testing.assert_allclose(r["hit"], r["base"], rtol=1e-5)
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
     assert any("driver: recovering" in l for l in log), log
-    assert any("2 step(s) will be redone" in l for l in log), log
+    # The driver queues a step ahead, so the failure surfaces at step 7 or a little
+    # later; whatever it was, everything after the step-4 checkpoint is redone.
+    [failed] = [int(re.search(r"rank failure at step (\d+)", l).group(1)) for l in log
+                if "rank failure at step" in l]
+    assert failed >= 7
+    assert any(f"step-00000004: {failed - 1 - 4} step(s) will be redone" in l for l in log), log
     assert any("driver: starting (1 rank(s))" in l for l in log), log
