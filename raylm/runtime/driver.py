@@ -110,8 +110,9 @@ class Driver:
                 break
             if n <= 1:
                 raise TrainingFailed("could not place a single rank actor on the cluster")
-            n = max(1, n - plan.pp * plan.tp)
-            log.warning("could not place %d rank(s) within 30 s; trying %d", n + 1, n)
+            fewer = max(1, n - plan.pp * plan.tp)
+            log.warning("could not place %d rank(s) within 30 s; trying %d", n, fewer)
+            n = fewer
         if n != plan.world_size:
             plan = plan.resized(n)
             log.info("re-planned: %s", plan.describe())
