@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +24,7 @@ from raylm.data.reader import BlockReader, Prefetcher
 from raylm.data.sources import builtin_tokenizer_dir, resolve_files
 from raylm.data.tokenized import (
     CACHE_PREFIX,
+    STALE_TMP_S,
     TMP_PREFIX,
     TokenizedDataset,
     build_tokenized_dataset,
@@ -264,7 +266,14 @@ def test_leftover_temporary_directory_is_never_used(ray_local, tok, tmp_path, th
     assert rebuilt.cache_dir == good.cache_dir
     assert torch.equal(all_samples(rebuilt)["input_ids"],
                        torch.from_numpy(expected_blocks(tok, list(TEXTS.values()))))
-    assert leftover.exists()  # another build's directory: not ours to delete or read
+    assert leftover.exists()  # maybe a build still running: not ours to delete or read
+
+    # Idle for longer than any build runs: left by a crash, and cleared by the next build.
+    stale_time = time.time() - STALE_TMP_S - 60
+    os.utime(leftover, (stale_time, stale_time))
+    shutil.rmtree(good.cache_dir)
+    build(three_files, root)
+    assert not leftover.exists()
 
 
 def test_failed_build_leaves_no_cache(ray_local, tmp_path, three_files):

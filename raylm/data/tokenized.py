@@ -27,6 +27,8 @@ import itertools
 import json
 import os
 import posixpath
+import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -44,6 +46,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CACHE_PREFIX = "tokens-"
 TMP_PREFIX = ".tmp-"
+STALE_TMP_S = 3600  # a temporary build directory idle this long was left by a crash
 
 # Each tokenization task asks for half a CPU: on a 2-CPU machine a whole CPU per task
 # could starve the rest of the pipeline (see notes/platform-facts.md), and the tokenizer
@@ -135,6 +138,8 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     if _has_manifest(fs, final_path):
         return dataclasses.replace(TokenizedDataset.load(final), reused=True)
 
+    if local:
+        _remove_stale_tmp(root_path, key)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_token_id = _pad_token_id(tokenizer, line_by_line, tokenizer_dir)
 
@@ -170,6 +175,21 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
         with contextlib.suppress(OSError):
             fs.delete_dir(tmp_path)
     return TokenizedDataset.load(final)
+
+
+def _remove_stale_tmp(root_path: str, key: str) -> None:
+    """Delete what builds of this key killed mid-way left behind.
+
+    Only directories untouched for STALE_TMP_S: a build still running (another process
+    tokenizing the same inputs) keeps writing shards into its own, younger, directory.
+    """
+    if not os.path.isdir(root_path):
+        return
+    prefix = f"{TMP_PREFIX}{key}-"
+    for name in os.listdir(root_path):
+        path = os.path.join(root_path, name)
+        if name.startswith(prefix) and time.time() - os.path.getmtime(path) > STALE_TMP_S:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --- cache identity ------------------------------------------------------------------------
