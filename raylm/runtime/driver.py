@@ -257,9 +257,12 @@ class Driver:
             return [w.train_step.remote(step, cur[r], nxt[r] if nxt else None)
                     for r, w in enumerate(self.workers)]
 
-        def driver_acts_after(step):  # the driver needs the ranks between steps
-            return (step % cfg.save_steps == 0 or step == steps
-                    or bool(cfg.eval_steps and step % cfg.eval_steps == 0))
+        def saves_after(step):
+            return step % cfg.save_steps == 0 or step == steps
+
+        def evaluates_after(step):  # mid-run evaluations; the final one follows the loop
+            return bool(cfg.eval_steps and step % cfg.eval_steps == 0 and step < steps
+                        and cfg.should_eval and data.eval is not None)
 
         inflight = submit(self.step)
         t_last = time.time()
@@ -267,8 +270,9 @@ class Driver:
             # Keep the ranks busy: queue the next step before waiting on this one (an
             # actor runs its calls in order), unless the driver must act in between.
             ahead = None
-            if self.step + 1 < steps and not driver_acts_after(self.step + 1):
-                ahead = submit(self.step + 1)
+            nxt = self.step + 1
+            if nxt < steps and not (saves_after(nxt) or evaluates_after(nxt)):
+                ahead = submit(nxt)
             results = self._wait(inflight)
             self.step += 1
             out = results[0]
@@ -294,10 +298,9 @@ class Driver:
                 self.progress.write(f"step {self.step}/{steps}  loss {rec['loss']:.4f}  "
                                     f"lr {rec['learning_rate']:.3g}  {tps:,.0f} tokens/s")
                 window_tokens, window_start = 0, time.time()
-            if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < steps \
-                    and cfg.should_eval and data.eval is not None:
+            if evaluates_after(self.step):
                 self._eval(data)
-            if self.step % cfg.save_steps == 0 or self.step == steps:
+            if saves_after(self.step):
                 self._save_checkpoint(sampler, record)
             for cb in self.callbacks:
                 if hasattr(cb, "on_step_end"):

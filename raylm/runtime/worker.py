@@ -153,11 +153,7 @@ class RankWorker:
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, b in enumerate(batches):
-            input_ids = b["input_ids"].to(self.device)
-            labels = b["labels"].to(self.device)
-            mask = b["attention_mask"].to(self.device) if self.dataset_padded(b) else None
-            logits = self.model(input_ids=input_ids, attention_mask=mask).logits
-            mb_loss = causal_lm_loss_sum(logits, labels)
+            mb_loss, _ = self._loss_sum(b)
             loss_sum += mb_loss.detach()
             if i == 0 and count_work is not None:
                 count_work.wait()
@@ -187,9 +183,15 @@ class RankWorker:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids]
         return out
 
-    @staticmethod
-    def dataset_padded(batch) -> bool:
-        return bool((batch["attention_mask"] == 0).any())
+    def _loss_sum(self, batch: dict):
+        """Forward one micro-batch; its summed token loss and its labels."""
+        labels = batch["labels"].to(self.device)
+        # Packed blocks have no padding: no mask, so attention takes its causal fast path.
+        padded = bool((batch["attention_mask"] == 0).any())
+        mask = batch["attention_mask"].to(self.device) if padded else None
+        logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                            attention_mask=mask).logits
+        return causal_lm_loss_sum(logits, labels), labels
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
@@ -208,12 +210,8 @@ class RankWorker:
         loss_sum, tokens = 0.0, 0
         with torch.no_grad():
             for ids in micro_batch_ids:
-                b = reader.read(ids)
-                labels = b["labels"].to(self.device)
-                mask = b["attention_mask"].to(self.device) if self.dataset_padded(b) else None
-                logits = self.model(input_ids=b["input_ids"].to(self.device),
-                                    attention_mask=mask).logits
-                loss_sum += causal_lm_loss_sum(logits, labels).item()
+                batch_loss, labels = self._loss_sum(reader.read(ids))
+                loss_sum += batch_loss.item()
                 tokens += count_label_tokens(labels)
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], self.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
