@@ -285,7 +285,7 @@ def load_tokenizer(tokenizer_dir: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers raises many types for an unreadable tokenizer
         raise ConfigError(f"--tokenizer_name: cannot load a tokenizer from {tokenizer_dir}: "
                           f"{' '.join(str(e).split())}") from None
     if not getattr(tokenizer, "is_fast", False):

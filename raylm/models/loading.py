@@ -63,10 +63,11 @@ def _apply_overrides(config, overrides: Optional[str]) -> None:
 
 def resolve_model(cfg) -> ModelSpec:
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
-    from transformers import AutoConfig, AutoTokenizer, CONFIG_MAPPING
+    from transformers import AutoConfig, CONFIG_MAPPING
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from raylm.data.sources import builtin_tokenizer_dir
+    from raylm.data.tokenized import load_tokenizer
 
     pretrained = None
     if cfg.model_name_or_path:
@@ -115,11 +116,7 @@ def resolve_model(cfg) -> ModelSpec:
         tokenizer_dir = builtin_tokenizer_dir()
     if not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"--tokenizer_name: no such directory: {tokenizer_dir}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as e:  # transformers raises many types for an unreadable tokenizer
-        raise ConfigError(f"--tokenizer_name: cannot load a tokenizer from {tokenizer_dir}: "
-                          f"{str(e).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(os.path.abspath(tokenizer_dir))
     vocab = len(tokenizer)
     if vocab > config.vocab_size:
         if pretrained:

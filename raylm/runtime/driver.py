@@ -376,10 +376,10 @@ class Driver:
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
 
     def _save_tokenizer(self, inputs: Inputs) -> None:
-        from transformers import AutoTokenizer
+        from raylm.data.tokenized import load_tokenizer
 
-        AutoTokenizer.from_pretrained(inputs.spec.tokenizer_dir).save_pretrained(
-            self.cfg.output_dir)
+        # The tokenizer resolve_model loaded (cached), saved beside the model.
+        load_tokenizer(inputs.spec.tokenizer_dir).save_pretrained(self.cfg.output_dir)
 
 
 def _first_line(e: BaseException) -> str:
