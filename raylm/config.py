@@ -132,6 +132,17 @@ class TrainConfig:
     dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "cluster")
     tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "cluster")
     pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "cluster")
+    pipeline_schedule: str = _f(
+        "1f1b", "Pipeline schedule when pp > 1 (micro-batches per step = "
+        "--gradient_accumulation_steps).", "cluster",
+        choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    pp_virtual_stages: int = _f(
+        2, "Stages per rank for --pipeline_schedule interleaved_1f1b (zero_bubble always "
+        "runs 2, in a V).", "cluster")
+    pp_split: Optional[str] = _f(
+        None, "Manual pipeline cut: comma-separated block indices where stages 1, 2, ... "
+        "begin, e.g. \"3,6,9\" for 4 stages of a 12-block model (default: balanced by "
+        "compute and parameters; see `raylm plan`).", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")

@@ -8,7 +8,7 @@ and the schedule are built here directly from torch and transformers.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from raylm.data.reader import BlockReader
 from raylm.data.sampler import GlobalBatchSampler
@@ -22,7 +22,9 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     batches must be full (no epoch tail) for this to equal the global token mean.
     """
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
+    seq2seq = bool(getattr(spec.config, "is_encoder_decoder", False))
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = auto.from_config(spec.config, dtype=torch.float32)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -43,7 +45,13 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         total = 0.0
         for chunk in chunks:
             b = reader.read(chunk)
-            loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss / len(chunks)
+            if seq2seq:  # continuation: the encoder reads the first half, HF shifts labels
+                half = b["input_ids"].shape[1] // 2
+                out = model(input_ids=b["input_ids"][:, :half],
+                            labels=b["labels"][:, half:].contiguous())
+            else:
+                out = model(input_ids=b["input_ids"], labels=b["labels"])
+            loss = out.loss / len(chunks)
             loss.backward()
             total += loss.item()
         if cfg.max_grad_norm > 0:

@@ -133,3 +133,32 @@ def test_parquet_without_text_column(tmp_path, capsys, cache_root):
     pq.write_table(pa.table({"body": [1, 2, 3]}), data)
     rc, errors, _ = run_cli(capsys, *base_args(tmp_path, data, cache_root))
     assert rc == 2 and len(errors) == 1 and "d.parquet" in errors[0]
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(pp=4, gradient_accumulation_steps=2),
+     "--pipeline_schedule 1f1b needs at least as many micro-batches per step as pipeline "
+     "stages: --gradient_accumulation_steps 2 < --pp 4"),
+    (dict(pp=2, gradient_accumulation_steps=1, pipeline_schedule="zero_bubble"),
+     "--pipeline_schedule zero_bubble needs at least as many micro-batches"),
+    (dict(pp=2, gradient_accumulation_steps=5, pipeline_schedule="interleaved_1f1b"),
+     "--gradient_accumulation_steps 5 must be below 2 or a multiple of it"),
+    (dict(pp=2, gradient_accumulation_steps=2, pp_split="1,2"),
+     "--pp_split needs 1 boundary(ies) for 2 stages, got 2"),
+    (dict(pp=2, gradient_accumulation_steps=2, pp_split="2"),
+     "boundaries must increase strictly within 1..1 (the model has 2 blocks)"),
+    (dict(pp=4, gradient_accumulation_steps=4),
+     "pp=4 = 4 stages, but the model has only 2 blocks to divide"),
+    (dict(pp=2, num_workers=3, gradient_accumulation_steps=2),
+     "does not equal --num_workers 3"),
+])
+def test_pipeline_layout_errors_before_any_actor(kw, message, ray_cluster, tmp_path,
+                                                 corpus_dir, cache_root):
+    cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
+                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      output_dir=str(tmp_path / "out"), max_steps=2, **kw)
+    driver = Driver(cfg)
+    with pytest.raises(ConfigError) as err:
+        driver.run()
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert driver.workers == [] and driver.state == "planning"

@@ -25,9 +25,15 @@ def _rng_path(path: str, rank: int) -> str:
     return os.path.join(path, "rng", f"rank-{rank:05d}.safetensors")
 
 
+# Optimizer state flattened to one key per parameter and setting ("state.<name>.exp_avg",
+# "param_groups.<name>.lr"): ranks holding different parameters (pipeline stages) then
+# write disjoint keys, instead of each writing its own "param_groups" list under one key.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_rank_state(path: str, model, optimizer, rank: int, process_group=None) -> None:
     """Collective: every rank of ``process_group`` calls this with the same ``path``."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
              process_group=process_group)
     rng = {"cpu": torch.get_rng_state()}
@@ -45,11 +51,12 @@ def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
     from ``fallback_seed`` instead.
     """
     _init_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=process_group)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+                   optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
     rng_file = _rng_path(path, rank)
     if os.path.exists(rng_file):
         rng = load_file(rng_file)

@@ -21,6 +21,7 @@ from raylm.data.sources import filesystem_for
 from raylm.data.tokenized import TokenizedDataset
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
+PAD_ID = -1  # a sample id that reads as a filler row: no labels, so no loss and no gradient
 
 
 class BlockReader:
@@ -39,15 +40,21 @@ class BlockReader:
         self._lock = threading.Lock()  # the Prefetcher's thread and the caller may both read
 
     def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows for ``ids``; an id of PAD_ID gives a filler row (token 0, attended to like
+        any row so attention stays finite, every label IGNORE_INDEX). Pipeline schedules
+        need equal micro-batches; fillers make an epoch's short last step one."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.dataset.num_samples):
-            bad = ids[(ids < 0) | (ids >= self.dataset.num_samples)][0]
+        pad = ids == PAD_ID
+        real = ids[~pad]
+        if len(real) and (real.min() < 0 or real.max() >= self.dataset.num_samples):
+            bad = real[(real < 0) | (real >= self.dataset.num_samples)][0]
             raise IndexError(f"sample id {bad} out of range 0..{self.dataset.num_samples - 1}")
-        input_ids = np.empty((len(ids), self.block_size), dtype=np.int32)
-        lengths = np.empty(len(ids), dtype=np.int32)
+        input_ids = np.zeros((len(ids), self.block_size), dtype=np.int32)
+        lengths = np.full(len(ids), self.block_size, dtype=np.int32)
         shard_of = np.searchsorted(self._offsets, ids, side="right") - 1
+        shard_of[pad] = -1
         # One numpy gather per shard touched, not one Python step per row.
-        for shard in np.unique(shard_of):
+        for shard in np.unique(shard_of[~pad]):
             rows = shard_of == shard
             tokens, shard_lengths = self._shard(int(shard))
             local = ids[rows] - self._offsets[shard]
@@ -57,6 +64,8 @@ class BlockReader:
         input_ids_t = torch.from_numpy(input_ids).long()
         attention_mask = torch.arange(self.block_size) < torch.from_numpy(lengths).long()[:, None]
         labels = input_ids_t.masked_fill(~attention_mask, IGNORE_INDEX)
+        if pad.any():
+            labels[torch.from_numpy(pad)] = IGNORE_INDEX
         return {"input_ids": input_ids_t, "labels": labels,
                 "attention_mask": attention_mask.long()}
 

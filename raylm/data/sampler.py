@@ -88,3 +88,19 @@ def micro_batches(ids: np.ndarray, micro_batch_size: int) -> list[np.ndarray]:
 def step_schedule(batch: np.ndarray, dp_size: int, micro_batch_size: int) -> list[list[np.ndarray]]:
     """For each dp rank, its list of micro-batches (sample ids) for one optimizer step."""
     return [micro_batches(rank_share(batch, r, dp_size), micro_batch_size) for r in range(dp_size)]
+
+
+def padded_step_schedule(batch: np.ndarray, dp_size: int, micro_batch_size: int,
+                         num_micro_batches: int, pad_id: int = -1) -> list[list[np.ndarray]]:
+    """Like step_schedule, but every rank gets exactly ``num_micro_batches`` micro-batches
+    of exactly ``micro_batch_size`` ids, filled up with ``pad_id``: pipeline schedules run
+    a fixed number of equal micro-batches. Filler rows carry no labels (BlockReader), so an
+    epoch's short last step still trains on each of its samples exactly once."""
+    out = []
+    for r in range(dp_size):
+        share = rank_share(batch, r, dp_size)
+        full = np.full(num_micro_batches * micro_batch_size, pad_id, dtype=np.int64)
+        full[:len(share)] = share
+        out.append([full[i * micro_batch_size:(i + 1) * micro_batch_size]
+                    for i in range(num_micro_batches)])
+    return out

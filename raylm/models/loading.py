@@ -64,7 +64,7 @@ def _apply_overrides(config, overrides: Optional[str]) -> None:
 def resolve_model(cfg) -> ModelSpec:
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
     from transformers import AutoConfig, CONFIG_MAPPING
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
@@ -100,9 +100,12 @@ def resolve_model(cfg) -> ModelSpec:
                 setattr(config, k, v)
         _apply_overrides(config, cfg.config_overrides)
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ConfigError(f"model type '{config.model_type}' has no causal-LM head; raylm "
-                          "trains causal language models (run_clm)")
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
+            getattr(config, "is_encoder_decoder", False)
+            and type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING):
+        raise ConfigError(f"model type '{config.model_type}' has no causal-LM or seq2seq-LM "
+                          "head; raylm trains language models (run_clm, and T5-style "
+                          "encoder-decoders on block continuation)")
 
     if cfg.tokenizer_name:
         tokenizer_dir = cfg.tokenizer_name
@@ -131,6 +134,12 @@ def resolve_model(cfg) -> ModelSpec:
         config.vocab_size = vocab
     if not pretrained:
         _set_special_tokens(config, tokenizer)
+    if getattr(config, "is_encoder_decoder", False):
+        # The decoder starts from this token; T5 uses the pad token (HF's T5 docs).
+        if getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = 0
+        if getattr(config, "decoder_start_token_id", None) is None:
+            config.decoder_start_token_id = config.pad_token_id
     return ModelSpec(config=config, pretrained_path=pretrained,
                      tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab)
 
@@ -156,17 +165,27 @@ def resolve_block_size(cfg, spec: ModelSpec) -> int:
     return cfg.block_size
 
 
+def model_class(config):
+    """The transformers Auto class raylm builds a config with: causal LMs, and
+    encoder-decoder models (T5) for the seq2seq objective (raylm.models.objectives)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    return AutoModelForCausalLM
+
+
 def build_model(spec: ModelSpec, seed: int):
     """Build the model on this rank: identical on every rank (same seed, same weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    auto = model_class(spec.config)
     if spec.pretrained_path:
-        model = AutoModelForCausalLM.from_pretrained(spec.pretrained_path, config=spec.config,
-                                                     dtype=torch.float32)
+        model = auto.from_pretrained(spec.pretrained_path, config=spec.config,
+                                     dtype=torch.float32)
     else:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
+        model = auto.from_config(spec.config, dtype=torch.float32)
     # HF models default to the KV cache for generation; training never uses it.
     model.config.use_cache = False
     return model

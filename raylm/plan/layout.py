@@ -8,6 +8,7 @@ micro-batches, so the samples of every step, and so the losses, stay the same.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ class Plan:
     global_batch_size: int
     cpus_per_worker: float
     use_gpu: bool = False
+    # Pipeline (pp > 1): the schedule, stages per rank, and each stage's block range.
+    schedule: str = "1f1b"
+    virtual: int = 1
+    stage_bounds: tuple = ()
+    seq_len: int = 0  # tokens per sample (a generic, exported stage is traced at it)
 
     @property
     def world_size(self) -> int:
@@ -40,15 +46,24 @@ class Plan:
     def micro_batches_per_rank(self) -> int:
         return math.ceil(self.global_batch_size / (self.dp * self.micro_batch_size))
 
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel replica of a global rank (mesh order dp, pp, tp)."""
+        return rank // (self.pp * self.tp)
+
     @property
     def torch_threads(self) -> int:
         return max(1, int(self.cpus_per_worker))
 
     def describe(self) -> str:
-        return (f"{self.world_size} rank(s): dp={self.dp} x pp={self.pp} x tp={self.tp}; "
+        text = (f"{self.world_size} rank(s): dp={self.dp} x pp={self.pp} x tp={self.tp}; "
                 f"global batch {self.global_batch_size} = {self.micro_batches_per_rank} "
                 f"micro-batch(es) of {self.micro_batch_size} on each of {self.dp} "
                 f"data-parallel rank(s)")
+        if self.pp > 1:
+            stages = " | ".join(f"{a}-{b - 1}" for a, b in self.stage_bounds)
+            text += (f"; pipeline {self.schedule}, {len(self.stage_bounds)} stages "
+                     f"(blocks {stages})")
+        return text
 
     def resized(self, num_workers: int) -> "Plan":
         """The plan for ``num_workers`` ranks, same global batch (elastic re-plan)."""
@@ -57,9 +72,7 @@ class Plan:
         if dp < 1:
             raise ConfigError(f"{num_workers} worker(s) cannot hold one pp={self.pp} x "
                               f"tp={self.tp} replica")
-        return Plan(dp=dp, pp=self.pp, tp=self.tp, micro_batch_size=self.micro_batch_size,
-                    global_batch_size=self.global_batch_size,
-                    cpus_per_worker=self.cpus_per_worker, use_gpu=self.use_gpu)
+        return dataclasses.replace(self, dp=dp)
 
 
 def make_plan(cfg, capacity: int) -> Plan:
@@ -70,13 +83,10 @@ def make_plan(cfg, capacity: int) -> Plan:
     if cfg.tp > 1:
         raise ConfigError("--tp > 1: tensor parallelism is not implemented yet in raylm "
                           "(data parallelism only for now)")
-    if cfg.pp > 1:
-        raise ConfigError("--pp > 1: pipeline parallelism is not implemented yet in raylm "
-                          "(data parallelism only for now)")
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
-    tp, pp = 1, 1
+    tp, pp = 1, cfg.pp or 1
     if cfg.num_workers:
         num_workers = cfg.num_workers
         if num_workers > capacity:
@@ -87,12 +97,17 @@ def make_plan(cfg, capacity: int) -> Plan:
     elif cfg.dp:
         num_workers = cfg.dp * tp * pp
         if num_workers > capacity:
-            raise ConfigError(f"--dp {cfg.dp}: the cluster can place only {capacity} worker(s)")
+            raise ConfigError(f"dp={cfg.dp} x pp={pp} x tp={tp} needs {num_workers} workers; "
+                              f"the cluster can place only {capacity}")
     else:
-        num_workers = capacity
+        num_workers = capacity - capacity % (tp * pp)
     if num_workers < 1:
-        raise ConfigError("the cluster has no room for a single worker "
-                          f"({cfg.cpus_per_worker:g} CPU each); lower --cpus_per_worker")
+        need = "a single worker" if tp * pp == 1 else f"the {tp * pp} workers of pp={pp}"
+        raise ConfigError(f"the cluster has no room for {need} ({cfg.cpus_per_worker:g} CPU "
+                          "each); lower --cpus_per_worker")
+    if num_workers < tp * pp:
+        raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
+                          "replica")
     dp = cfg.dp or num_workers // (tp * pp)
     if dp * tp * pp != num_workers:
         raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
@@ -100,4 +115,34 @@ def make_plan(cfg, capacity: int) -> Plan:
     return Plan(dp=dp, pp=pp, tp=tp, micro_batch_size=cfg.per_device_train_batch_size,
                 global_batch_size=cfg.per_device_train_batch_size
                 * cfg.gradient_accumulation_steps * dp,
-                cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu)
+                cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
+                schedule=cfg.pipeline_schedule)
+
+
+def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
+    """For pp > 1: cut the model into stages and check the schedule (driver side, no
+    weights: the model is built on the meta device). Returns (plan, Partition)."""
+    from raylm.models.families import family_of
+    from raylm.parallel.pipeline.stages import meta_model, model_units
+    from raylm.plan.partition import check_schedule, partition, virtual_stages
+
+    virtual = virtual_stages(cfg.pipeline_schedule, cfg.pp_virtual_stages)
+    check_schedule(cfg.pipeline_schedule, plan.pp, virtual, plan.micro_batches_per_rank)
+    split = None
+    if cfg.pp_split:
+        try:
+            split = [int(x) for x in str(cfg.pp_split).split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--pp_split {cfg.pp_split}: expected comma-separated block "
+                              "indices, e.g. 3,6,9") from None
+    model = meta_model(spec)
+    if cfg.line_by_line and family_of(spec.config) is None:
+        raise ConfigError(f"--line_by_line with --pp {plan.pp}: padded samples need an "
+                          f"attention mask, which raylm's pipeline stages for "
+                          f"'{spec.config.model_type}' do not take (the GPT-2, GPT-Neo, GPT-J, "
+                          "Llama-family, BERT and RoBERTa stages do)")
+    embed, blocks, head = model_units(model, seq_len)
+    part = partition(embed, blocks, head, plan.pp, cfg.pipeline_schedule, virtual, split)
+    return dataclasses.replace(plan, schedule=cfg.pipeline_schedule, virtual=virtual,
+                               stage_bounds=tuple(tuple(b) for b in part.bounds),
+                               seq_len=seq_len), part

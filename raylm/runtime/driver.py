@@ -29,9 +29,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
-from raylm.data.sampler import GlobalBatchSampler, micro_batches, rank_share, step_schedule
+from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
+                                rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
-from raylm.plan.layout import Plan, make_plan
+from raylm.plan.layout import Plan, make_plan, plan_pipeline
+from raylm.plan.report import describe_partition
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
@@ -87,6 +89,10 @@ class Driver:
                 # Resuming: the global batch is the run's, whatever the layout now.
                 plan = dataclasses.replace(
                     plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
+            if plan.pp > 1:
+                plan, part = plan_pipeline(cfg, inputs.spec, plan, inputs.block_size)
+                for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):
+                    log.info("%s", line)
             data = prepare_data(cfg, inputs)
             self.target_workers = plan.world_size
             log.info("plan: %s", plan.describe())
@@ -249,12 +255,17 @@ class Driver:
         def schedule(step):
             if step >= steps:
                 return None
+            if plan.pp > 1:  # a fixed number of equal micro-batches, filled up
+                return padded_step_schedule(sampler.global_batch(step), plan.dp,
+                                            plan.micro_batch_size, plan.micro_batches_per_rank)
             return step_schedule(sampler.global_batch(step), plan.dp, plan.micro_batch_size)
 
         def submit(step):
-            # Each rank gets its micro-batches for `step` and, to prefetch, for step + 1.
+            # Each rank gets its replica's micro-batches for `step` and, to prefetch, for
+            # step + 1 (every stage of a pipeline gets the same ids).
             cur, nxt = schedule(step), schedule(step + 1)
-            return [w.train_step.remote(step, cur[r], nxt[r] if nxt else None)
+            return [w.train_step.remote(step, cur[plan.dp_index(r)],
+                                        nxt[plan.dp_index(r)] if nxt else None)
                     for r, w in enumerate(self.workers)]
 
         def saves_after(step):
@@ -275,7 +286,7 @@ class Driver:
                 ahead = submit(nxt)
             results = self._wait(inflight)
             self.step += 1
-            out = results[0]
+            out = _loss_result(results)
             now = time.time()
             wall, t_last = now - t_last, now
             rec = {"step": self.step, "epoch": round(sampler.epoch_of(self.step), 4),
@@ -286,8 +297,8 @@ class Driver:
             self.history = [h for h in self.history if h["step"] < self.step] + [rec]
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": self.step, "ranks": [r["sample_ids"]
-                                                                      for r in results]}) + "\n")
+                    f.write(json.dumps({"step": self.step, "ranks": [
+                        r["sample_ids"] for r in results if "sample_ids" in r]}) + "\n")
             window_tokens += out["tokens"]
             self.progress.update(self.step, rec["loss"], rec["tokens_per_second"])
             if self.step % cfg.logging_steps == 0 or self.step == steps:
@@ -326,16 +337,26 @@ class Driver:
     def _eval(self, data: Data) -> dict:
         plan = self.plan
         eval_ds = data.eval if data.eval is not data.train else None
-        refs = [w.evaluate.remote(micro_batches(rank_share(data.eval_ids, r, plan.dp),
-                                                self.cfg.per_device_eval_batch_size), eval_ds)
+        refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dp_index(r)), eval_ds)
                 for r, w in enumerate(self.workers)]
-        out = self._wait(refs)[0]
+        out = _loss_result(self._wait(refs))
         step = getattr(self, "step", 0)
         self.metrics.append({"step": step, "eval_loss": out["eval_loss"],
                              "perplexity": out["perplexity"]})
         self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
                             f"perplexity {out['perplexity']:.2f}")
         return {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
+
+    def _eval_batches(self, eval_ids, dp_index: int) -> list:
+        plan = self.plan
+        share = rank_share(eval_ids, dp_index, plan.dp)
+        if plan.pp == 1:
+            return micro_batches(share, self.cfg.per_device_eval_batch_size)
+        # A pipeline evaluates in chunks of its training step's shape, filled up.
+        chunk = plan.micro_batch_size * plan.micro_batches_per_rank
+        return [padded_step_schedule(share[i:i + chunk], 1, plan.micro_batch_size,
+                                     plan.micro_batches_per_rank)[0]
+                for i in range(0, len(share), chunk)]
 
     def _recover(self, failure: WorkerFailure, inputs: Inputs, data: Data, steps: int) -> None:
         self.failures += 1
@@ -380,6 +401,11 @@ class Driver:
 
         # The tokenizer resolve_model loaded (cached), saved beside the model.
         load_tokenizer(inputs.spec.tokenizer_dir).save_pretrained(self.cfg.output_dir)
+
+
+def _loss_result(results: list) -> dict:
+    """The result of a rank that computed the loss (under a pipeline, a last stage)."""
+    return next((r for r in results if r.get("has_loss", True)), results[0])
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,23 +18,6 @@ from datetime import timedelta
 log = logging.getLogger("raylm")
 
 
-def causal_lm_loss_sum(logits, labels):
-    """Summed next-token cross-entropy (labels shifted by one, -100 ignored).
-
-    Summed, not averaged: the step divides by the token count of the whole global batch,
-    so that every layout computes the same loss as one process would.
-    """
-    import torch.nn.functional as F
-
-    shift_logits = logits[:, :-1, :].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-
-
-def count_label_tokens(labels) -> int:
-    return int((labels[:, 1:] != -100).sum())
-
-
 class RankWorker:
     def __init__(self, rank: int, world_size: int, num_threads: int):
         import torch
@@ -66,6 +49,7 @@ class RankWorker:
 
         from raylm.data.reader import BlockReader, Prefetcher
         from raylm.models.loading import build_model
+        from raylm.models.objectives import objective_for
         from raylm.parallel.data import GradientAllReduce
         from raylm.plan.layout import MESH_DIMS
 
@@ -83,6 +67,12 @@ class RankWorker:
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
         self.model = build_model(spec, train_cfg["seed"]).to(self.device)
+        self.spec = spec
+        self.objective = objective_for(spec.config)
+        self.pipeline = None
+        self.line_by_line = bool(dataset is not None and dataset.line_by_line)
+        if plan.pp > 1:
+            self.pipeline = self._make_pipeline(plan)
         self.optimizer = self._make_optimizer()
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(total_steps)
@@ -95,6 +85,41 @@ class RankWorker:
         self.eval_reader = None
         return {"rank": self.rank, "setup_s": time.time() - t0,
                 "parameters": sum(p.numel() for p in self.model.parameters())}
+
+    def _make_pipeline(self, plan):
+        """Cut the model to this rank's stages; tied-weight groups on every rank, in one
+        order (new_group is collective over the world)."""
+        import torch
+        import torch.distributed as dist
+
+        from raylm.parallel.pipeline.runtime import PipelineRuntime
+        from raylm.parallel.pipeline.stages import cut
+        from raylm.plan.partition import Partition, stage_ranks
+
+        part = Partition(bounds=[tuple(b) for b in plan.stage_bounds],
+                         stage_rank=stage_ranks(plan.schedule, plan.pp, plan.virtual))
+        pp_rank = self.mesh["pp"].get_local_rank()
+        stage_ids = part.stages_of(pp_rank)
+        example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
+        modules, holders, self.eval_stage_modules = cut(self.model, part, stage_ids, example)
+        grid = self.mesh.mesh  # global rank of each (dp, pp, tp) coordinate
+        dp_i, tp_i = self.mesh["dp"].get_local_rank(), self.mesh["tp"].get_local_rank()
+        tied_groups = {}
+        for ranks in sorted({tuple(r) for r in holders.values() if len(r) > 1}):
+            for d in range(plan.dp):
+                for t in range(plan.tp):
+                    group = dist.new_group([int(grid[d, r, t]) for r in ranks])
+                    if (d, t) == (dp_i, tp_i):
+                        tied_groups[ranks] = group
+        self.global_tokens = 1.0
+        return PipelineRuntime(self.model, modules, stage_ids, part, holders, plan.schedule,
+                               plan.micro_batches_per_rank, self._pipeline_loss,
+                               self.mesh["pp"].get_group(), pp_rank, self.device, tied_groups)
+
+    def _pipeline_loss(self, logits, labels):
+        # The last stage's loss per micro-batch: summed token loss over the step's global
+        # token count (1 during evaluation, which wants sums).
+        return self.objective.loss_sum(logits, labels) / self.global_tokens
 
     def _make_optimizer(self):
         import torch
@@ -138,15 +163,19 @@ class RankWorker:
         from raylm.parallel.data import all_reduce_sum_async
 
         t0 = time.time()
-        batches = self.prefetcher.get(step, micro_batch_ids)
-        if next_ids is not None:
+        # A middle pipeline stage reads nothing: its input arrives from the previous stage.
+        reads = self.pipeline is None or self.pipeline.needs_data or self.line_by_line
+        batches = self.prefetcher.get(step, micro_batch_ids) if reads else []
+        if next_ids is not None and reads:
             self.prefetcher.submit(step + 1, next_ids)
         t_data = time.time() - t0
+        if self.pipeline is not None:
+            return self._pipeline_step(step, batches, micro_batch_ids, t0, t_data)
 
         # The loss of a step is the mean over every label token of the global batch, so
         # each rank needs the global count before its first backward: sum it over dp in
         # the background while the first forward runs.
-        local_tokens = sum(count_label_tokens(b["labels"]) for b in batches)
+        local_tokens = sum(self._count(b) for b in batches)
         global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
                                                          self.device)
 
@@ -166,32 +195,98 @@ class RankWorker:
             self.grad_sync.arm(loss_sum)
 
         global_loss = self.grad_sync.finish()  # gradients (and the loss) summed over dp
-        grad_norm = None
-        if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             self.cfg["max_grad_norm"]))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.grad_sync.zero_grad()
-
+        out = self._apply(lambda max_norm: float(torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm)))
         tokens = float(global_tokens[0].item())
-        out = {"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
-               "local_tokens": local_tokens, "learning_rate": lr, "grad_norm": grad_norm,
-               "data_wait_s": t_data, "step_s": time.time() - t0}
+        out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
+                    "local_tokens": local_tokens, "data_wait_s": t_data,
+                    "step_s": time.time() - t0})
         if self.cfg.get("log_sample_ids"):
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids]
         return out
 
+    def _apply(self, clip) -> dict:
+        """Clip (``clip(max_norm)`` returns the norm before clipping), optimizer step,
+        schedule step, zero the gradients."""
+        grad_norm = None
+        if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
+            grad_norm = clip(self.cfg["max_grad_norm"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.grad_sync.zero_grad()
+        return {"learning_rate": lr, "grad_norm": grad_norm}
+
+    def _pipeline_step(self, step: int, batches: list, micro_batch_ids: list, t0: float,
+                       t_data: float) -> dict:
+        """The same step under pipeline parallelism: the schedule runs forward and backward
+        over the step's micro-batches (first stage fed input ids, last stage labels), then
+        the gradients are summed over dp and between tied copies, clipped over the whole
+        pipeline, and applied."""
+        import torch
+
+        from raylm.parallel.data import all_reduce_sum_async
+
+        pipe = self.pipeline
+        local_tokens = sum(self._count(b) for b in batches) if pipe.has_last else 0
+        global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
+                                                         self.device)
+        if count_work is not None:
+            count_work.wait()
+        self.global_tokens = float(global_tokens[0].item()) or 1.0
+        ids, labels, kwargs = self._stack(batches)
+        pipe.train(True)
+        losses = pipe.run(ids, labels, kwargs)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb_loss in losses:
+            loss_sum += mb_loss.detach().double() * self.global_tokens
+        self.grad_sync.arm(loss_sum)
+        global_loss = self.grad_sync.finish()  # dp sum (each stage over its own dp group)
+        pipe.sync_tied_grads()
+        out = self._apply(pipe.clip_grad_norm)  # the norm over the whole pipeline
+        tokens = float(global_tokens[0].item())
+        out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
+                    "has_loss": pipe.has_last, "local_tokens": local_tokens,
+                    "data_wait_s": t_data, "step_s": time.time() - t0})
+        if self.cfg.get("log_sample_ids") and pipe.has_first:
+            out["sample_ids"] = [int(i) for ids_ in micro_batch_ids for i in ids_ if i >= 0]
+        return out
+
+    def _stack(self, batches: list):
+        """The step's rows as the schedule takes them: all micro-batches stacked (it splits
+        them again). Each stage gets only what it uses; the attention mask only when the
+        data has padding (line by line), and then every stage needs it."""
+        import torch
+
+        pipe = self.pipeline
+        parts = [self.objective.split(b) for b in batches]
+
+        def stacked(key):
+            return torch.cat([p[key] for p in parts]).to(self.device)
+
+        ids = stacked("input_ids") if pipe.has_first else None
+        labels = stacked("labels") if pipe.has_last else None
+        kwargs = {}
+        if pipe.needs_decoder_inputs:  # the stage that embeds the decoder's input (T5)
+            kwargs["decoder_input_ids"] = stacked("decoder_input_ids")
+        if self.line_by_line:
+            kwargs["attention_mask"] = torch.cat(
+                [b["attention_mask"] for b in batches]).to(self.device)
+        return ids, labels, kwargs
+
+    def _count(self, batch: dict) -> int:
+        """Label tokens of a micro-batch under the objective."""
+        return self.objective.count(self.objective.split(batch)["labels"])
+
     def _loss_sum(self, batch: dict):
         """Forward one micro-batch; its summed token loss and its labels."""
-        labels = batch["labels"].to(self.device)
+        parts = {k: v.to(self.device) for k, v in self.objective.split(batch).items()}
+        labels = parts.pop("labels")
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
-        padded = bool((batch["attention_mask"] == 0).any())
-        mask = batch["attention_mask"].to(self.device) if padded else None
-        logits = self.model(input_ids=batch["input_ids"].to(self.device),
-                            attention_mask=mask).logits
-        return causal_lm_loss_sum(logits, labels), labels
+        if bool((batch["attention_mask"] == 0).any()):
+            parts["attention_mask"] = batch["attention_mask"].to(self.device)
+        logits = self.model(**parts).logits
+        return self.objective.loss_sum(logits, labels), labels
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
@@ -209,14 +304,29 @@ class RankWorker:
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         with torch.no_grad():
-            for ids in micro_batch_ids:
+            if self.pipeline is not None:
+                # micro_batch_ids: chunks of one step's shape (the schedule's micro-batch
+                # count and size), filled up with padding ids.
+                self.pipeline.train(False)
+                reads = self.pipeline.needs_data or self.line_by_line
+                for chunk in micro_batch_ids:
+                    batches = [reader.read(ids) for ids in chunk] if reads else []
+                    ids, labels, kwargs = self._stack(batches)
+                    losses = self.pipeline.forward_only(ids, labels, kwargs,
+                                                        self.objective.loss_sum,
+                                                        self.eval_stage_modules)
+                    loss_sum += sum(float(x) for x in losses)
+                    if self.pipeline.has_last:
+                        tokens += sum(self._count(b) for b in batches)
+            for ids in (micro_batch_ids if self.pipeline is None else []):
                 batch_loss, labels = self._loss_sum(reader.read(ids))
                 loss_sum += batch_loss.item()
-                tokens += count_label_tokens(labels)
+                tokens += self.objective.count(labels)
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], self.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700)),
-                "eval_tokens": int(tokens)}
+                "eval_tokens": int(tokens),
+                "has_loss": self.pipeline is None or self.pipeline.has_last}
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
@@ -234,15 +344,42 @@ class RankWorker:
         return True
 
     def save_pretrained(self, output_dir: str) -> bool:
-        """Rank 0 writes one ordinary Hugging Face model (safetensors)."""
+        """Rank 0 writes one ordinary Hugging Face model (safetensors).
+
+        Under pipeline parallelism rank 0 holds only its stages: the first data-parallel
+        replica's stages send their weights to it over the pp group, and it writes them
+        as one whole model (it needs the whole model's memory for that moment)."""
+        model = self.model
+        if self.pipeline is not None:
+            model = self._gather_pipeline_model()
         if self.rank == 0:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
-            self.model.config.use_cache = True
-            self.model.save_pretrained(output_dir, safe_serialization=True)
-            self.model.config.use_cache = False
+            model.config.use_cache = True
+            model.save_pretrained(output_dir, safe_serialization=True)
+            model.config.use_cache = False
         return True
+
+    def _gather_pipeline_model(self):
+        import torch.distributed as dist
+
+        from raylm.models.loading import build_model
+
+        if self.mesh["dp"].get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
+            return None
+        group = self.mesh["pp"].get_group()
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        parts = [None] * self.plan.pp if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=group)
+        if self.rank != 0:
+            return None
+        whole = {}
+        for part in parts:
+            whole.update(part)
+        full = build_model(self.spec, self.cfg["seed"])
+        full.load_state_dict(whole, strict=True)
+        return full
 
     def shutdown(self) -> bool:
         import torch.distributed as dist

@@ -1,0 +1,150 @@
+"""One rank's part of a pipeline: its stage modules, the schedule, tied-weight gradients.
+
+torch.distributed.pipelining runs the schedules (PipelineStage, ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleZBVZeroBubble); raylm adds the stage modules
+(raylm.parallel.pipeline.stages), which rank runs which stage (raylm.plan.partition), and
+what torch's tracer-based split gets wrong: a weight used by two stages on two ranks
+(GPT-2's ``wte``, used by the embedding and by ``lm_head``) exists once per rank and its
+gradient is summed between those ranks every step. The gradient norm for clipping is
+summed over the pipeline with each such weight counted once.
+
+Gradients are not scaled by the schedule (``scale_grads=False``): the loss function already
+divides by the global batch's label-token count, as the unpipelined step does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+
+from raylm.plan.partition import Partition
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+class PipelineRuntime:
+    def __init__(self, model, modules: list, stage_ids: list, part: Partition, holders: dict,
+                 schedule: str, num_microbatches: int, loss_fn, pp_group, pp_rank: int,
+                 device, tied_groups: dict):
+        self.model = model
+        self.part = part
+        self.pp_group = pp_group
+        self.pp_rank = pp_rank
+        self.stage_ids = stage_ids
+        self.has_first = 0 in stage_ids
+        self.has_last = part.num_stages - 1 in stage_ids
+        self.num_microbatches = num_microbatches
+        self.stages = [PipelineStage(m, s, part.num_stages, device, group=pp_group)
+                       for m, s in zip(modules, stage_ids)]
+        cls = SCHEDULE_CLASSES[schedule]
+        target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
+        self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+        self.modules = modules
+        # T5: the stage that embeds the decoder's input is fed decoder_input_ids.
+        self.needs_decoder_inputs = any(
+            getattr(getattr(m, "stage", m), "runs_dec_embed", False) for m in modules)
+        # Only the first stage is fed input ids, only the last labels.
+        self.needs_data = self.has_first or self.has_last or self.needs_decoder_inputs
+        names = dict(model.named_parameters())
+        # Tied weights on this rank, and the group of pp ranks each is summed over.
+        self.tied = [(names[n], tied_groups[tuple(r)]) for n, r in holders.items()
+                     if n in names and len(r) > 1]
+        # For the gradient norm: a weight held by several ranks counts on the lowest only.
+        self.norm_params = [p for n, p in names.items()
+                            if p.requires_grad and holders.get(n, [pp_rank])[0] == pp_rank]
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+        for m in self.modules:
+            m.train(mode)
+
+    def run(self, input_ids, labels, kwargs: dict) -> list:
+        """One training pass over ``num_microbatches`` micro-batches (the step's rows,
+        stacked; the schedule splits them). Returns the last stage's per-micro-batch
+        losses (empty on other ranks)."""
+        args = (input_ids,) if self.has_first else ()
+        losses: list = []
+        self.schedule.step(*args, target=labels if self.has_last else None,
+                           losses=losses if self.has_last else None, **kwargs)
+        return losses
+
+    def forward_only(self, input_ids, labels, kwargs: dict, loss_fn, modules=None) -> list:
+        """Evaluation: each micro-batch forward through the stages in order, with plain
+        send/recv between ranks.
+
+        Not the training schedule's eval mode: zero-bubble schedules cannot run without
+        backward in torch 2.13, and evaluation has no bubble worth scheduling away.
+        ``modules`` replaces this rank's stage modules (an eval-mode export)."""
+        modules = dict(zip(self.stage_ids, modules or self.modules))
+        n = self.num_microbatches
+        chunks = lambda t: list(torch.chunk(t, n)) if t is not None else [None] * n  # noqa: E731
+        ids_mb, labels_mb = chunks(input_ids), chunks(labels)
+        kw_mb = [{k: v[i] for k, v in ((k, chunks(v)) for k, v in kwargs.items())}
+                 for i in range(n)]
+        rank_of, last = self.part.stage_rank, self.part.num_stages - 1
+        losses = []
+        for i in range(n):
+            local = None
+            for s in range(self.part.num_stages):
+                if rank_of[s] != self.pp_rank:
+                    continue
+                if s == 0:
+                    args = (ids_mb[i],)
+                elif rank_of[s - 1] == self.pp_rank:
+                    args = local
+                else:
+                    args = self._recv(rank_of[s - 1])
+                out = modules[s](*args, **kw_mb[i])
+                out = out if isinstance(out, tuple) else (out,)
+                if s == last:
+                    losses.append(loss_fn(out[0], labels_mb[i]))
+                elif rank_of[s + 1] == self.pp_rank:
+                    local = out
+                else:
+                    self._send(out, rank_of[s + 1])
+        return losses
+
+    def _send(self, tensors: tuple, peer: int) -> None:
+        meta = [(tuple(t.shape), t.dtype) for t in tensors]
+        dist.send_object_list([meta], group_dst=peer, group=self.pp_group)
+        for t in tensors:
+            dist.send(t.contiguous(), group_dst=peer, group=self.pp_group)
+
+    def _recv(self, peer: int) -> tuple:
+        box = [None]
+        dist.recv_object_list(box, group_src=peer, group=self.pp_group)
+        out = []
+        for shape, dtype in box[0]:
+            t = torch.empty(shape, dtype=dtype)
+            dist.recv(t, group_src=peer, group=self.pp_group)
+            out.append(t)
+        return tuple(out)
+
+    def sync_tied_grads(self) -> None:
+        for p, group in self.tied:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """torch's clip_grad_norm_, over the whole pipeline's parameters."""
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g.detach(), 2.0).double() ** 2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
+        total = float(sq.sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
