@@ -1,4 +1,4 @@
-"""``raylm`` command line: train, tokenize, tokenizer train.
+"""``raylm`` command line: train, plan, tokenize, tokenizer train.
 
 Every error the user can fix is one line, ``raylm: error: ...``, exit status 2, printed
 before any actor starts.
@@ -32,6 +32,19 @@ def build_parser() -> OneLineParser:
     train.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag "
                        "values (flags given on the command line win)")
     add_config_arguments(train)
+
+    plan = sub.add_parser(
+        "plan", help="show how a run would be laid out (no cluster, no weights)",
+        description="Print the layout `raylm train` with the same flags would use: dp x pp, "
+        "and for a pipeline each stage's pp rank, blocks (module names), parameters and "
+        "estimated memory. Starts no Ray and builds no weights (the model is built on the "
+        "meta device), so any model size plans in seconds. The cluster is taken to hold "
+        "--num_workers ranks (default: one replica, dp x pp).")
+    plan.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag "
+                      "values (flags given on the command line win)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the plan as one JSON object instead of tables")
+    add_config_arguments(plan)
 
     tok = sub.add_parser(
         "tokenize", help="tokenize data into raylm's block cache (train reuses it)",
@@ -78,6 +91,19 @@ def cmd_train(ns) -> int:
     m = result.metrics
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
     print(f"raylm: done: {result.output_dir}  {shown}")
+    return 0
+
+
+def cmd_plan(ns) -> int:
+    import json
+
+    from raylm.plan.report import build_plan_report, format_plan_report
+
+    report = build_plan_report(_config(ns))
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(format_plan_report(report)))
     return 0
 
 
@@ -133,6 +159,8 @@ def main(argv=None) -> int:
     try:
         if ns.command == "train":
             return cmd_train(ns)
+        if ns.command == "plan":
+            return cmd_plan(ns)
         if ns.command == "tokenize":
             return cmd_tokenize(ns)
         return cmd_tokenizer_train(ns)

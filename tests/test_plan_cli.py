@@ -1,0 +1,203 @@
+"""`raylm plan`: the layout a run would use, from flags alone (no Ray, no weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from raylm.cli.main import main
+
+GPT2_4 = ("--model_type", "gpt2", "--config_overrides",
+          "n_layer=4,n_embd=32,n_head=2,n_positions=64")
+LLAMA_70B = ("hidden_size=8192,num_hidden_layers=80,num_attention_heads=64,"
+             "num_key_value_heads=8,intermediate_size=28672,vocab_size=128256,"
+             "max_position_embeddings=4096")
+
+
+def plan(capsys, *args):
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def plan_json(capsys, *args):
+    rc, out, err = plan(capsys, "--json", *args)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def reference_params(*args):
+    """The model's distinct parameters, counted by transformers itself (meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raylm.cli.args import config_from_namespace
+    from raylm.cli.main import build_parser
+    from raylm.models.loading import resolve_model
+
+    cfg = config_from_namespace(build_parser().parse_args(["plan", *args]), {})
+    spec = resolve_model(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.config)
+    return sum(p.numel() for p in model.parameters()), spec.config
+
+
+def test_pp2_names_the_modules_of_each_stage(capsys):
+    args = (*GPT2_4, "--pp", "2", "--gradient_accumulation_steps", "2")
+    rep = plan_json(capsys, *args)
+    assert rep["plan"]["pp"] == 2 and rep["plan"]["dp"] == 1
+    s0, s1 = rep["stages"]
+    assert (s0["pp_rank"], s1["pp_rank"]) == (0, 1)
+    assert s0["embeddings"] and not s0["head"]
+    assert s1["head"] and not s1["embeddings"]
+    assert rep["model"]["embeddings"] == "embeddings (transformer.wte, transformer.wpe)"
+    assert rep["model"]["head"] == "transformer.ln_f, lm_head"
+    # contiguous, in order, covering every block exactly once
+    assert s0["blocks"] + s1["blocks"] == [f"transformer.h.{i}" for i in range(4)]
+    assert s0["blocks"] and s1["blocks"]
+    assert s0["last_block"] + 1 == s1["first_block"]
+    assert [s["num_blocks"] for s in rep["stages"]] == [len(s0["blocks"]), len(s1["blocks"])]
+
+    # The table says the same, one aligned row per stage.
+    rc, out, err = plan(capsys, *args)
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("plan: 2 rank(s): dp=1 x pp=2 x tp=1")
+    assert "transformer.wte, transformer.wpe" in out and "lm_head" in out
+    header = next(i for i, l in enumerate(lines) if l.startswith("stage  pp rank"))
+    table = lines[header:header + 3]
+    assert len({len(l) for l in table}) == 1, table  # right-aligned last column
+    row0, row1 = table[1].split(), table[2].split()
+    assert row0[:2] == ["0", "0"] and row1[:2] == ["1", "1"]
+    assert s0["blocks"][0] in table[1] and s0["blocks"][-1] in table[1]
+    assert s1["blocks"][0] in table[2] and s1["blocks"][-1] in table[2]
+    assert "yes" in table[1].split("transformer.h")[-1].split()[:3]  # embed column
+    assert "tied: transformer.wte.weight is held by pp ranks 0, 1" in out
+
+
+def test_pp_split_is_honoured(capsys):
+    rep = plan_json(capsys, *GPT2_4, "--pp", "2", "--pp_split", "1",
+                    "--gradient_accumulation_steps", "2")
+    assert [s["blocks"] for s in rep["stages"]] == [
+        ["transformer.h.0"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]]
+    assert rep["plan"]["stage_bounds"] == [[0, 1], [1, 4]]
+    assert "blocks 0-0 | 1-3" in rep["layout"]
+
+    # Interleaved: 2 ranks x 2 virtual stages, round-robin, at the given cuts.
+    rep = plan_json(capsys, *GPT2_4, "--pp", "2", "--pipeline_schedule", "interleaved_1f1b",
+                    "--pp_split", "1,2,3", "--gradient_accumulation_steps", "4")
+    assert [s["blocks"] for s in rep["stages"]] == [[f"transformer.h.{i}"] for i in range(4)]
+    assert [s["pp_rank"] for s in rep["stages"]] == [0, 1, 0, 1]
+    assert [r["stages"] for r in rep["ranks"]] == [[0, 2], [1, 3]]
+    rc, out, _ = plan(capsys, *GPT2_4, "--pp", "2", "--pipeline_schedule", "interleaved_1f1b",
+                      "--pp_split", "1,2,3", "--gradient_accumulation_steps", "4")
+    assert rc == 0 and "pp rank  stages" in out  # per-rank table when a rank runs 2 stages
+
+
+def test_parameters_sum_to_the_model_with_the_tied_embedding_twice(capsys):
+    args = (*GPT2_4, "--pp", "2", "--gradient_accumulation_steps", "4")
+    rep = plan_json(capsys, *args)
+    total, config = reference_params(*args)
+    wte = config.vocab_size * config.n_embd
+    assert rep["model"]["parameters"] == total
+    assert sum(s["parameters"] for s in rep["stages"]) == total + wte
+    assert sum(r["parameters"] for r in rep["ranks"]) == total + wte
+    assert rep["tied"] == {"transformer.wte.weight": [0, 1]}
+    for s in rep["stages"]:
+        assert s["weight_bytes"] == 16 * s["parameters"]
+        assert s["total_bytes"] == s["weight_bytes"] + s["activation_bytes"]
+    # 1F1B: stage s holds min(micro-batches, stages - s) micro-batches at its peak.
+    assert [s["in_flight"] for s in rep["stages"]] == [2, 1]
+    per_block = rep["estimate"]["activation_bytes_per_block"]
+    s0 = rep["stages"][0]
+    assert s0["activation_bytes"] == pytest.approx(per_block * s0["num_blocks"] * 2)
+
+
+def test_zero_bubble_shares_rank0_between_first_and_last_stage(capsys):
+    args = (*GPT2_4, "--pp", "2", "--pipeline_schedule", "zero_bubble",
+            "--gradient_accumulation_steps", "4")
+    rep = plan_json(capsys, *args)
+    total, _ = reference_params(*args)
+    assert [s["pp_rank"] for s in rep["stages"]] == [0, 1, 1, 0]
+    assert rep["stages"][0]["embeddings"] and rep["stages"][3]["head"]
+    # rank 0 holds the tied wte once although two of its stages use it
+    assert sum(r["parameters"] for r in rep["ranks"]) == total
+    assert rep["tied"] == {}
+
+
+def test_pp1_is_one_line_for_the_whole_model(capsys):
+    args = (*GPT2_4, "--num_workers", "3")
+    rc, out, err = plan(capsys, *args)
+    assert rc == 0, err
+    total, _ = reference_params(*args)
+    assert "dp=3 x pp=1 x tp=1" in out
+    [line] = [l for l in out.splitlines() if "holds the whole model" in l]
+    assert f"{total:,} parameters" in line and "activations" in line
+    rep = plan_json(capsys, *args)
+    assert rep["stages"] == [] and rep["ranks"][0]["parameters"] == total
+
+
+def test_run_file_and_flags(capsys, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("model_type: gpt2\nconfig_overrides: n_layer=4,n_embd=32,n_head=2,"
+                   "n_positions=64\npp: 2\ngradient_accumulation_steps: 2\n")
+    rep = plan_json(capsys, str(run), "--pp_split", "3")
+    assert rep["plan"]["stage_bounds"] == [[0, 3], [3, 4]]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("--pp", "2", "--pp_split", "1,2", "--gradient_accumulation_steps", "2"),
+     ["--pp_split", "1 boundary"]),
+    (("--pp", "8", "--gradient_accumulation_steps", "8"), ["8 stages", "only 4 blocks"]),
+    (("--pp", "4", "--gradient_accumulation_steps", "2"), ["1f1b", "micro-batches"]),
+    (("--pp", "2", "--num_workers", "3", "--gradient_accumulation_steps", "2"),
+     ["--num_workers 3"]),
+    (("--block_size", "65"), ["--block_size 65"]),
+])
+def test_bad_input_is_one_line(capsys, extra, words):
+    rc, out, err = plan(capsys, *GPT2_4, *extra)
+    assert rc == 2
+    assert out == ""
+    [line] = err.strip().splitlines()
+    assert line.startswith("raylm: error: ")
+    for w in words:
+        assert w in line, line
+
+
+def test_bad_input_from_the_real_command():
+    proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "plan", *GPT2_4,
+                           "--pp", "5", "--gradient_accumulation_steps", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("raylm: error: ") and "only 4 blocks" in line, line
+
+
+def test_70b_llama_plans_in_seconds_without_ray():
+    # The real command's code path, in a fresh process that must not import Ray.
+    script = ("import sys; from raylm.cli.main import main; rc = main(sys.argv[1:]); "
+              "assert 'ray' not in sys.modules, 'plan imported ray'; sys.exit(rc)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, "plan", "--model_type", "llama",
+                           "--config_overrides", LLAMA_70B, "--pp", "8", "--num_workers",
+                           "8", "--block_size", "4096", "--gradient_accumulation_steps", "8",
+                           "--per_device_train_batch_size", "1"],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 20, f"raylm plan took {elapsed:.1f} s"
+    out = proc.stdout
+    h, i, kv, v, L = 8192, 28672, 1024, 128256, 80
+    block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    total = 2 * v * h + L * block + h  # untied embedding and head, final norm
+    assert f"{total:,} parameters" in out
+    assert "dp=1 x pp=8 x tp=1" in out
+    assert "model.layers.0 .. model.layers.9" in out
+    assert "model.layers.79" in out
+    rows = [l.split() for l in out.splitlines() if l[:6].strip().isdigit()]
+    assert [r[0] for r in rows[:8]] == [str(s) for s in range(8)]
