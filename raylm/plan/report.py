@@ -28,13 +28,19 @@ def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> 
     return min(microbatches, num_stages - stage)
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
-def describe_partition(part: Partition, schedule: str = "1f1b", microbatches: int = 1,
-                       act_per_block: Optional[float] = None) -> list[str]:
-    """One line per stage: rank, blocks, parameters, estimated memory."""
+def describe_partition(part: Partition, schedule: str = "1f1b",
+                       microbatches: int = 1) -> list[str]:
+    """One line per stage: rank, blocks, parameters, estimated weight and optimizer memory
+    (the driver's log; `raylm plan` adds activations, see build_plan_report)."""
     last = part.num_stages - 1
     lines = [f"pipeline: {part.num_stages} stage(s) on {max(part.stage_rank) + 1} rank(s), "
              f"schedule {schedule}, {microbatches} micro-batch(es) per step"]
@@ -52,11 +58,7 @@ def describe_partition(part: Partition, schedule: str = "1f1b", microbatches: in
         if part.blocks:
             params = part.stage_params(s)
             mem = params * BYTES_PER_PARAM
-            line += f"; {params:,} parameters; ~{gib(mem)} weights+grads+AdamW"
-            if act_per_block is not None:
-                act = act_per_block * (b - a) * in_flight(schedule, s, part.num_stages,
-                                                          microbatches)
-                line += f" + ~{gib(act)} activations"
+            line += f"; {params:,} parameters; ~{human_bytes(mem)} weights+grads+AdamW"
         lines.append(line)
     return lines
 
@@ -65,15 +67,6 @@ def describe_partition(part: Partition, schedule: str = "1f1b", microbatches: in
 HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model")
 HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")
 LAYER_ATTRS = ("num_hidden_layers", "n_layer", "num_layers")
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _first_int(config, names) -> Optional[int]:

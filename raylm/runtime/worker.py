@@ -103,13 +103,13 @@ class RankWorker:
         example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
         modules, holders, self.eval_stage_modules = cut(self.model, part, stage_ids, example)
         grid = self.mesh.mesh  # global rank of each (dp, pp, tp) coordinate
-        dp_i, tp_i = self.mesh["dp"].get_local_rank(), self.mesh["tp"].get_local_rank()
+        tp_rank = self.mesh["tp"].get_local_rank()
         tied_groups = {}
         for ranks in sorted({tuple(r) for r in holders.values() if len(r) > 1}):
             for d in range(plan.dp):
                 for t in range(plan.tp):
                     group = dist.new_group([int(grid[d, r, t]) for r in ranks])
-                    if (d, t) == (dp_i, tp_i):
+                    if (d, t) == (self.dp_rank, tp_rank):
                         tied_groups[ranks] = group
         self.global_tokens = 1.0
         return PipelineRuntime(self.model, modules, stage_ids, part, holders, plan.schedule,
@@ -318,10 +318,11 @@ class RankWorker:
                     loss_sum += sum(float(x) for x in losses)
                     if self.pipeline.has_last:
                         tokens += sum(self._count(b) for b in batches)
-            for ids in (micro_batch_ids if self.pipeline is None else []):
-                batch_loss, labels = self._loss_sum(reader.read(ids))
-                loss_sum += batch_loss.item()
-                tokens += self.objective.count(labels)
+            else:
+                for ids in micro_batch_ids:
+                    batch_loss, labels = self._loss_sum(reader.read(ids))
+                    loss_sum += batch_loss.item()
+                    tokens += self.objective.count(labels)
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], self.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700)),
@@ -366,7 +367,7 @@ class RankWorker:
 
         from raylm.models.loading import build_model
 
-        if self.mesh["dp"].get_local_rank() != 0 or self.mesh["tp"].get_local_rank() != 0:
+        if self.dp_rank != 0 or self.mesh["tp"].get_local_rank() != 0:
             return None
         group = self.mesh["pp"].get_group()
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

@@ -146,11 +146,7 @@ class FamilyStage(nn.Module):
     def forward(self, x, attention_mask=None):
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         hidden = self.base(attention_mask=attention_mask, use_cache=False, **inputs)[0]
-        if self.last:
-            return self.head(hidden)
-        # Zero-bubble schedules detach a stage's output in place once its input gradient
-        # is computed, which a view (GPT-2's base returns one) does not allow.
-        return hidden.clone() if hidden._is_view() else hidden
+        return self.head(hidden) if self.last else hidden
 
 
 def _distinct_params(modules) -> dict:
@@ -262,7 +258,8 @@ def _stage_factory(model: nn.Module, part: Partition, example_ids):
     family = family_of(model.config)
     last = part.num_stages - 1
     if family is not None:
-        return (lambda s: FamilyStage(model, family, part.bounds[s], s == 0, s == last)), None
+        return (lambda s: _Sendable(FamilyStage(model, family, part.bounds[s], s == 0,
+                                                s == last), True)), None
     if is_t5(model.config):
         from raylm.models.t5_stages import t5_stage_modules
         mods = [_Sendable(m, True) for m in t5_stage_modules(model, part.bounds)]
