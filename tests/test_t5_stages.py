@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import T5Config, T5ForConditionalGeneration
 
 from raylm.models.t5_stages import t5_split_block, t5_stage_modules, t5_units
-
-transformers = pytest.importorskip("transformers")
-from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 
 VOCAB = 128
 # fp32. The chain runs the same kernels in the same order as the HF forward (measured
