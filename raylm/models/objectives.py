@@ -7,6 +7,10 @@ uses the same packed data with no separate corpus format.
 
 Losses are summed over tokens, not averaged: a step divides by the label-token count of
 the whole global batch, so that every layout computes the same loss as one process.
+
+Under tensor parallelism the logits are a DTensor sharded on the vocabulary; inside
+``loss_parallel()`` the same ``F.cross_entropy`` call is torch's parallel cross-entropy,
+whose (replicated) result is returned as a plain, differentiable tensor.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ class CausalLM:
         """Next-token cross-entropy: labels shifted by one, IGNORE_INDEX skipped."""
         shift_logits = logits[:, :-1, :].reshape(-1, logits.size(-1)).float()
         shift_labels = labels[:, 1:].reshape(-1)
-        return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return _local(F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX,
+                                      reduction="sum"))
 
     def count(self, labels) -> int:
         return int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -54,11 +58,21 @@ class Seq2Seq:
                 "decoder_input_ids": dec}
 
     def loss_sum(self, logits, labels):
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                               labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        return _local(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                      labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                      reduction="sum"))
 
     def count(self, labels) -> int:
         return int((labels != IGNORE_INDEX).sum())
+
+
+def _local(loss):
+    """Under tensor parallelism the logits are vocabulary-sharded DTensors and
+    loss_parallel's cross-entropy is a replicated DTensor: every rank holds the whole
+    value, so its local tensor is the loss (and stays differentiable)."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def objective_for(config):

@@ -17,12 +17,28 @@ locally:
 
 Gradients are summed, not averaged: the loss is already normalised by the global token
 count of the step.
+
+Tensor-parallel parameters (DTensors) are bucketed by their local shard: the gradient is
+a DTensor over the bucket view with the parameter's mesh and placements, so dp peers (which
+hold the same shard) reduce it like any other, and autograd accumulates into it in place
+(a DTensor ``+=``). A replicated parameter whose incoming gradient is Partial (a norm on
+sequence shards) is summed over tp by that ``+=``; pre-allocating its Replicate gradient
+is what makes it so (left to itself torch would store the Partial gradient).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
+    if isinstance(p, DTensor):
+        with torch.no_grad():
+            return p.to_local()
+    return p
 
 
 class GradientAllReduce:
@@ -34,7 +50,7 @@ class GradientAllReduce:
         buckets: list[list[torch.nn.Parameter]] = []
         current, current_bytes = [], 0
         for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
+            nbytes = _local(p).numel() * p.element_size()
             if current and current_bytes + nbytes > bucket_bytes:
                 buckets.append(current)
                 current, current_bytes = [], 0
@@ -47,12 +63,17 @@ class GradientAllReduce:
         self.bucket_of: dict[int, int] = {}
         for i, bucket in enumerate(buckets):
             extra = 1 if i == len(buckets) - 1 else 0  # the loss slot
-            flat = torch.zeros(sum(p.numel() for p in bucket) + extra,
-                               dtype=bucket[0].dtype, device=bucket[0].device)
+            flat = torch.zeros(sum(_local(p).numel() for p in bucket) + extra,
+                               dtype=bucket[0].dtype, device=_local(bucket[0]).device)
             offset = 0
             for p in bucket:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p)
+                local = _local(p)
+                n = local.numel()
+                view = flat[offset:offset + n].view_as(local)
+                if isinstance(p, DTensor):
+                    view = DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride(), run_check=False)
+                p.grad = view
                 self.bucket_of[id(p)] = i
                 offset += n
             self.flats.append(flat)

@@ -1,0 +1,49 @@
+"""Megatron-style tensor parallelism for whole Hugging Face models, with torch's DTensor.
+
+API
+---
+``check_tensor_parallel(config, tp, sequence_parallel=False) -> None``
+    Driver side, no weights. Raises raylm.errors.ConfigError (one line) when tp does not
+    divide the attention heads or the key-value heads (both numbers named), when the model
+    type has no plan (neither transformers' ``config.base_model_tp_plan`` nor a raylm
+    plan), when its HF plan uses a style raylm does not translate, or when
+    ``sequence_parallel`` is asked for a family without it. tp <= 1: nothing to check.
+
+``apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, src_data_rank=None)``
+    -> ``TPState``. In place, on the whole model (built with the same weights on every tp
+    rank), over the 1-D DeviceMesh ``tp_mesh`` (e.g. ``mesh["tp"]``). Attention q/k/v and
+    MLP up/gate are column-parallel, attention output and MLP down row-parallel; the
+    embedding is vocabulary-parallel (RowwiseParallel, input replicated) and the LM head
+    column-parallel with its output kept a DTensor sharded on the vocabulary, so logits
+    stay sharded and the loss is a parallel cross-entropy. A vocabulary that tp does not
+    divide is padded (zero rows; padded logit columns masked to the dtype's minimum, so
+    losses and gradients are the unpadded model's). Tied weights stay one parameter.
+    GPT-2's Conv1D layers become nn.Linear (c_attn rows reordered per rank).
+
+``TPState``
+    ``.loss_context()``: context manager (torch's ``loss_parallel()``); forward, loss and
+    backward of every micro-batch run inside it. ``.vocab_size`` (the model's),
+    ``.padded_vocab_size``, ``.tp``, ``.sequence_parallel``, ``.plan`` (module fqn ->
+    style applied), ``.describe()``.
+
+``canonical_adapter(model, tps_or_None) -> CanonicalAdapter``
+    Checkpoint form (layout-independent global shapes; see ``canonical``):
+    ``.to_canonical(sd)``, ``.from_canonical(canon, sd)``, ``.hf_state_dict(model)``.
+    Exists for every model; identity where nothing needs translating.
+
+``grad_norm_sq(params) -> float64 tensor``
+    Squared global gradient norm with tp-sharded and replicated gradients (replicated
+    counted once); ``sqrt`` of it is what single-process ``clip_grad_norm_`` computes.
+
+Plans are data (``plans``): transformers' ``base_model_tp_plan`` where the model has one
+(Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, ...), else raylm's for GPT-2,
+GPT-Neo, BERT/RoBERTa (causal LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo,
+Llama, Mistral, Qwen2.
+"""
+
+from raylm.parallel.tensor.apply import TPState, apply_tensor_parallel, check_tensor_parallel
+from raylm.parallel.tensor.canonical import CanonicalAdapter, canonical_adapter
+from raylm.parallel.tensor.grads import grad_norm_sq
+
+__all__ = ["TPState", "apply_tensor_parallel", "check_tensor_parallel", "CanonicalAdapter",
+           "canonical_adapter", "grad_norm_sq"]

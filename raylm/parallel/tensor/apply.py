@@ -1,0 +1,378 @@
+"""Applying a tensor-parallel plan to a whole Hugging Face model, in place.
+
+torch's ``parallelize_module`` does the sharding; this module prepares the model for it
+and fills in what torch has no notion of:
+
+1. GPT-2's ``Conv1D`` layers become ``nn.Linear`` (transposed weight): torch's Colwise/
+   RowwiseParallel only shard ``nn.Linear`` and ``nn.Embedding``.
+2. Fused projections (GPT-2's ``c_attn``: q, k, v stacked) get their output rows
+   reordered so that rank r's contiguous shard is [q_r; k_r; v_r]; attributes the HF
+   forward uses as global sizes (``split_size``, ``num_heads``) become local.
+3. The vocabulary is padded with zero rows to a multiple of tp (embedding, head, head
+   bias, ties kept), and a forward hook sets the padded logit columns to the dtype's
+   minimum, so the softmax, the loss and every gradient equal the unpadded model's.
+4. The plan: the family's layers (colwise / rowwise, from transformers'
+   ``base_model_tp_plan`` or raylm's own plans), the vocabulary-parallel embedding
+   (RowwiseParallel, input replicated) and head (ColwiseParallel, output kept a DTensor
+   sharded on the vocabulary: the loss is a parallel cross-entropy under
+   ``loss_parallel()``), and, with sequence parallelism, norms on sequence shards.
+5. Tied parameters (GPT-2's wte/lm_head, BERT's decoder weight and bias, T5's shared
+   embeddings) are re-tied: ``parallelize_module`` distributes each module's parameter
+   separately, so the holders are pointed back at one DTensor parameter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from raylm.errors import ConfigError
+from raylm.parallel.tensor.plans import (
+    HF_SEQUENCE_PARALLEL,
+    RAYLM_PLANS,
+    STYLES,
+    plan_for,
+    unsupported_styles,
+)
+
+
+# -- driver side ---------------------------------------------------------------------------
+def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError (one line) when ``config`` cannot be split ``tp`` ways."""
+    if tp <= 1:
+        return
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads:
+        raise ConfigError(f"--tp {tp}: cannot tell the attention heads of model type "
+                          f"'{model_type}'")
+    if heads % tp or kv_heads % tp:
+        raise ConfigError(f"--tp {tp} must divide the attention heads ({heads}) and the "
+                          f"key-value heads ({kv_heads}) of this {model_type} model")
+    plan, _ = plan_for(config)
+    if plan is None:
+        raise ConfigError(
+            f"--tp {tp}: model type '{model_type}' has no tensor-parallel plan (raylm plans: "
+            f"{', '.join(sorted(RAYLM_PLANS))}; or any model whose config has transformers' "
+            "base_model_tp_plan)")
+    bad = unsupported_styles(plan)
+    if bad:
+        pattern, style = next(iter(bad.items()))
+        raise ConfigError(
+            f"--tp {tp}: the {model_type} tensor-parallel plan shards {pattern} as "
+            f"'{style}', which raylm does not translate (it translates {', '.join(STYLES)})")
+    if sequence_parallel and plan.sequence_parallel is None:
+        supported = sorted([t for t, p in RAYLM_PLANS.items() if p.sequence_parallel]
+                           + list(HF_SEQUENCE_PARALLEL))
+        raise ConfigError(f"--sequence_parallel is not supported for model type "
+                          f"'{model_type}' (supported: {', '.join(supported)})")
+
+
+# -- the result ----------------------------------------------------------------------------
+@dataclass
+class TPState:
+    """What ``apply_tensor_parallel`` did to a model (read by the canonical adapter)."""
+
+    mesh: Any  # the 1-D tp DeviceMesh
+    sequence_parallel: bool
+    vocab_size: int  # the model's own vocabulary
+    padded_vocab_size: int  # a multiple of tp; rows past vocab_size are zero
+    source: str  # "raylm" or "transformers": where the layer plan came from
+    plan: dict = field(default_factory=dict)  # module fqn -> the torch style applied
+    converted: tuple = ()  # Conv1D modules turned into nn.Linear (fqns)
+    fused: dict = field(default_factory=dict)  # fused module fqn -> number of parts
+    vocab_params: tuple = ()  # parameter fqns whose dim 0 is the (padded) vocabulary
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.size()
+
+    def loss_context(self):
+        """Forward, loss and backward of a step run inside this: logits are sharded on the
+        vocabulary, and cross-entropy over them is torch's parallel one."""
+        return loss_parallel()
+
+    def describe(self) -> str:
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        pad = (f", vocabulary {self.vocab_size} padded to {self.padded_vocab_size}"
+               if self.padded_vocab_size != self.vocab_size else "")
+        return f"tp={self.tp} ({self.source} plan, {len(self.plan)} modules{sp}{pad})"
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _base_prefix(model: nn.Module) -> str:
+    """Path of the HF base model inside ``model`` (plan keys are relative to it)."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return ""
+    for name, module in model.named_modules():
+        if module is base:
+            return name
+    return ""
+
+
+def match(model: nn.Module, prefix: str, pattern: str) -> list:
+    """Module fqns matching ``pattern`` (relative to ``prefix``; ``*`` = one atom)."""
+    full = f"{prefix}.{pattern}" if prefix else pattern
+    atoms = full.split(".")
+    out = []
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        if name and len(parts) == len(atoms) and all(
+                fnmatch.fnmatchcase(a, p) for a, p in zip(parts, atoms)):
+            out.append(name)
+    return out
+
+
+def _holders(model: nn.Module) -> dict:
+    """id(param) -> (param, [(module, attribute, fqn)]) over every path to every module."""
+    out: dict = {}
+    seen = set()
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is None or (id(module), pname) in seen:
+                continue
+            seen.add((id(module), pname))
+            fqn = f"{mname}.{pname}" if mname else pname
+            out.setdefault(id(p), (p, []))[1].append((module, pname, fqn))
+    return out
+
+
+def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent, _, attr = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def _convert_conv1d(model: nn.Module) -> list:
+    """Every transformers Conv1D (x @ W + b, W [in, out]) -> nn.Linear (W.T), in place."""
+    from transformers.pytorch_utils import Conv1D
+
+    converted = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Conv1D):
+            continue
+        weight = module.weight
+        linear = nn.Linear(weight.shape[0], weight.shape[1], bias=module.bias is not None,
+                           device="meta")
+        linear.weight = nn.Parameter(weight.detach().t().contiguous(),
+                                     requires_grad=weight.requires_grad)
+        if module.bias is not None:
+            linear.bias = module.bias
+        linear.train(module.training)
+        _set_module(model, name, linear)
+        converted.append(name)
+    return converted
+
+
+@torch.no_grad()
+def _reorder_fused(linear: nn.Linear, parts: int, tp: int) -> None:
+    """Rows [p_0; p_1; ...] (each split in tp blocks) -> [p_0,r; p_1,r; ...] per rank r."""
+    out = linear.weight.shape[0]
+    if out % (parts * tp):
+        raise ConfigError(f"--tp {tp} must divide the width of each of the {parts} fused "
+                          f"projections ({out // parts})")
+    w = linear.weight.view(parts, tp, out // (parts * tp), -1).transpose(0, 1)
+    linear.weight.copy_(w.reshape(out, -1).clone())
+    if linear.bias is not None:
+        b = linear.bias.view(parts, tp, -1).transpose(0, 1)
+        linear.bias.copy_(b.reshape(out).clone())
+
+
+def _style(name: str, sp: bool) -> ParallelStyle:
+    """A plan's style name as a torch ParallelStyle. Under sequence parallelism the
+    row-parallel layers reduce-scatter into sequence shards (kept as DTensors, so the
+    residual stream stays one)."""
+    to_seq = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    if name in ("colwise", "embedding_colwise"):
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(**to_seq)
+    if name == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), **to_seq)
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedOnLocalShards()
+    raise ConfigError(f"raylm does not translate the tensor-parallel style '{name}'")
+
+
+class ReplicatedOnLocalShards(ParallelStyle):
+    """A replicated module (weights Replicate DTensors) applied to an activation that is
+    already this rank's shard of something (Qwen3's per-head q_norm sees its heads only).
+
+    Written by hand: torch has no style for it (SequenceParallel is the nearest, but fixes
+    the shard to the sequence dim). The local input is presented as Shard(0): the module
+    only normalises along the last dim, so any other shard dim computes the same; its
+    weight gradient is then Partial and is summed over tp when it accumulates into the
+    Replicate gradient (GradientAllReduce pre-allocates those)."""
+
+    src_data_rank = None
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(
+                    DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                    requires_grad=p.requires_grad))
+
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Shard(0)], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                         for a in args)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def _mask_padded_logits(head: nn.Module, vocab: int, padded: int, mesh):
+    """Set the padded vocabulary columns of the head's (sharded) output to the dtype's
+    minimum: exp() of them is 0, so softmax and loss ignore them and they get no
+    gradient. Hand-written: torch's vocabulary-parallel styles assume an even vocab."""
+    per = padded // mesh.size()
+    real = max(0, min(per, vocab - mesh.get_local_rank() * per))
+    if real == per:
+        return None  # this rank's shard has no padding
+
+    def hook(module, args, out):
+        local = out.to_local()
+        pad = torch.arange(local.shape[-1], device=local.device) >= real
+        local = local.masked_fill(pad, torch.finfo(local.dtype).min)
+        return DTensor.from_local(local, out.device_mesh, out.placements, shape=out.shape,
+                                  stride=out.stride(), run_check=False)
+
+    return head.register_forward_hook(hook)
+
+
+# -- the one entry point -------------------------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
+                          src_data_rank=None) -> TPState:
+    """Shard ``model`` (whole, built with the same weights on every tp rank) over the 1-D
+    ``tp_mesh``, in place. ``src_data_rank=None`` takes each rank's own copy of the
+    weights (no communication); pass 0 to broadcast rank 0's instead."""
+    config = model.config
+    tp = tp_mesh.size()
+    check_tensor_parallel(config, tp, sequence_parallel)
+    plan, source = plan_for(config)
+    if plan is None:  # only reachable with tp == 1, which check_tensor_parallel passes
+        raise ConfigError(f"model type '{config.model_type}' has no tensor-parallel plan")
+    sp = plan.sequence_parallel if sequence_parallel else None
+    prefix = _base_prefix(model)
+
+    # 1-2. Layers torch can shard; fused rows per rank; local sizes.
+    converted = _convert_conv1d(model)
+    fused = {}
+    for pattern, parts in plan.fused.items():
+        for fqn in match(model, prefix, pattern):
+            _reorder_fused(model.get_submodule(fqn), parts, tp)
+            fused[fqn] = parts
+    for pattern, attrs in plan.local_attrs.items():
+        for fqn in match(model, prefix, pattern):
+            module = model.get_submodule(fqn)
+            for attr in attrs:
+                value = getattr(module, attr)
+                if value % tp:
+                    raise ConfigError(f"--tp {tp} must divide {fqn}.{attr} ({value})")
+                setattr(module, attr, value // tp)
+
+    # 3. The vocabulary, padded to a multiple of tp (ties kept: every holder is swapped).
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise ConfigError(f"--tp {tp}: the {config.model_type} model has no embedding / "
+                          "linear LM head pair to shard over the vocabulary")
+    vocab = emb.weight.shape[0]
+    padded = math.ceil(vocab / tp) * tp
+    holders = _holders(model)
+    vocab_ids = {id(emb.weight), id(head.weight)}
+    if head.bias is not None:
+        vocab_ids.add(id(head.bias))
+    for pid in vocab_ids:
+        p = holders[pid][0]
+        if p.shape[0] != vocab:
+            raise ConfigError(f"--tp {tp}: the LM head's output size ({p.shape[0]}) is not "
+                              f"the vocabulary size ({vocab})")
+        if padded != vocab:
+            new = nn.Parameter(torch.cat([p.detach(), p.new_zeros(padded - vocab, *p.shape[1:])]),
+                               requires_grad=p.requires_grad)
+            for module, attr, _ in holders[pid][1]:
+                setattr(module, attr, new)
+    holders = _holders(model)
+    vocab_now = {id(emb.weight), id(head.weight)} | ({id(head.bias)} if head.bias is not None
+                                                      else set())
+    vocab_fqns = tuple(fqn for pid in vocab_now for _, _, fqn in holders[pid][1])
+    ties = [hs for _, hs in holders.values() if len(hs) > 1]
+
+    # 4. The plan: {module fqn: torch style}.
+    styles: dict = {}
+    for pattern, name in plan.layers.items():
+        for fqn in match(model, prefix, pattern):
+            styles[fqn] = _style(name, sp is not None)
+    names = {id(m): n for n, m in model.named_modules()}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module.weight is emb.weight:
+            styles[name] = RowwiseParallel(
+                input_layouts=Replicate(),
+                output_layouts=Shard(1) if sp else Replicate(), use_local_output=sp is None)
+    head_fqn = names[id(head)]
+    styles[head_fqn] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                       output_layouts=Shard(-1), use_local_output=False)
+    if sp is not None:
+        for pattern in sp.norms:
+            for fqn in match(model, prefix, pattern):
+                styles[fqn] = SequenceParallel()
+        for pattern, arg in sp.inputs.items():
+            if isinstance(arg, str):
+                style = PrepareModuleInput(input_kwarg_layouts={arg: Shard(1)},
+                                           desired_input_kwarg_layouts={arg: Replicate()})
+            else:
+                style = PrepareModuleInput(
+                    input_layouts=(None,) * arg + (Shard(1),),
+                    desired_input_layouts=(None,) * arg + (Replicate(),))
+            for fqn in match(model, prefix, pattern):
+                styles[fqn] = style
+        for pattern in sp.positional:
+            for fqn in match(model, prefix, pattern):
+                styles[fqn] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                  desired_output_layouts=Shard(1),
+                                                  use_local_output=False)
+    parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
+
+    # 5. Re-tie: point every holder of a tied parameter at one DTensor parameter.
+    for hs in ties:
+        params = [module._parameters[attr] for module, attr, _ in hs]
+        dts = [p for p in params if isinstance(p, DTensor)]
+        if not dts:
+            continue
+        keep = dts[0]
+        for p in dts[1:]:
+            if p.placements != keep.placements:
+                raise RuntimeError(f"tied parameters {[f for _, _, f in hs]} were sharded "
+                                   f"differently ({keep.placements} vs {p.placements})")
+        for module, attr, _ in hs:
+            setattr(module, attr, keep)
+
+    if padded != vocab:
+        _mask_padded_logits(head, vocab, padded, tp_mesh)
+    return TPState(mesh=tp_mesh, sequence_parallel=sp is not None, vocab_size=vocab,
+                   padded_vocab_size=padded, source=source,
+                   plan={k: repr(v) for k, v in styles.items()}, converted=tuple(converted),
+                   fused=fused, vocab_params=vocab_fqns)
+

@@ -1,0 +1,56 @@
+"""The squared global gradient norm when some gradients are tensor-parallel shards.
+
+torch's ``clip_grad_norm_`` over DTensor gradients computes the norm with DTensor ops and
+one collective per gradient; this sums the local squares first and does one all-reduce
+per mesh group, in float64 (so the result does not depend on the shard count beyond
+float64 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def grad_norm_sq(params) -> torch.Tensor:
+    """Sum of squares of the gradients of ``params`` over the whole (tensor-parallel) model,
+    as one process holding the full tensors would compute it; a float64 scalar tensor.
+
+    * A DTensor gradient sharded over mesh dims contributes its local shard, summed over
+      those dims' process groups.
+    * A replicated gradient (plain tensor, or Replicate DTensor) counts once: every tp rank
+      holds the same values, so each adds it locally and nothing is summed.
+    * A Partial gradient (torch leaves one when a replicated parameter meets sharded
+      activations and no gradient was pre-allocated) is reduced first.
+
+    Collective over the tp group(s) of the sharded gradients: all ranks of a group call it
+    with the same parameters in the same order. Pipeline stages add theirs over the pp
+    group themselves (sum of squares is additive).
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    sharded: dict = {}  # (mesh, sharded mesh dims) -> local squared sum
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                               for pl in g.placements])
+            local = g.to_local().detach()
+            sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float64) ** 2
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            if dims:  # kept on the gradient's device (NCCL reduces device tensors)
+                key = (g.device_mesh, dims)
+                sharded[key] = sharded[key] + sq if key in sharded else sq
+                continue
+            total += sq.cpu()
+        else:
+            total += torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float64).cpu() ** 2
+    # In first-seen order, which is the same on every rank (same parameters, same order).
+    for (mesh, dims), sq in sharded.items():
+        for d in dims:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
+        total += sq.cpu()
+    return total

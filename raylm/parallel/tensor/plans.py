@@ -1,0 +1,141 @@
+"""Tensor-parallel plans as data: per family, which module gets which style.
+
+One generic mechanism (raylm.parallel.tensor.apply) reads these; a family is a few lines,
+as in torchtitan's ``parallelize_llama``. Patterns are module paths relative to the
+Hugging Face *base model* (``model.base_model``: ``transformer`` for GPT-2, ``model`` for
+Llama, the model itself for T5), with ``*`` matching one path atom (fnmatch per atom),
+exactly like the keys of transformers' ``config.base_model_tp_plan``. A pattern that
+matches no module is skipped (plans list alternatives: T5's ``wi`` or ``wi_0``/``wi_1``).
+
+Style names are transformers' own vocabulary (``"colwise"``, ``"rowwise"``, ...) so a
+raylm plan and a Hugging Face plan go through the same translation (STYLES below).
+
+The vocabulary-parallel embedding and LM head are not in these plans: every family gets
+them from ``model.get_input_embeddings()`` / ``model.get_output_embeddings()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# Style names raylm translates into torch ParallelStyles (apply.py ``_style``):
+#   colwise                         ColwiseParallel: weight rows (output features) sharded,
+#                                   input replicated, output sharded on the last dim (local)
+#   rowwise                         RowwiseParallel: weight columns sharded, input sharded on
+#                                   the last dim, output summed (replicated, or sequence
+#                                   shards under sequence parallelism)
+#   colwise_gather_output           ColwiseParallel with the output all-gathered (HF)
+#   rowwise_split_input             RowwiseParallel taking a replicated input (HF)
+#   replicated_with_grad_allreduce  a replicated module applied to head-local activations
+#                                   (Qwen3's q_norm/k_norm): gradient summed over tp (HF)
+#   embedding_colwise               an nn.Embedding sharded on its embedding dim (T5's
+#                                   relative_attention_bias: one column per head)
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+          "replicated_with_grad_allreduce", "embedding_colwise")
+
+
+@dataclass(frozen=True)
+class SequenceParallelPlan:
+    """What changes under ``--sequence_parallel``: between blocks, activations are
+    sequence shards (Shard(1) DTensors); norms and dropouts run on them; a block's
+    attention and MLP gather the sequence on entry and their row-parallel output layers
+    reduce-scatter back to sequence shards."""
+
+    norms: tuple  # torch SequenceParallel
+    inputs: dict  # module -> argument (position or keyword) carrying its hidden states
+    positional: tuple = ()  # position embeddings added to the (sharded) token embeddings
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: dict  # pattern -> style name
+    # Attributes the Hugging Face forward uses as *global* sizes that must become local
+    # (divided by tp), e.g. GPT-Neo's num_heads in its head split.
+    local_attrs: dict = field(default_factory=dict)
+    # Fused projections (after GPT-2's Conv1D -> nn.Linear): pattern -> number of fused
+    # parts. Their output rows are reordered so that each rank's contiguous shard holds
+    # its own slice of every part (q_r, k_r, v_r).
+    fused: dict = field(default_factory=dict)
+    sequence_parallel: Optional[SequenceParallelPlan] = None
+
+
+_GPT2_SP = SequenceParallelPlan(norms=("h.*.ln_1", "h.*.ln_2", "ln_f"),
+                                inputs={"h.*.attn": 0, "h.*.mlp": 0}, positional=("wpe",))
+
+_BERT = Plan(
+    layers={
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    },
+    local_attrs={"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")},
+)
+
+_T5_LAYERS: dict = {}
+for _stack in ("encoder", "decoder"):
+    for _att in ("SelfAttention", "EncDecAttention"):
+        for _p in ("q", "k", "v"):
+            _T5_LAYERS[f"{_stack}.block.*.layer.*.{_att}.{_p}"] = "colwise"
+        _T5_LAYERS[f"{_stack}.block.*.layer.*.{_att}.o"] = "rowwise"
+    for _p in ("wi", "wi_0", "wi_1"):
+        _T5_LAYERS[f"{_stack}.block.*.layer.*.DenseReluDense.{_p}"] = "colwise"
+    _T5_LAYERS[f"{_stack}.block.*.layer.*.DenseReluDense.wo"] = "rowwise"
+    # The relative position bias has one column per head: each rank keeps its heads'.
+    _T5_LAYERS[f"{_stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = \
+        "embedding_colwise"
+
+# raylm's own plans, for families transformers has no base_model_tp_plan for.
+RAYLM_PLANS = {
+    "gpt2": Plan(
+        layers={"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
+                "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+        # split_size: the width of each of q, k, v in c_attn's (now local) output.
+        local_attrs={"h.*.attn": ("split_size", "num_heads")},
+        fused={"h.*.attn.c_attn": 3},
+        sequence_parallel=_GPT2_SP,
+    ),
+    "gpt_neo": Plan(
+        layers={"h.*.attn.attention.q_proj": "colwise", "h.*.attn.attention.k_proj": "colwise",
+                "h.*.attn.attention.v_proj": "colwise",
+                "h.*.attn.attention.out_proj": "rowwise",
+                "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+        local_attrs={"h.*.attn.attention": ("num_heads",)},
+        sequence_parallel=_GPT2_SP,
+    ),
+    "bert": _BERT,
+    "roberta": _BERT,
+    "t5": Plan(layers=_T5_LAYERS,
+               local_attrs={"*.block.*.layer.*.SelfAttention": ("n_heads", "inner_dim"),
+                            "*.block.*.layer.*.EncDecAttention": ("n_heads", "inner_dim")}),
+}
+
+# Sequence parallelism for families planned by transformers' base_model_tp_plan whose
+# decoder layer is Llama's (input_layernorm -> self_attn(hidden_states=...) ->
+# post_attention_layernorm -> mlp(hidden) -> final norm).
+_LLAMA_SP = SequenceParallelPlan(
+    norms=("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"),
+    inputs={"layers.*.self_attn": "hidden_states", "layers.*.mlp": 0})
+HF_SEQUENCE_PARALLEL = {"llama": _LLAMA_SP, "mistral": _LLAMA_SP, "qwen2": _LLAMA_SP}
+
+
+def plan_for(config) -> tuple[Optional[Plan], str]:
+    """(plan, source) for a model config; source is "raylm" or "transformers". The plan is
+    None when the model type has neither."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in RAYLM_PLANS:
+        return RAYLM_PLANS[model_type], "raylm"
+    hf = getattr(config, "base_model_tp_plan", None)
+    if hf:
+        return Plan(layers=dict(hf), sequence_parallel=HF_SEQUENCE_PARALLEL.get(model_type)), \
+            "transformers"
+    return None, ""
+
+
+def unsupported_styles(plan: Plan) -> dict:
+    """pattern -> style for the plan entries raylm does not translate."""
+    return {k: v for k, v in plan.layers.items() if v not in STYLES}
+

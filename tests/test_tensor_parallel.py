@@ -1,0 +1,635 @@
+"""Tensor parallelism (raylm.parallel.tensor) on real gloo process groups, without Ray.
+
+Two groups of processes (2 and 4 ranks; torch.multiprocessing, tcp://127.0.0.1) run every
+multi-process check once (module fixture ``runs``); each test asserts on the outcome of
+its checks, a failure showing the child's traceback. The ground truth is the same model,
+same seed, trained in one process inside each child (the models are tiny): fp32 losses
+within 1e-5 relative and gradient norms within 1e-4 at every step, and after the AdamW
+steps (with clipping to a norm the gradients exceed) the full weights gathered with
+hf_state_dict equal the reference's. Vocabularies of 101 divide neither 2 nor 4, so
+padding is always exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from raylm.errors import ConfigError
+
+# dcp in this (test) process, with no process group: a single-process checkpoint
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+V = 101  # divides neither 2 nor 4
+SEQ = 16  # divisible by 2 and 4 (sequence parallelism)
+BATCH = 2
+STEPS = 3
+LR = 1e-2
+MAX_NORM = 0.5  # small enough that clipping is active
+
+
+# -- tiny models -------------------------------------------------------------------------
+def configs() -> dict:
+    from transformers import (BertConfig, GPT2Config, GPTNeoConfig, GPTNeoXConfig,
+                              LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config,
+                              RobertaConfig, T5Config)
+
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                 vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    return {
+        "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                           eos_token_id=0),
+        "llama": LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64,
+                             max_position_embeddings=64, vocab_size=V),
+        # key-value heads 4, so that tp=4 can hold it (the checkpoint round trip)
+        "llama_mha": LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                 num_key_value_heads=4, intermediate_size=64,
+                                 max_position_embeddings=64, vocab_size=V),
+        "gpt_neo": GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4,
+                                attention_types=[[["global", "local"], 1]], window_size=8,
+                                max_position_embeddings=64, vocab_size=V, embed_dropout=0.0,
+                                attention_dropout=0.0, resid_dropout=0.0),
+        "bert": BertConfig(is_decoder=True, num_hidden_layers=2, hidden_size=32,
+                           num_attention_heads=4, intermediate_size=64, vocab_size=V,
+                           max_position_embeddings=64, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0),
+        "roberta": RobertaConfig(is_decoder=True, num_hidden_layers=1, hidden_size=32,
+                                 num_attention_heads=4, intermediate_size=64, vocab_size=V,
+                                 max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0),
+        "t5": T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                       num_heads=4, vocab_size=V, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                       decoder_start_token_id=0, pad_token_id=0),
+        "gpt_neox": GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=V, max_position_embeddings=64,
+                                  hidden_dropout=0.0, attention_dropout=0.0),
+        # transformers' plans with its other styles: replicated_with_grad_allreduce
+        # (q_norm/k_norm), colwise_gather_output + rowwise_split_input (fused qkv, q/k norms)
+        "qwen3": Qwen3Config(head_dim=8, **small),
+        "phi3": Phi3Config(**small),
+        "olmo2": Olmo2Config(**small),
+    }
+
+
+def build(name: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    config = configs()[name]
+    torch.manual_seed(seed)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    return auto.from_config(config, dtype=torch.float32)
+
+
+def batches(config, n: int, seed: int = 1) -> list:
+    """n batches of (model inputs, labels), some labels ignored; as raylm's objectives
+    split packed blocks."""
+    from raylm.models.objectives import objective_for
+
+    g = torch.Generator().manual_seed(seed)
+    objective = objective_for(config)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, V, (BATCH, SEQ * (2 if config.is_encoder_decoder else 1)),
+                            generator=g)
+        labels = ids.clone()
+        labels[0, 3] = -100
+        parts = objective.split({"input_ids": ids, "labels": labels})
+        labels = parts.pop("labels")
+        out.append((parts, labels))
+    return out
+
+
+# -- one training loop, for the reference and the parallel model ---------------------------
+def make_optimizer(model):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+
+
+def train(model, data, tps=None, dp_group=None, steps=STEPS):
+    """Per step: summed token loss of each micro-batch over the global token count,
+    backward, the dp all-reduce, clipping to MAX_NORM, AdamW. Returns [(loss, norm)]."""
+    import contextlib
+
+    from raylm.models.objectives import objective_for
+    from raylm.parallel.data import GradientAllReduce, all_reduce_sum
+    from raylm.parallel.tensor import grad_norm_sq
+
+    objective = objective_for(model.config)
+    opt = make_optimizer(model)
+    params = list(model.parameters())
+    sync = GradientAllReduce(params, dp_group) if tps is not None else None
+    flats = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size())
+             for f in sync.flats] if sync else []
+    model.train()
+    out = []
+    for step in range(steps):
+        micro = data[step]
+        tokens = all_reduce_sum([sum(objective.count(lab) for _, lab in micro)], dp_group)[0] \
+            if sync else sum(objective.count(lab) for _, lab in micro)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        ctx = tps.loss_context() if tps is not None else contextlib.nullcontext()
+        with ctx:
+            for i, (inputs, labels) in enumerate(micro):
+                logits = model(**inputs, use_cache=False).logits
+                loss = objective.loss_sum(logits, labels)
+                assert type(loss) is torch.Tensor and loss.requires_grad
+                loss_sum += loss.detach()
+                if sync and i == len(micro) - 1:
+                    sync.arm(loss_sum)
+                (loss / tokens).backward()
+        if sync:
+            loss_total = float(sync.finish())
+            # autograd accumulated in place: every grad is still a view into a bucket
+            for p in params:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                assert any(a <= local.data_ptr() < b for a, b in flats), "grad left its bucket"
+            norm = math.sqrt(float(grad_norm_sq(params)))
+            coef = MAX_NORM / (norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+        else:
+            loss_total = float(loss_sum)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
+        opt.step()
+        if sync:
+            sync.zero_grad()
+        else:
+            opt.zero_grad()
+        out.append((loss_total / tokens, norm))
+    return out
+
+
+def assert_close_runs(name, got, want, rel=1e-5):
+    for step, ((l1, n1), (l2, n2)) in enumerate(zip(got, want)):
+        assert abs(l1 - l2) <= rel * abs(l2), f"{name} step {step}: loss {l1} vs {l2}"
+        assert abs(n1 - n2) <= 1e-4 * abs(n2), f"{name} step {step}: grad norm {n1} vs {n2}"
+
+
+def assert_same_weights(name, got: dict, want: dict, max_atol=2e-3, mean_atol=1e-5):
+    """Weights after AdamW steps. Adam divides by sqrt(v) + 1e-8, so a gradient element
+    near 1e-8 turns fp32 rounding (summation order differs between layouts) into up to a
+    fraction of one step's size (LR): hence a loose maximum (a wrong gradient moves whole
+    tensors by ~LR) and a tight mean."""
+    assert set(got) == set(want), f"{name}: keys differ: {set(got) ^ set(want)}"
+    for k, w in want.items():
+        g = got[k]
+        assert g.shape == w.shape, f"{name} {k}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        if not g.numel():
+            continue
+        diff = (g - w).abs()
+        assert diff.max().item() <= max_atol and diff.mean().item() <= mean_atol, \
+            f"{name} {k}: weights differ by up to {diff.max().item()}, " \
+            f"{diff.mean().item()} on average"
+
+
+def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
+    """tp (x dp) training equals one process on the global batch."""
+    from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
+
+    ref = build(name)
+    data = [batches(ref.config, 2, seed=10 + s) for s in range(STEPS)]
+    want = train(ref, data)
+    model = build(name)
+    tps = apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    assert tps.vocab_size == V and tps.padded_vocab_size % mesh.size() == 0
+    # dp: each replica takes its share of every step's micro-batches
+    mine = [micro[dp_rank::dp] for micro in data]
+    seen: list = []
+    if sequence_parallel:  # norms really run on sequence shards
+        norm = next(n for n, style in tps.plan.items() if style.startswith("SequenceParallel"))
+        model.get_submodule(norm).register_forward_hook(
+            lambda m, args, out: seen.append(out.to_local().shape[1]))
+    got = train(model, mine, tps=tps, dp_group=dp_group)
+    label = f"{name} tp={mesh.size()}{' sp' if sequence_parallel else ''}"
+    assert not sequence_parallel or (seen and set(seen) == {SEQ // mesh.size()}), seen
+    assert_close_runs(label, got, want)
+    full = canonical_adapter(model, tps).hf_state_dict(model)
+    assert_same_weights(label, full, ref.state_dict())
+    return model, tps, full
+
+
+# -- process groups ----------------------------------------------------------------------
+# Two spawned groups (2 and 4 ranks) run every multi-process check: starting a process
+# (torch + transformers imports) costs several seconds on this machine, a check well under
+# one. Each rank records each check's outcome; the tests below read the records.
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record(out_dir, rank, check, outcome):
+    with open(os.path.join(out_dir, f"rank-{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"check": check, "outcome": outcome}) + "\n")
+
+
+def _child(rank, world, port, out_dir, checks):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    try:
+        for check, job, args in checks:
+            try:
+                globals()[job](rank, world, *args)
+            except BaseException:
+                _record(out_dir, rank, check, traceback.format_exc())
+                raise  # the peers then fail fast ("connection closed"), not at a timeout
+            _record(out_dir, rank, check, "ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, out_dir: str, checks: list) -> None:
+    """Run ``checks`` ([(name, job function name, args)]) in order on ``world`` ranks."""
+    try:
+        mp.spawn(_child, args=(world, _free_port(), out_dir, checks), nprocs=world, join=True)
+    except Exception:  # the records say which check failed, and why
+        pass
+
+
+def outcomes(out_dir: str, world: int) -> dict:
+    """check -> "ok" if every rank passed it, else the first failure's traceback."""
+    out: dict = {}
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank-{rank}.jsonl")
+        if not os.path.exists(path):
+            continue
+        for line in open(path):
+            r = json.loads(line)
+            if out.get(r["check"], "ok") == "ok":
+                out[r["check"]] = r["outcome"] if r["outcome"] == "ok" else \
+                    f"rank {rank}: {r['outcome']}"
+    return out
+
+
+def tp_mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"], mesh["dp"].get_group()
+
+
+# -- checks (run on every rank of a group) -------------------------------------------------
+def job_parity(rank, world, name, sequence_parallel=False):
+    tp, dp_group = tp_mesh(world)
+    parity(name, tp, sequence_parallel=sequence_parallel, dp_group=dp_group)
+
+
+def job_gpt2_save_pretrained(rank, world, out_dir):
+    """Ties, padding and masking at tp=2; the gathered state is an ordinary HF model."""
+    from transformers import AutoModelForCausalLM
+
+    tp, dp_group = tp_mesh(world)
+    model, tps, full = parity("gpt2", tp, dp_group=dp_group)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one parameter
+    assert model.transformer.wte.weight.to_local().shape == (51, 32)
+    assert tps.padded_vocab_size == 102
+    ids = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits.full_tensor()
+    assert logits.shape[-1] == 102 and bool((logits[..., V:] < -1e30).all())
+    if rank == 0:
+        plain = build("gpt2", seed=123)
+        plain.load_state_dict(full, strict=True)
+        plain.save_pretrained(out_dir, safe_serialization=True)
+        loaded = AutoModelForCausalLM.from_pretrained(out_dir)
+        loaded.eval()
+        with torch.no_grad():
+            again = loaded(ids).logits
+        assert again.shape[-1] == V
+        torch.testing.assert_close(again, logits[..., :V], rtol=1e-5, atol=1e-5)
+
+
+def job_sp_dropout(rank, world):
+    """With dropout on, sequence parallelism trains (no parity: masks differ)."""
+    from transformers import GPT2LMHeadModel
+
+    from raylm.parallel.tensor import apply_tensor_parallel
+
+    tp, dp_group = tp_mesh(world)
+    cfg = configs()["gpt2"]
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.1
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    tps = apply_tensor_parallel(model, tp, sequence_parallel=True)
+    (loss, norm), = train(model, [batches(cfg, 1, seed=3)], tps=tps, dp_group=dp_group,
+                          steps=1)
+    assert math.isfinite(loss) and math.isfinite(norm)
+
+
+def job_masked_odd_length(rank, world):
+    """A padded batch (attention_mask) of odd length, with and without sequence
+    parallelism: logits and loss equal one process's."""
+    from raylm.models.objectives import CausalLM
+    from raylm.parallel.tensor import apply_tensor_parallel
+
+    tp, _ = tp_mesh(world)
+    ids = torch.randint(3, V, (2, SEQ - 1), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    for name in ("gpt2", "llama"):
+        ref = build(name)
+        want = ref(ids, attention_mask=mask).logits
+        want_loss = CausalLM().loss_sum(want, labels)
+        for sp in (False, True):
+            model = build(name)
+            tps = apply_tensor_parallel(model, tp, sequence_parallel=sp)
+            with tps.loss_context():
+                logits = model(ids, attention_mask=mask).logits
+                loss = CausalLM().loss_sum(logits, labels)
+                loss.backward()
+            torch.testing.assert_close(logits.full_tensor()[..., :V], want, rtol=1e-5,
+                                       atol=1e-5)
+            assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
+
+
+def job_dp2_tp2(rank, world, name, sequence_parallel=False):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parity(name, mesh["tp"], sequence_parallel=sequence_parallel,
+           dp_group=mesh["dp"].get_group(), dp_rank=mesh["dp"].get_local_rank(), dp=2)
+
+
+# -- checkpoints across layouts ----------------------------------------------------------
+# As raylm.checkpoint.state does it: get_state_dict (optimizer state flattened to
+# "state.<fqn>.exp_avg" keys) -> canonical form -> dcp.save; to load, the same canonical
+# views of a fresh layout -> dcp.load -> from_canonical -> set_state_dict. "Exact": the
+# whole canonical state (model and optimizer, gathered) after loading equals the saved one.
+CKPT_MODELS = ("gpt2", "llama_mha")
+
+
+def _layout(name, tp, dp_group=None):
+    """Model, optimizer and adapter in a layout (tp None: one process, no tp)."""
+    from raylm.parallel.data import GradientAllReduce
+    from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
+
+    model = build(name, seed=7)
+    tps = apply_tensor_parallel(model, tp) if tp is not None else None
+    if tps is not None:  # as the worker: gradients pre-allocated in dp buckets
+        GradientAllReduce(model.parameters(), dp_group)
+    return model, tps, canonical_adapter(model, tps), make_optimizer(model)
+
+
+def _canonical_state(model, opt, adapter):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt,
+                              options=StateDictOptions(flatten_optimizer_state_dict=True))
+    sd = {**msd, **osd}
+    return (msd, osd), sd, adapter.to_canonical(sd)
+
+
+def _gathered(canon: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in canon.items() if isinstance(v, torch.Tensor)}
+
+
+def save_ckpt(base, name, layout, tp=None, dp_group=None):
+    """Train two steps (a real optimizer state), save with DCP to base/<layout>-<name>;
+    rank 0 also writes the gathered canonical state that was saved."""
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from raylm.models.objectives import objective_for
+
+    model, tps, adapter, opt = _layout(name, tp, dp_group)
+    objective = objective_for(model.config)
+    for step in range(2):
+        with tps.loss_context() if tps is not None else contextlib.nullcontext():
+            for inputs, labels in batches(model.config, 1, seed=20 + step):
+                objective.loss_sum(model(**inputs, use_cache=False).logits, labels).backward()
+        opt.step()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+    _, _, canon = _canonical_state(model, opt, adapter)
+    path = os.path.join(base, f"{layout}-{name}")
+    dcp.save(canon, checkpoint_id=path)
+    full = _gathered(canon)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(full, path + ".pt")
+
+
+def load_ckpt(base, name, src, tp=None, dp_group=None):
+    """A fresh model in this layout loads base/<src>-<name>: exactly what was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model, tps, adapter, opt = _layout(name, tp, dp_group)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:  # optimizer state to load into: a step at lr 0 (state.py)
+        g["lr"] = 0.0
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    (msd, osd), sd, canon = _canonical_state(model, opt, adapter)
+    path = os.path.join(base, f"{src}-{name}")
+    dcp.load(canon, checkpoint_id=path)
+    adapter.from_canonical(canon, sd)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
+    got = _gathered(_canonical_state(model, opt, adapter)[2])
+    want = torch.load(path + ".pt")
+    label = f"{name} {src} -> tp={tp.size() if tp is not None else 1}"
+    assert set(got) == set(want), f"{label}: keys differ {set(got) ^ set(want)}"
+    for k, w in want.items():
+        assert got[k].shape == w.shape, f"{label} {k}: {tuple(got[k].shape)} vs {tuple(w.shape)}"
+        assert torch.equal(got[k], w), f"{label} {k}: values differ"
+    # ... and the model gathers into HF shapes, HF names
+    hf = adapter.hf_state_dict(model)
+    ref = build(name).state_dict()
+    assert set(hf) == set(ref) and all(hf[k].shape == v.shape for k, v in ref.items())
+    for k in msd:  # the loaded weights are the saved ones
+        if k in want and hf[k].shape == want[k].shape:
+            assert torch.equal(hf[k], want[k]), f"{label} {k}: hf_state_dict differs"
+
+
+def job_ckpt_save(rank, world, base, name):
+    tp, dp_group = tp_mesh(world)
+    save_ckpt(base, name, f"tp{world}", tp, dp_group)
+
+
+def job_ckpt_load(rank, world, base, name, src):
+    tp, dp_group = tp_mesh(world)
+    load_ckpt(base, name, src, tp, dp_group)
+
+
+# -- the runs ----------------------------------------------------------------------------
+FAMILIES = ("gpt2", "llama", "gpt_neo", "bert", "roberta", "t5", "gpt_neox", "qwen3", "phi3",
+            "olmo2")
+SP_FAMILIES = ("gpt2", "llama", "gpt_neo")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every multi-process check, in dependency order (checkpoints saved under one layout
+    are loaded under the next): tp=1 here, then 2 ranks, then 4 ranks, then tp=1 again.
+    Returns check -> "ok" or the failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    base = str(tmp_path_factory.mktemp("tp"))
+    results: dict = {}
+
+    def here(check, fn, *args):
+        try:
+            fn(*args)
+            results[check] = "ok"
+        except (Exception, CheckpointException):  # DCP's is a BaseException
+            results[check] = traceback.format_exc()
+
+    for name in CKPT_MODELS:
+        here(f"ckpt save tp1 {name}", save_ckpt, base, name, "tp1")
+
+    two = [(f"tp2 {n}", "job_parity", (n,)) for n in FAMILIES if n != "gpt2"]
+    two.append(("tp2 gpt2", "job_gpt2_save_pretrained", (os.path.join(base, "hf"),)))
+    two += [(f"tp2 sp {n}", "job_parity", (n, True)) for n in SP_FAMILIES]
+    two.append(("tp2 sp dropout", "job_sp_dropout", ()))
+    two.append(("tp2 masked odd length", "job_masked_odd_length", ()))
+    for name in CKPT_MODELS:
+        two.append((f"ckpt load tp1->tp2 {name}", "job_ckpt_load", (base, name, "tp1")))
+        two.append((f"ckpt save tp2 {name}", "job_ckpt_save", (base, name)))
+    out = os.path.join(base, "two")
+    os.makedirs(out)
+    spawn(2, out, two)
+    results.update(outcomes(out, 2))
+
+    four = [("tp4 gpt2", "job_parity", ("gpt2",)), ("tp4 sp gpt2", "job_parity", ("gpt2", True)),
+            ("dp2xtp2 gpt2", "job_dp2_tp2", ("gpt2",)),
+            ("dp2xtp2 llama", "job_dp2_tp2", ("llama",)),
+            # tp all-reduces of Partial norm gradients inside backward, while the dp
+            # bucket all-reduces run asynchronously
+            ("dp2xtp2 sp llama", "job_dp2_tp2", ("llama", True))]
+    for name in CKPT_MODELS:
+        four.append((f"ckpt load tp1->tp4 {name}", "job_ckpt_load", (base, name, "tp1")))
+        four.append((f"ckpt load tp2->tp4 {name}", "job_ckpt_load", (base, name, "tp2")))
+        four.append((f"ckpt save tp4 {name}", "job_ckpt_save", (base, name)))
+    out = os.path.join(base, "four")
+    os.makedirs(out)
+    spawn(4, out, four)
+    results.update(outcomes(out, 4))
+
+    for name in CKPT_MODELS:
+        for src in ("tp2", "tp4"):
+            here(f"ckpt load {src}->tp1 {name}", load_ckpt, base, name, src)
+    return results
+
+
+def expect(results, check):
+    outcome = results.get(check, "not run (an earlier check of its group failed)")
+    assert outcome == "ok", f"{check}: {outcome}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_tp2(runs, family):
+    """Loss, gradient norm and weights after AdamW steps equal one process's."""
+    expect(runs, f"tp2 {family}")
+
+
+@pytest.mark.parametrize("family", SP_FAMILIES)
+def test_sequence_parallel_tp2(runs, family):
+    expect(runs, f"tp2 sp {family}")
+
+
+def test_sequence_parallel_with_dropout(runs):
+    expect(runs, "tp2 sp dropout")
+
+
+def test_padded_batch_of_odd_length(runs):
+    expect(runs, "tp2 masked odd length")
+
+
+def test_tp4(runs):
+    expect(runs, "tp4 gpt2")
+    expect(runs, "tp4 sp gpt2")
+
+
+@pytest.mark.parametrize("check", ["gpt2", "llama", "sp llama"], ids=["gpt2", "llama", "llama-sp"])
+def test_dp2_x_tp2(runs, check):
+    """GradientAllReduce over dp with DTensor gradients, against one process."""
+    expect(runs, f"dp2xtp2 {check}")
+
+
+@pytest.mark.parametrize("family", CKPT_MODELS)
+def test_checkpoint_across_tp_1_2_4(runs, family):
+    for check in ("ckpt save tp1", "ckpt load tp1->tp2", "ckpt save tp2", "ckpt load tp1->tp4",
+                  "ckpt load tp2->tp4", "ckpt save tp4", "ckpt load tp2->tp1",
+                  "ckpt load tp4->tp1"):
+        expect(runs, f"{check} {family}")
+
+
+def test_canonical_form_without_tp():
+    """GPT-2 at tp=1: c_attn as [H, 3, H] / [3, H], everything else as it is."""
+    from raylm.parallel.tensor import canonical_adapter
+
+    model = build("gpt2")
+    sd = model.state_dict()
+    canon = canonical_adapter(model, None).to_canonical(sd)
+    assert canon["transformer.h.0.attn.c_attn.weight"].shape == (32, 3, 32)
+    assert canon["transformer.h.0.attn.c_attn.bias"].shape == (3, 32)
+    assert canon["transformer.h.0.attn.c_attn.weight"].data_ptr() == \
+        sd["transformer.h.0.attn.c_attn.weight"].data_ptr()
+    assert canon["transformer.h.0.mlp.c_fc.weight"] is sd["transformer.h.0.mlp.c_fc.weight"]
+    llama = build("llama")
+    assert canonical_adapter(llama, None).identity
+    hf = canonical_adapter(model, None).hf_state_dict(model)
+    assert all(torch.equal(hf[k], v) for k, v in sd.items())
+
+
+def test_check_tensor_parallel_errors():
+    from transformers import BertConfig, GPTJConfig, LlamaConfig
+
+    from raylm.parallel.tensor import check_tensor_parallel
+
+    cfg = configs()
+    for name in cfg:  # every test model splits 2 ways
+        check_tensor_parallel(cfg[name], 2, False)
+    check_tensor_parallel(cfg["gpt2"], 4, True)
+    check_tensor_parallel(cfg["llama"], 2, True)
+
+    def error(config, tp, sp=False) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_tensor_parallel(config, tp, sp)
+        message = str(e.value)
+        assert "\n" not in message
+        return message
+
+    m = error(cfg["gpt2"], 3)
+    assert "attention heads (4)" in m and "key-value heads (4)" in m
+    m = error(cfg["llama"], 4)  # 4 heads, 2 kv heads
+    assert "attention heads (4)" in m and "key-value heads (2)" in m
+    assert "no tensor-parallel plan" in error(GPTJConfig(n_head=4), 2)
+    odd = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
+    odd.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts"}
+    m = error(odd, 2)
+    assert "'moe_tp_experts'" in m and "layers.*.mlp.experts" in m
+    m = error(BertConfig(num_attention_heads=4), 2, sp=True)
+    assert "--sequence_parallel" in m and "bert" in m
+    check_tensor_parallel(cfg["llama"], 1, True)  # tp=1: nothing to split
