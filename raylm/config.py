@@ -132,6 +132,9 @@ class TrainConfig:
     dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "cluster")
     tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "cluster")
     pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "cluster")
+    sequence_parallel: bool = _f(
+        False, "With --tp > 1: run norms and dropouts on sequence shards too (activation "
+        "memory of those parts divided by tp).", "cluster")
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule when pp > 1 (micro-batches per step = "
         "--gradient_accumulation_steps).", "cluster",
@@ -149,6 +152,25 @@ class TrainConfig:
     use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "cluster")
     collective_timeout_s: float = _f(
         300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
+
+    # --- raylm: the layout planner's cost model (used when --dp/--tp/--pp are all 0) ----
+    worker_memory_gb: float = _f(
+        0.0, "Memory one rank actor may use, GiB; the planner drops layouts that need more. "
+        "0: from the Ray cluster when connected (node memory / workers per node; GPUs: "
+        "80), else 16 for CPU workers and 80 with --use_gpu.", "cluster")
+    worker_tflops: float = _f(
+        0.0, "Sustained TFLOP/s of one rank for the planner's step-time model. 0: 0.05 per "
+        "CPU of --cpus_per_worker, or 50 with --use_gpu (H100, fp32).", "cluster")
+    node_link_gbps: float = _f(
+        0.0, "Bandwidth between two ranks on one node, Gbit/s (tensor-parallel "
+        "all-reduces). 0: 10 for CPU workers (gloo), 3600 with --use_gpu (NVLink).",
+        "cluster")
+    network_gbps: float = _f(
+        0.0, "Bandwidth between ranks on different nodes, per rank, Gbit/s. 0: 5 for CPU "
+        "workers, 400 with --use_gpu (InfiniBand NDR).", "cluster")
+    workers_per_node: int = _f(
+        0, "Rank actors per node for the planner (a tensor-parallel group stays in one "
+        "node). 0: from the Ray cluster when connected, else 8.", "cluster")
 
     # ---------------------------------------------------------------------------------------
     def __post_init__(self) -> None:

@@ -112,9 +112,18 @@ def test_parameters_sum_to_the_model_with_the_tied_embedding_twice(capsys):
         assert s["total_bytes"] == s["weight_bytes"] + s["activation_bytes"]
     # 1F1B: stage s holds min(micro-batches, stages - s) micro-batches at its peak.
     assert [s["in_flight"] for s in rep["stages"]] == [2, 1]
-    per_block = rep["estimate"]["activation_bytes_per_block"]
-    s0 = rep["stages"][0]
-    assert s0["activation_bytes"] == pytest.approx(per_block * s0["num_blocks"] * 2)
+    # A stage's activations: its blocks' (plus the embedding's on stage 0, the head's on
+    # the last) per micro-batch, times the micro-batches in flight.
+    est = rep["estimate"]
+    s0, s1 = rep["stages"]
+    assert s0["activation_bytes"] == pytest.approx(
+        (est["activation_bytes_per_block"] * s0["num_blocks"]
+         + est["embedding_activation_bytes"]) * 2)
+    assert s1["activation_bytes"] == pytest.approx(
+        est["activation_bytes_per_block"] * s1["num_blocks"] + est["head_activation_bytes"])
+    # The cost model's pp ranks hold what the runtime's cut gives them.
+    assert [r["local_parameters"] for r in rep["ranks"]] == [r["parameters"]
+                                                            for r in rep["ranks"]]
 
 
 def test_zero_bubble_shares_rank0_between_first_and_last_stage(capsys):

@@ -34,12 +34,18 @@ def build_parser() -> OneLineParser:
     add_config_arguments(train)
 
     plan = sub.add_parser(
-        "plan", help="show how a run would be laid out (no cluster, no weights)",
-        description="Print the layout `raylm train` with the same flags would use: dp x pp, "
-        "and for a pipeline each stage's pp rank, blocks (module names), parameters and "
-        "estimated memory. Starts no Ray and builds no weights (the model is built on the "
-        "meta device), so any model size plans in seconds. The cluster is taken to hold "
-        "--num_workers ranks (default: one replica, dp x pp).")
+        "plan", help="show how a run would be laid out, its memory and speed (no weights)",
+        description="Print the layout `raylm train` with the same flags would use: with "
+        "--dp/--tp/--pp all 0, the planner's choice of dp x tp x pp, micro-batches and "
+        "pipeline schedule (the fastest predicted layout that fits worker memory); the "
+        "predicted memory per worker (parameters, gradients, optimizer states, activations) "
+        "and step time; the next best layouts and why each lost; for a pipeline each "
+        "stage's pp rank, blocks (module names), parameters and memory. Builds no weights "
+        "(the model is built on the meta device), so any model size plans in seconds. The "
+        "cluster is taken to hold --num_workers ranks (default: one replica); with "
+        "--address, the cluster there is asked for its size and memory (nothing starts), "
+        "else no Ray is used and the cost model's defaults are assumed (see "
+        "--worker_memory_gb and the other cost-model flags).")
     plan.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag "
                       "values (flags given on the command line win)")
     plan.add_argument("--json", action="store_true",
@@ -99,7 +105,23 @@ def cmd_plan(ns) -> int:
 
     from raylm.plan.report import build_plan_report, format_plan_report
 
-    report = build_plan_report(_config(ns))
+    cfg = _config(ns)
+    if cfg.address:
+        # Plan for that cluster: its size, workers per node and memory (joins, never
+        # starts one; without --address, plan imports no Ray at all).
+        import ray
+
+        from raylm.runtime import cluster
+
+        owns = cluster.connect(cfg.address)
+        try:
+            report = build_plan_report(cfg, cluster.capacity(cfg.cpus_per_worker,
+                                                             cfg.use_gpu), from_cluster=True)
+        finally:
+            if owns:
+                ray.shutdown()
+    else:
+        report = build_plan_report(cfg)
     if ns.json:
         print(json.dumps(report, indent=2))
     else:

@@ -1,31 +1,23 @@
 """What the plan decided, in words and tables: the driver logs it, `raylm plan` prints it.
 
-Memory figures are estimates for fp32 training with AdamW: 4 bytes of weights, 4 of
-gradients and 8 of optimizer state per parameter, plus activations. The activation figure
-per block and micro-batch is the Megatron-LM estimate (Korthikanti et al. 2022,
-s*b*h*(34 + 5*a*s/h) bytes at 16-bit, doubled for fp32) times the micro-batches a stage
-holds at its peak: all of them under GPipe, at most (stages - stage index) under 1F1B.
+`raylm plan` shows the layout (chosen by the planner when --dp/--tp/--pp are all 0, else
+the user's), the predicted per-rank memory broken down (parameters, gradients, optimizer
+states, activations, workspace) against the worker memory, the predicted step time and
+tokens/s, the next best layouts with why each lost, and for a pipeline each stage's pp
+rank, blocks (module names), parameters and memory. The figures are the cost model's
+(raylm.plan.cost): fp32 training with AdamW, activations derived per architecture
+(raylm.plan.activations).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from raylm.plan.inflight import peak_in_flight
 from raylm.plan.partition import Partition
 
 BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weights, gradients, AdamW moments
-
-
-def activation_bytes_per_block(seq_len: int, micro_batch: int, hidden: int, heads: int) -> float:
-    s, b, h, a = seq_len, micro_batch, hidden, heads
-    return 2.0 * s * b * h * (34 + 5 * a * s / h)
-
-
-def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
-    if schedule == "gpipe":
-        return microbatches
-    return min(microbatches, num_stages - stage)
+ALTERNATIVES_SHOWN = 5
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -63,141 +55,79 @@ def describe_partition(part: Partition, schedule: str = "1f1b",
     return lines
 
 
-# -- `raylm plan`: the whole layout of a run, from flags alone ----------------------------
-HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model")
-HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")
-LAYER_ATTRS = ("num_hidden_layers", "n_layer", "num_layers")
-
-
-def _first_int(config, names) -> Optional[int]:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def model_dims(config) -> tuple[Optional[int], Optional[int]]:
-    """(hidden size, attention heads) of a model config, None where it names neither."""
-    return _first_int(config, HIDDEN_ATTRS), _first_int(config, HEAD_ATTRS)
-
-
-def _schedule_events(schedule: str, pp: int, virtual: int, microbatches: int):
-    """Per pp rank, the (stage, +1 | -1) activation events of one step, in order, from
-    torch.distributed.pipelining's own schedule tables (multi-stage schedules only): a
-    forward stores a micro-batch's activations, the backward that frees them is the full
-    backward, or for zero bubble the weight backward (which still needs them)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining import schedules as S
-
-    m = microbatches
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, m // pp)
-        ns = SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=m,
-                             microbatches_per_round=m // rounds)
-        ops_of = S.ScheduleInterleaved1F1B._calculate_single_rank_operations
-        free = "B"
-    else:
-        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
-        ops_of = S.ScheduleZBVZeroBubble._calculate_single_rank_operations
-        free = "W"
-    events = []
-    for r in range(pp):
-        ev = []
-        for a in ops_of(ns, r):
-            if a is None:
-                continue
-            kind = getattr(a.computation_type, "value", str(a.computation_type))
-            if kind == "F":
-                ev.append((a.stage_index, 1))
-            elif kind == free:
-                ev.append((a.stage_index, -1))
-        events.append(ev)
-    return events
-
-
-def peak_in_flight(schedule: str, stage_rank: list, microbatches: int,
-                   stage_act: list) -> tuple[list, list]:
-    """(micro-batches each stage holds at its peak, activation bytes each pp rank holds at
-    its peak), for activation bytes ``stage_act[s]`` per micro-batch of stage s.
-
-    GPipe holds every micro-batch; 1F1B holds (stages - stage index); interleaved 1F1B
-    and zero bubble are replayed from torch's schedule tables (a rank's stages peak at
-    different times, so the rank's peak is less than the sum of its stages' peaks)."""
-    n = len(stage_rank)
-    pp = max(stage_rank) + 1
-    virtual = n // pp
-    events = None
-    if schedule in ("interleaved_1f1b", "zero_bubble") and pp > 1:
-        try:
-            events = _schedule_events(schedule, pp, virtual, microbatches)
-        except Exception:  # torch internals moved: fall back to the closed form
-            events = None
-    if events is None:
-        held = [in_flight(schedule, s, n, microbatches) for s in range(n)]
-        per_rank = [0.0] * pp
-        for s, r in enumerate(stage_rank):
-            per_rank[r] += held[s] * stage_act[s]
-        return held, per_rank
-    stage_peak = [0] * n
-    per_rank = []
-    for ev in events:
-        held = {}
-        live, peak = 0.0, 0.0
-        for s, d in ev:
-            held[s] = held.get(s, 0) + d
-            stage_peak[s] = max(stage_peak[s], held[s])
-            live += d * stage_act[s]
-            peak = max(peak, live)
-        per_rank.append(peak)
-    return stage_peak, per_rank
-
-
 def _block_range(names: list) -> str:
     if not names:
         return "-"
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
 
-def build_plan_report(cfg) -> dict:
-    """Everything `raylm plan` prints, as a JSON-able dict: the layout raylm would choose
-    for ``cfg`` with ``--num_workers`` ranks (default: one replica, dp x pp), and per
-    pipeline stage and pp rank its modules, parameters and estimated memory. No cluster,
-    no actor, no weights (the model is built on the meta device)."""
+def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = False) -> dict:
+    """Everything `raylm plan` prints, as a JSON-able dict: the layout raylm would use for
+    ``cfg`` on ``--num_workers`` workers (else ``capacity``, the connected cluster's, else
+    one replica), its predicted memory and step time, the alternatives, and per pipeline
+    stage and pp rank its modules and memory. No actor, no weights (meta device).
+    ``from_cluster``: take worker memory and workers per node from the connected Ray
+    cluster (`raylm plan --address`); otherwise flags and defaults only."""
     import dataclasses
 
     from raylm.errors import ConfigError
     from raylm.models.loading import resolve_block_size, resolve_model
-    from raylm.parallel.pipeline.stages import meta_model, model_units
+    from raylm.parallel.pipeline.stages import meta_model
+    from raylm.plan.cost import stage_activation_bytes
+    from raylm.plan.hardware import hardware_for
     from raylm.plan.layout import make_plan, plan_pipeline
+    from raylm.plan.planner import search_for_config
+    from raylm.plan.shape import model_shape
 
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
     spec = resolve_model(cfg)
     seq_len = resolve_block_size(cfg, spec)
-    capacity = cfg.num_workers or max(1, cfg.dp or 1) * max(1, cfg.pp or 1)
-    plan = make_plan(cfg, capacity)
+    searched = not (cfg.dp or cfg.tp or cfg.pp)
+    workers = cfg.num_workers or capacity or (
+        1 if searched else max(1, cfg.dp or 1) * max(1, cfg.tp or 1) * max(1, cfg.pp or 1))
+    hw = hardware_for(cfg, None if from_cluster else {})
     try:
         model = meta_model(spec)
+        shape = model_shape(model, seq_len, hw.use_gpu)
     except (ValueError, TypeError, AttributeError, AssertionError) as e:
         # A config transformers refuses (heads not dividing the hidden size, ...).
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"cannot build the model ({spec.config.model_type}) from its "
                           f"config: {msg}") from None
+
     part = None
-    if plan.pp > 1:
-        plan, part = plan_pipeline(cfg, spec, plan, seq_len)
+    if searched:
+        search = search_for_config(cfg, workers, spec, seq_len, hw=hw, shape=shape)
+        plan = make_plan(cfg, max(workers, capacity or 0), spec, seq_len, search=search)
+        if plan.pp > 1:  # the chosen schedule, balanced stages
+            chosen_cfg = dataclasses.replace(cfg, pipeline_schedule=plan.schedule,
+                                             pp_split=None)
+            plan, part = plan_pipeline(chosen_cfg, spec, plan, seq_len)
+    else:
+        plan = make_plan(cfg, workers)
+        if plan.pp > 1:
+            plan, part = plan_pipeline(cfg, spec, plan, seq_len)
+        search = search_for_config(cfg, plan.world_size, spec, seq_len, hw=hw, shape=shape,
+                                   global_batch=plan.global_batch_size,
+                                   prefer=(plan.dp, plan.tp, plan.pp, plan.schedule))
+    chosen = search.chosen
+    if chosen is None or chosen.problem:  # the user's own --dp/--tp/--pp
+        raise ConfigError(f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp}: "
+                          f"{chosen.problem if chosen else 'not a layout of the workers'}")
+    if part is None:
+        from raylm.plan.cost import single_stage
+        part = single_stage(shape)
 
     config = spec.config
-    hidden, heads = model_dims(config)
     mb, m = plan.micro_batch_size, plan.micro_batches_per_rank
-    act_per_block = (activation_bytes_per_block(seq_len, mb, hidden, heads)
-                     if hidden and heads else None)
-    numel = {n: p.numel() for n, p in model.named_parameters()}  # tied weights once
-    total_params = sum(numel.values())
-
+    tokens = mb * seq_len
+    rec = shape.recipe
+    layout = chosen.layout
+    per_block = rec.block_bytes(tokens, seq_len, plan.tp, layout.sequence_parallel,
+                                hw.mask_bytes)
+    total_params = shape.total_params
     report = {
         "layout": plan.describe(),
         "plan": {**{k: v for k, v in dataclasses.asdict(plan).items()
@@ -206,61 +136,106 @@ def build_plan_report(cfg) -> dict:
                  "micro_batches_per_rank": m,
                  "stage_bounds": [list(b) for b in plan.stage_bounds]},
         "model": {"model_type": config.model_type, "parameters": total_params,
-                  "hidden_size": hidden, "num_heads": heads, "seq_len": seq_len},
+                  "hidden_size": shape.hidden, "num_heads": shape.heads,
+                  "num_kv_heads": shape.kv_heads, "intermediate_size": shape.intermediate,
+                  "vocab_size": shape.vocab, "seq_len": seq_len,
+                  "num_blocks": shape.num_blocks},
         "estimate": {"bytes_per_param": BYTES_PER_PARAM,
-                     "activation_bytes_per_block": act_per_block},
+                     "activation_bytes_per_block": per_block,
+                     "embedding_activation_bytes": rec.embed_bytes(
+                         tokens, plan.tp, layout.sequence_parallel, hw.mask_bytes),
+                     "head_activation_bytes": rec.head_bytes(
+                         tokens, seq_len, plan.tp, layout.sequence_parallel),
+                     "activations": rec.description},
+        "planner": {"searched": searched, "num_workers": search.num_workers,
+                    "global_batch": search.global_batch, "evaluated": search.evaluated,
+                    "elapsed_s": search.elapsed_s},
+        "hardware": _hardware_dict(hw),
+        "assumed": _assumptions(hw),
+        "chosen": chosen.to_dict(),
+        "memory": chosen.memory.to_dict() if chosen.memory else None,
+        "worker_memory": hw.worker_memory,
+        "fits": chosen.fits,
+        "time": chosen.time.to_dict() if chosen.time else None,
+        "alternatives": [c.to_dict() for c in search.alternatives[:ALTERNATIVES_SHOWN]],
         "stages": [],
         "ranks": [],
         "tied": {},
     }
-
-    if part is None:
-        try:
-            _, blocks, _ = model_units(model, seq_len)
-            num_blocks = len(blocks)
-            names = [u.name for u in blocks]
-        except Exception:  # a model raylm cannot cut still has a layer count
-            num_blocks, names = _first_int(config, LAYER_ATTRS), []
-        report["model"]["num_blocks"] = num_blocks
-        weights = total_params * BYTES_PER_PARAM
-        # Gradient accumulation runs one micro-batch at a time.
-        act = act_per_block * num_blocks if act_per_block is not None and num_blocks else None
+    numel = {n: p.numel() for n, p in model.named_parameters()}  # tied weights once
+    if plan.pp == 1:
+        names = [u.name for u in shape.blocks] if shape.cuttable else []
+        mem = chosen.ranks[0]
         report["ranks"].append({
             "pp_rank": 0, "stages": [], "blocks": names, "parameters": total_params,
-            "weight_bytes": weights, "in_flight": 1, "activation_bytes": act,
-            "total_bytes": weights + (act or 0)})
+            "local_parameters": mem.param_count, "weight_bytes": mem.states,
+            "in_flight": 1, "activation_bytes": mem.activations,
+            "total_bytes": mem.states + mem.activations, "memory": mem.to_dict()})
         return report
 
-    report["model"]["num_blocks"] = len(part.blocks)
     report["model"]["embeddings"] = part.embed.name
     report["model"]["head"] = part.head.name
     last = part.num_stages - 1
-    stage_act = [(act_per_block or 0.0) * (b - a) for a, b in part.bounds]
-    held, rank_act = peak_in_flight(plan.schedule, part.stage_rank, m, stage_act)
+    stage_act = stage_activation_bytes(shape, part, layout, hw)
+    held, _ = peak_in_flight(plan.schedule, part.stage_rank, m, stage_act)
     for s, (a, b) in enumerate(part.bounds):
         params = part.stage_params(s)
-        weights = params * BYTES_PER_PARAM
-        act = stage_act[s] * held[s] if act_per_block is not None else None
+        split = sum(shape.block_split[a:b]) + (shape.embed_split if s == 0 else 0) + \
+            (shape.head_split if s == last else 0)
+        local = params - split + split / plan.tp
+        weights = local * BYTES_PER_PARAM
+        act = stage_act[s] * held[s]
         report["stages"].append({
             "stage": s, "pp_rank": part.stage_rank[s],
             "blocks": [u.name for u in part.blocks[a:b]], "first_block": a,
             "last_block": b - 1, "num_blocks": b - a,
             "embeddings": s == 0, "head": s == last, "parameters": params,
-            "weight_bytes": weights, "in_flight": held[s], "activation_bytes": act,
-            "total_bytes": weights + (act or 0)})
+            "local_parameters": local, "weight_bytes": weights, "in_flight": held[s],
+            "activation_bytes": act, "total_bytes": weights + act})
 
     # What each pp rank holds: its stages' parameters, a weight two of its stages share
     # once, and which weights more than one rank holds (tied embeddings).
     rank_params, report["tied"] = _rank_params(model, part, numel, plan.pp)
     for r in range(plan.pp):
-        stages = part.stages_of(r)
-        weights = rank_params[r] * BYTES_PER_PARAM
-        act = rank_act[r] if act_per_block is not None else None
+        mem = chosen.ranks[r]
         report["ranks"].append({
-            "pp_rank": r, "stages": stages, "parameters": rank_params[r],
-            "weight_bytes": weights, "activation_bytes": act,
-            "total_bytes": weights + (act or 0)})
+            "pp_rank": r, "stages": part.stages_of(r), "parameters": rank_params[r],
+            "local_parameters": mem.param_count, "weight_bytes": mem.states,
+            "activation_bytes": mem.activations,
+            "total_bytes": mem.states + mem.activations, "memory": mem.to_dict()})
     return report
+
+
+def _hardware_dict(hw) -> dict:
+    return {"use_gpu": hw.use_gpu, "worker_tflops": hw.worker_flops / 1e12,
+            "worker_memory_gb": hw.worker_memory / 2**30,
+            "workers_per_node": hw.workers_per_node,
+            "node_link_gbps": hw.node_link_bw * 8 / 1e9,
+            "network_gbps": hw.network_bw * 8 / 1e9, "source": dict(hw.source)}
+
+
+def _assumptions(hw) -> list[str]:
+    """The defaults the figures rest on, where no flag or cluster gave a value."""
+    kind = "GPU (--use_gpu)" if hw.use_gpu else "CPU"
+    out = []
+    if hw.source.get("worker_memory_gb") == "default":
+        why = ("Ray does not report GPU memory; set --worker_memory_gb" if hw.use_gpu else
+               "no Ray cluster connected; set --worker_memory_gb, or --address to read it "
+               "from a cluster")
+        out.append(f"worker memory {hw.worker_memory / 2**30:g} GiB: the {kind} default "
+                   f"({why})")
+    if hw.source.get("workers_per_node") == "default":
+        out.append(f"{hw.workers_per_node} workers per node: the default "
+                   "(--workers_per_node)")
+    if hw.source.get("worker_tflops") == "default":
+        out.append(f"{hw.worker_flops / 1e12:g} TFLOP/s per worker: the {kind} default "
+                   "(--worker_tflops)")
+    links = [f for f in ("node_link_gbps", "network_gbps") if hw.source.get(f) == "default"]
+    if links:
+        out.append(f"links {hw.node_link_bw * 8 / 1e9:g} Gbit/s in a node, "
+                   f"{hw.network_bw * 8 / 1e9:g} Gbit/s across nodes: the {kind} defaults "
+                   f"({', '.join('--' + f for f in links)})")
+    return out
 
 
 def _rank_params(model, part, numel: dict, pp: int) -> tuple[list, dict]:
@@ -309,35 +284,94 @@ def _table(header: list, rows: list, right: set) -> list[str]:
     return [fmt(header)] + [fmt(r) for r in rows]
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1e-3 else f"{x * 1e3:.3g} ms"
+
+
 def format_plan_report(report: dict) -> list[str]:
-    """The text `raylm plan` prints: the layout line, then a table per pipeline stage
-    and per pp rank (or, with pp=1, one line for the whole model)."""
-    p, model = report["plan"], report["model"]
+    """The text `raylm plan` prints: the layout, the predicted memory per rank and step
+    time, the alternatives, and (pp > 1) a table per pipeline stage and per pp rank."""
+    p, model, c = report["plan"], report["model"], report["chosen"]
     mb, m = p["micro_batch_size"], p["micro_batches_per_rank"]
-    dims = (f"hidden {model['hidden_size']}, {model['num_heads']} heads"
-            if model["hidden_size"] and model["num_heads"] else "hidden size/heads unknown")
+    seq = model["seq_len"]
     lines = [f"plan: {report['layout']}",
              f"model: {model['model_type']}, {model['parameters']:,} parameters, "
-             f"{model.get('num_blocks') or '?'} blocks, {dims}, sequence {model['seq_len']}"]
-    note = ("memory: estimates for fp32 training with AdamW "
-            f"({report['estimate']['bytes_per_param']} bytes/parameter: weights, gradients, "
-            "2 moments) + activations of the blocks (Korthikanti et al. 2022: no "
-            "recomputation, attention scores stored; logits not counted)")
+             f"{model.get('num_blocks') or '?'} blocks, hidden {model['hidden_size']}, "
+             f"{model['num_heads']} heads, sequence {seq}"]
+    pl = report["planner"]
+    if pl["searched"]:
+        lines.append(f"chosen by the planner: dp={c['dp']} x tp={c['tp']} x pp={c['pp']}, "
+                     f"{c['microbatches']} micro-batch(es) of {mb} per replica"
+                     + (f", schedule {c['schedule']}" if c["pp"] > 1 else "")
+                     + f" (best of {pl['evaluated']} layouts of {pl['num_workers']} workers "
+                     f"for a global batch of {pl['global_batch']} sequences, "
+                     f"{pl['elapsed_s'] * 1000:.0f} ms)")
+    else:
+        lines.append("layout from --dp/--tp/--pp (set all three to 0 for the planner's "
+                     "choice)")
+    mem, hw = report["memory"], report["hardware"]
+    if mem is not None:
+        worker = report["worker_memory"]
+        where = "" if p["pp"] == 1 else " (the pp rank that needs the most)"
+        lines.append(
+            f"memory per worker{where}: parameters {human_bytes(mem['parameters'])}, "
+            f"gradients {human_bytes(mem['gradients'])}, optimizer states "
+            f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])}"
+            f" ({mem['in_flight']} micro-batch(es) of {mb} x {seq} tokens), workspace "
+            f"{human_bytes(mem['workspace'])} = {human_bytes(mem['total'])} of "
+            f"{human_bytes(worker)}" + ("" if report["fits"] else "  ** DOES NOT FIT **"))
+    t = report["time"]
+    if t is not None:
+        lines.append(
+            f"step: predicted {_seconds(t['step'])}, {t['tokens_per_s']:,.0f} tokens/s "
+            f"(compute {_seconds(t['compute'])}, tp all-reduces {_seconds(t['tp_comm'])}, "
+            f"pipeline bubble {_seconds(t['bubble'])} ({t['bubble_fraction']:.0%}) and "
+            f"sends {_seconds(t['pp_comm'])}, dp all-reduce {_seconds(t['dp_comm'])} "
+            f"exposed, optimizer {_seconds(t['optimizer'])})")
+    lines.append(f"cost model: {'GPU' if hw['use_gpu'] else 'CPU'} workers of "
+                 f"{hw['worker_tflops']:g} TFLOP/s and {human_bytes(report['worker_memory'])}, "
+                 f"{hw['workers_per_node']} per node, links {hw['node_link_gbps']:g} Gbit/s "
+                 f"in a node and {hw['network_gbps']:g} Gbit/s across")
+    for a in report["assumed"]:
+        lines.append(f"assumed: {a}")
+    if report["alternatives"]:
+        lines.append("")
+        lines.append("alternatives (next best first):")
+        rows = []
+        for a in report["alternatives"]:
+            name = f"dp={a['dp']} tp={a['tp']} pp={a['pp']}" + (
+                f" {a['schedule']}" if a["pp"] > 1 else "")
+            am, at = a["memory"], a["time"]
+            rows.append(["  " + name, a["microbatches"],
+                         human_bytes(am["total"]) if am else "-",
+                         _seconds(at["step"]) if at else "-",
+                         f"{at['tokens_per_s']:,.0f}" if at else "-", a["reason"]])
+        lines += _table(["  layout", "micro-batches", "memory/worker", "step", "tokens/s",
+                         "why not"], rows, right={1, 2, 3, 4})
+    note = ("memory: fp32 training with AdamW (weights, gradients, 2 moments) + the "
+            f"activations autograd keeps ({report['estimate']['activations']}) + "
+            "workspace (logits and gradients in flight, pipeline buffers); no recomputation")
     if not report["stages"]:
         r = report["ranks"][0]
-        who = ("the rank" if p["world_size"] == 1
-               else f"each of the {p['world_size']} data-parallel ranks")
-        lines.append(f"{who} holds the whole model: "
-                     f"{r['parameters']:,} parameters; ~{human_bytes(r['weight_bytes'])} "
+        if p["tp"] == 1:
+            who = ("the rank" if p["world_size"] == 1
+                   else f"each of the {p['world_size']} data-parallel ranks")
+            holds = f"{who} holds the whole model: {r['parameters']:,} parameters"
+        else:
+            holds = (f"each rank holds a 1/{p['tp']} shard of the model's matrices: "
+                     f"{r['local_parameters']:,.0f} of its {r['parameters']:,} parameters")
+        lines.append("")
+        lines.append(f"{holds}; ~{human_bytes(r['weight_bytes'])} "
                      f"weights+grads+AdamW + ~{human_bytes(r['activation_bytes'])} "
-                     f"activations (1 micro-batch of {mb} x {model['seq_len']} tokens at a "
-                     f"time) = ~{human_bytes(r['total_bytes'])}")
+                     f"activations (1 micro-batch of {mb} x {seq} tokens at a "
+                     f"time) = ~{human_bytes(r['total_bytes'])} per rank")
         lines.append(note)
         return lines
 
+    lines.append("")
     lines.append(f"pipeline: {len(report['stages'])} stage(s) on {p['pp']} pp rank(s), "
                  f"schedule {p['schedule']}, {m} micro-batch(es) of {mb} x "
-                 f"{model['seq_len']} tokens per step ('in flight': the micro-batches "
+                 f"{seq} tokens per step ('in flight': the micro-batches "
                  "whose activations a stage holds at its peak)")
     lines.append(f"stage 0 also holds: {model['embeddings']}; the last stage also holds: "
                  f"{model['head']}")

@@ -1,0 +1,168 @@
+"""What one micro-batch's forward keeps for backward, per token, derived from the
+architecture: the activation half of the memory model (raylm.plan.cost).
+
+Counted as autograd saves them in fp32 training with eager PyTorch and Hugging Face's
+modules (checked tensor by tensor with raylm.runtime.memory.ActivationMeter on GPT-2 and
+Llama; tests/test_planner.py holds the prediction to the measurement):
+
+GPT-2-style block (pre-LayerNorm, fused qkv, non-gated MLP), per token, in elements:
+  * LayerNorm x2: its input (h) and mean/rstd (2)                        -> 2h + 4
+  * inputs of c_attn and c_fc (the LayerNorm outputs)                    -> 2h
+  * attention, fused kernel (SDPA's flash/efficient path): the qkv output (3h, q/k/v are
+    views of it), the output (h, also c_proj's input) and the logsumexp (a)   -> 4h + a
+    attention, math path (eager, or SDPA on CPU with attention dropout > 0): q, k, v
+    copies (3h), the merged output (h), and per key position the softmax output (a per
+    token per position), with dropout also its mask and the dropped probabilities
+  * MLP: the activation's saved tensors (gelu_new, HF's tanh formula in Python: 4 of
+    size I; F.gelu/relu/silu: 1) and c_proj's input (I)
+  * dropout masks on the residual stream (h each, attention and MLP outputs) when
+    resid_pdrop > 0: float32 on CPU (4 bytes), bool on GPU (1 byte)
+Llama-style block (pre-RMSNorm, separate q/k/v with kv heads, rotary, gated MLP):
+  * RMSNorm x2: input (h), normalised input (h), rsqrt (1)               -> 4h + 2
+  * inputs of the q/k/v and gate/up projections                         -> 2h
+  * attention, fused: q after rotary (h), k and v (kv_heads x head_dim each), output
+    (h), logsumexp (a); math path: q, repeated k and v, output (4h) and the scores
+  * gated MLP: gate output, activation output, up output, down's input  -> 4I
+  * rotary cos/sin, once per micro-batch and stage: 2 x seq x head_dim
+Around the blocks:
+  * embeddings (first stage): input ids (int64, 8 bytes) and, with embd_pdrop > 0, the
+    embedding dropout mask (h)
+  * head (last stage): the final norm as above, lm_head's input (h), the log-softmax
+    output over the vocabulary (V per label token: seq-1 of seq) and the labels (int64)
+
+Under tensor parallelism (Megatron layout: column-parallel qkv/fc/gate/up, row-parallel
+out/down projections, vocabulary-parallel head with a parallel cross-entropy): head-split
+and MLP-intermediate tensors and the attention scores are divided by tp; norms, the
+residual stream and the inputs of column-parallel matmuls are replicated. Sequence
+parallelism divides the norm and residual-stream terms (not the column-parallel inputs,
+which are all-gathered before the matmul saves them).
+
+Assumptions: no activation recomputation; no padding mask (packed blocks; padded
+line-by-line data can force SDPA's math path); other families are modelled like GPT-2
+with their own activation and dropout settings (an approximation). Not counted here:
+transient buffers (logits, gradients in flight), see ``workspace`` in the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOAT = 4  # fp32
+INDEX = 8  # int64 ids and labels
+
+# Tensors of the MLP's width I that an activation function saves for its backward.
+ACT_SAVED = {"gelu_new": 4, "gelu_python_tanh": 4, "gelu_accurate": 4, "gelu_fast": 7,
+             "quick_gelu": 2, "relu2": 2, "mish": 3, "gelu_10": 2}
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "granite")
+
+
+@dataclass(frozen=True)
+class ActivationRecipe:
+    """Saved-for-backward elements per token of one micro-batch.
+
+    Block terms (per block): ``seq`` replicated under tp, divided by sequence parallelism
+    (norms, residual stream); ``full`` replicated (column-parallel inputs); ``split``
+    divided by tp; ``scores`` times the sequence length, divided by tp (attention
+    matrices); ``masks`` / ``score_masks`` dropout masks of ``mask_bytes`` each (residual:
+    like ``seq``; attention: like ``scores``). Embedding and head terms likewise.
+    """
+
+    seq: float
+    full: float
+    split: float
+    scores: float = 0.0
+    masks: float = 0.0
+    score_masks: float = 0.0
+    # first stage
+    embed_masks: float = 0.0  # embedding dropout mask, per token
+    # last stage
+    head_seq: float = 0.0  # final norm
+    head_full: float = 0.0  # lm_head's input
+    vocab: int = 0  # log-softmax output per label token (divided by tp)
+    # once per micro-batch and stage, whatever its batch size (rotary tables)
+    per_stage: float = 0.0
+    description: str = ""
+
+    def block_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
+                    mask_bytes: int) -> float:
+        sd = tp if sp else 1
+        el = self.seq / sd + self.full + self.split / tp + self.scores * seq_len / tp
+        masks = self.masks / sd + self.score_masks * seq_len / tp
+        return tokens * (FLOAT * el + mask_bytes * masks)
+
+    def embed_bytes(self, tokens: int, tp: int, sp: bool, mask_bytes: int) -> float:
+        sd = tp if sp else 1
+        return tokens * (INDEX + mask_bytes * self.embed_masks / sd)
+
+    def head_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool) -> float:
+        sd = tp if sp else 1
+        labels = tokens * (seq_len - 1) / seq_len
+        return (tokens * FLOAT * (self.head_seq / sd + self.head_full)
+                + labels * (FLOAT * self.vocab / tp + INDEX))
+
+    def stage_bytes(self, seq_len: int) -> float:
+        return FLOAT * self.per_stage * seq_len
+
+
+def _first(config, names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None and not isinstance(v, bool):
+            return v
+    return default
+
+
+def _act_saved(config) -> int:
+    name = str(_first(config, ("activation_function", "hidden_act", "hidden_activation",
+                               "dense_act_fn", "feed_forward_proj"), "gelu"))
+    name = name.replace("gated-", "")
+    return ACT_SAVED.get(name, 1)
+
+
+def attention_path(config, dropout: float, use_gpu: bool) -> str:
+    """"fused" (flash/efficient kernel: no score matrix kept) or "math" (scores kept)."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl == "eager":
+        return "math"
+    if impl == "sdpa" and not use_gpu and dropout > 0:
+        return "math"  # CPU's flash kernel takes no dropout: SDPA falls back to math
+    return "fused"
+
+
+def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
+               intermediate: int, vocab: int, use_gpu: bool = False) -> ActivationRecipe:
+    h, a, I = hidden, heads, intermediate
+    kvd = kv_heads * head_dim
+    llama = getattr(config, "model_type", None) in LLAMA_LIKE
+    resid_p = float(_first(config, ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout",
+                                    "dropout", "dropout_rate"), 0.0) or 0.0)
+    attn_p = float(_first(config, ("attn_pdrop", "attention_probs_dropout_prob",
+                                   "attention_dropout", "dropout_rate"), 0.0) or 0.0)
+    embd_p = float(_first(config, ("embd_pdrop", "hidden_dropout_prob", "embed_dropout",
+                                   "dropout"), 0.0) or 0.0)
+    if llama:
+        resid_p = embd_p = 0.0  # no dropout on the residual stream
+    path = attention_path(config, attn_p, use_gpu)
+    scores = score_masks = 0.0
+    if path == "fused":
+        attn = (2 * h + 2 * kvd + a) if llama else (4 * h + a)
+    else:
+        attn = 4 * h
+        scores = 1.0 + (1.0 if attn_p > 0 else 0.0)  # softmax output (+ dropped probs)
+        score_masks = 1.0 if attn_p > 0 else 0.0
+    act = _act_saved(config)
+    gated = llama or bool(getattr(config, "is_gated_act", False))
+    mlp = (act + 3) * I if gated else (act + 1) * I
+    if llama:
+        norm, head_norm = 4 * h + 2, 2 * h + 1
+    else:
+        norm, head_norm = 2 * h + 4, h + 2
+    return ActivationRecipe(
+        seq=norm, full=2 * h, split=attn + mlp, scores=a * scores,
+        masks=2 * h if resid_p > 0 else 0.0, score_masks=a * score_masks,
+        embed_masks=h if embd_p > 0 else 0.0,
+        head_seq=head_norm, head_full=h, vocab=vocab,
+        per_stage=2 * head_dim if llama else 0.0,
+        description=(f"{'llama' if llama else 'gpt2'}-style block, attention {path}"
+                     f"{', dropout' if resid_p > 0 or attn_p > 0 else ''}"))

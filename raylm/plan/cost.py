@@ -1,0 +1,261 @@
+"""The cost model: per-rank memory and step time of a layout, from a ModelShape, a
+Partition and the Hardware. Pure arithmetic (the planner calls it for every candidate).
+
+Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
+
+* states, for the Psi parameters a rank holds (its pipeline stages; a weight shared by
+  two stages of one rank once; tensor-parallel shards 1/tp, replicated norms and
+  row-parallel biases whole):
+      zero_stage 0: parameters 4 Psi, gradients 4 Psi, optimizer 8 Psi bytes
+      zero_stage 1: optimizer 8 Psi / dp               (ZeRO, Rajbhandari et al. 2020)
+      zero_stage 2: gradients 4 Psi / dp too
+      zero_stage 3: parameters 4 Psi / dp too, plus two blocks gathered at a time
+* activations: what one micro-batch's forward saves for backward
+  (raylm.plan.activations), times the micro-batches a rank holds at its peak: 1 without
+  a pipeline (gradient accumulation runs them one by one), per schedule with one
+  (raylm.plan.inflight.peak_in_flight: GPipe all, 1F1B stages - stage index, interleaved
+  and zero bubble replayed from torch's schedule tables);
+* workspace: transient and pipeline buffers: the logits and their gradient on the stage
+  with the head (2 x tokens x vocab / tp, plus the cached output under a pipeline), a
+  block's widest gradient elsewhere, and torch.distributed.pipelining's per-micro-batch
+  receive buffers (activations into a non-first stage, gradients into a non-last one).
+
+Step time per optimizer step (one rank's view; ranks of a pipeline wait for the slowest):
+
+* compute: 3 x forward FLOPs (forward + backward) of the rank's stages, per token, over
+  tp, / worker FLOP/s; forward FLOPs per token are the partition's unit FLOPs (2 per
+  weight of every matrix, 4 x seq x hidden for attention scores);
+* tensor parallelism: 4 all-reduces of a micro-batch's activations per block (2 forward,
+  2 backward; reduce-scatter + all-gather under sequence parallelism move as much), one
+  more at the embedding and at the head, ring cost 2(tp-1)/tp x bytes / node link +
+  2(tp-1) x latency: tp groups sit inside one node;
+* pipeline: per micro-batch, the activation sent forward and its gradient sent back at
+  each stage boundary (node link when a dp replica fits in a node, else network), and a
+  fixed overhead per stage (the schedule's Python and p2p set-up: Hardware); the
+  schedule takes (m + (pp-1)/v) x the slowest rank's micro-batch time for m micro-batches,
+  v = 1 (GPipe, 1F1B), v virtual stages (interleaved 1F1B), ~3 for zero bubble (its
+  weight-gradient work fills most of the bubble);
+* data parallelism: the ring all-reduce of the rank's gradients, 2(dp-1)/dp x 4 Psi /
+  bandwidth, overlapped with the last micro-batch's backward without a pipeline (its
+  last 4 MiB bucket never is) and after the schedule with one; ZeRO-3 adds the parameter
+  all-gathers (1.5x the volume);
+* the optimizer step and gradient clipping stream ~32 bytes per parameter it updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from raylm.plan.hardware import Hardware
+from raylm.plan.partition import Partition
+from raylm.plan.inflight import peak_in_flight
+from raylm.plan.shape import ModelShape
+
+FP32 = 4
+ZERO_STAGES = (0, 1, 2, 3)
+BUCKET_BYTES = 4 * 2**20  # raylm.parallel.data's gradient buckets
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    microbatches: int  # per data-parallel replica and step
+    schedule: str = "1f1b"
+    virtual: int = 1  # stages per pp rank
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class Memory:
+    """Predicted bytes one rank holds at its peak."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    workspace: float
+    in_flight: int = 1  # micro-batches whose activations the rank holds at its peak
+    param_count: float = 0  # parameters (elements) the rank holds
+
+    @property
+    def states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.workspace
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "states": self.states, "total": self.total}
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, and where they go."""
+
+    step: float
+    compute: float  # the slowest rank's forward+backward, all micro-batches
+    tp_comm: float  # its tensor-parallel all-reduces
+    pp_comm: float  # its pipeline sends
+    bubble: float  # pipeline fill and drain
+    dp_comm: float  # exposed gradient all-reduce
+    optimizer: float
+    tokens_per_s: float
+    bubble_fraction: float = 0.0
+    parts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("parts")
+        return d
+
+
+def single_stage(shape: ModelShape) -> Partition:
+    """The whole model as one stage (pp = 1)."""
+    return Partition(bounds=[(0, shape.num_blocks)], stage_rank=[0], embed=shape.embed,
+                     blocks=list(shape.blocks), head=shape.head)
+
+
+def _rank_stage_params(shape: ModelShape, part: Partition, pp: int) -> list:
+    """Per pp rank: (parameters held, of which tensor-parallel sharded)."""
+    last = part.num_stages - 1
+    out = []
+    for r in range(pp):
+        stages = part.stages_of(r)
+        total = split = 0
+        for s in stages:
+            a, b = part.bounds[s]
+            total += part.stage_params(s)
+            split += sum(shape.block_split[a:b])
+            split += shape.embed_split if s == 0 else 0
+            split += shape.head_split if s == last else 0
+        if 0 in stages and last in stages and shape.tied:  # one table, once
+            total -= shape.tied
+            split -= shape.tied
+        out.append((total, split))
+    return out
+
+
+def stage_activation_bytes(shape: ModelShape, part: Partition, layout: Layout,
+                           hw: Hardware) -> list:
+    """Activation bytes one micro-batch leaves on each stage."""
+    tokens = layout.micro_batch_size * shape.seq_len
+    rec, tp, sp = shape.recipe, layout.tp, layout.sequence_parallel
+    block = rec.block_bytes(tokens, shape.seq_len, tp, sp, hw.mask_bytes)
+    last = part.num_stages - 1
+    acts = []
+    for s, (a, b) in enumerate(part.bounds):
+        act = (b - a) * block + rec.stage_bytes(shape.seq_len)
+        if s == 0:
+            act += rec.embed_bytes(tokens, tp, sp, hw.mask_bytes)
+        if s == last:
+            act += rec.head_bytes(tokens, shape.seq_len, tp, sp)
+        acts.append(act)
+    return acts
+
+
+def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware) -> list:
+    """Memory of each pp rank (every dp/tp replica of a pp rank holds the same)."""
+    dp, tp, pp, zero = layout.dp, layout.tp, layout.pp, layout.zero_stage
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero_stage {zero}: choose one of {ZERO_STAGES}")
+    m = layout.microbatches
+    acts = stage_activation_bytes(shape, part, layout, hw)
+    if pp == 1:
+        held, rank_act = [1], [acts[0]]
+    else:
+        held, rank_act = peak_in_flight(layout.schedule, part.stage_rank, m, acts)
+    tokens = layout.micro_batch_size * shape.seq_len
+    boundary = tokens * shape.hidden * FP32 / (tp if layout.sequence_parallel else 1)
+    logits = 2 * tokens * shape.vocab / tp * FP32
+    widest = 2 * tokens * max(shape.intermediate / tp, shape.hidden) * FP32
+    last = part.num_stages - 1
+    out = []
+    for r, (total, split) in enumerate(_rank_stage_params(shape, part, pp)):
+        psi = (total - split) + split / tp  # elements this rank holds
+        stages = part.stages_of(r)
+        params, grads, opt = FP32 * psi, FP32 * psi, 2 * FP32 * psi
+        work = logits * (1.5 if pp > 1 else 1.0) if last in stages else widest
+        if zero >= 1:
+            opt /= dp
+        if zero >= 2:
+            grads /= dp
+        if zero >= 3:
+            params /= dp
+            biggest = max((u.params for u in shape.blocks), default=0)
+            work += 3 * FP32 * biggest / tp  # two blocks gathered, one block's gradient
+        if pp > 1:  # torch pipelining's receive buffers, one per micro-batch
+            for s in stages:
+                work += m * boundary * ((s > 0) + (s < last))
+        out.append(Memory(parameters=params, gradients=grads, optimizer=opt,
+                          activations=rank_act[r], workspace=work,
+                          in_flight=max(held[s] for s in stages), param_count=psi))
+    return out
+
+
+def allreduce_time(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` workers."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+
+
+def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
+              ranks: list) -> StepTime:
+    """The step time of ``layout``; ``ranks``: rank_memory's result (parameters held)."""
+    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
+    tokens = layout.micro_batch_size * shape.seq_len
+    act_bytes = tokens * shape.hidden * FP32
+    one_node = layout.world_size <= hw.workers_per_node
+    replica_in_node = tp * pp <= hw.workers_per_node
+    pp_bw, pp_lat = ((hw.node_link_bw, hw.latency_node) if replica_in_node
+                     else (hw.network_bw, hw.latency_network))
+    dp_bw, dp_lat = ((hw.node_link_bw, hw.latency_node) if one_node
+                     else (hw.network_bw, hw.latency_network))
+    tp_msg = allreduce_time(act_bytes, tp, hw.node_link_bw, hw.latency_node)
+    p2p_msg = act_bytes / (tp if layout.sequence_parallel else 1) / pp_bw + pp_lat
+    last = part.num_stages - 1
+    per_rank = []
+    for r in range(pp):
+        stages = part.stages_of(r)
+        flops = sum(part.stage_flops(s) for s in stages)
+        compute = 3 * flops * tokens / tp / hw.worker_flops
+        blocks = sum(part.bounds[s][1] - part.bounds[s][0] for s in stages)
+        n_ar = 4 * blocks + (0 in stages) + (last in stages)
+        tp_c = n_ar * tp_msg if tp > 1 else 0.0
+        sends = sum((s < last) + (s > 0) for s in stages) if pp > 1 else 0
+        pp_c = sends * p2p_msg + (len(stages) * hw.stage_overhead if pp > 1 else 0.0)
+        zero3 = 0.0
+        if layout.zero_stage >= 3 and dp > 1:  # parameter all-gathers, prefetched
+            gather = 2 * (dp - 1) / dp * FP32 * ranks[r].param_count / dp_bw
+            zero3 = max(0.0, gather - compute)
+        per_rank.append((compute + tp_c + pp_c + zero3, compute, tp_c, pp_c))
+    slow = max(range(pp), key=lambda r: per_rank[r][0])
+    t_mb, compute, tp_c, pp_c = per_rank[slow]
+    v = {"interleaved_1f1b": layout.virtual, "zero_bubble": 3}.get(layout.schedule, 1)
+    bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
+    pipe = m * t_mb + bubble
+
+    grads = max(FP32 * r.param_count for r in ranks)
+    volume = 1.5 if layout.zero_stage >= 3 else 1.0
+    dp_full = volume * allreduce_time(grads, dp, dp_bw, dp_lat)
+    if dp > 1 and pp == 1:
+        tail = allreduce_time(min(grads, BUCKET_BYTES), dp, dp_bw, dp_lat)
+        dp_c = max(dp_full - 2 / 3 * per_rank[0][1], tail)  # vs the last backward
+    else:
+        dp_c = dp_full
+    updated = max(r.param_count for r in ranks) / (dp if layout.zero_stage >= 1 else 1)
+    opt = 32 * updated / hw.memory_bw
+    step = pipe + dp_c + opt
+    return StepTime(step=step, compute=m * compute, tp_comm=m * tp_c, pp_comm=m * pp_c,
+                    bubble=bubble, dp_comm=dp_c, optimizer=opt,
+                    tokens_per_s=dp * m * tokens / step,
+                    bubble_fraction=bubble / pipe if pipe else 0.0)

@@ -1,0 +1,416 @@
+"""The layout planner: every (dp, tp, pp, schedule) a cluster of N workers can run,
+ranked by the cost model's predicted step time, for those that fit worker memory.
+
+The model is built once on the meta device and read into a ModelShape; each candidate is
+then arithmetic (raylm.plan.cost), so a 70B model on a thousand workers plans in about a
+second. The global batch is held fixed across candidates (the samples of a step, so the
+loss curve, do not depend on the layout): per_device_train_batch_size x
+gradient_accumulation_steps x N sequences, i.e. what pure data parallelism over all N
+workers would train; a layout with dp replicas runs N/dp times the micro-batches per
+replica (micro-batches of per_device_train_batch_size sequences).
+
+Rules: dp x tp x pp = N; tp divides the attention and key-value heads, stays inside a
+node (divides the workers per node: tp groups are placed whole on nodes) and needs a
+model raylm can shard; pp <= blocks (x virtual stages), on a model raylm can cut; the
+schedule's constraints (partition.check_schedule).
+Ranking: fitting layouts by predicted step time, ties to less memory; then layouts that
+do not fit, by memory; then layouts that cannot run. Each loser carries one line saying
+why it lost to the chosen layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from raylm.errors import ConfigError
+from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
+from raylm.plan.hardware import Hardware
+from raylm.plan.partition import check_schedule, partition, virtual_stages
+from raylm.plan.report import human_bytes
+from raylm.plan.shape import ModelShape
+
+log = logging.getLogger("raylm")
+
+# Schedules the planner chooses among when --pp is left to it (zero bubble only when
+# asked for: its bubble model is the roughest).
+AUTO_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+SAME_TIME = 1e-9  # relative: equal predicted step times (GPipe vs 1F1B)
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    stage_bounds: tuple = ()
+    memory: Optional[Memory] = None  # the pp rank that needs the most
+    ranks: list = field(default_factory=list)  # Memory per pp rank
+    time: Optional[StepTime] = None
+    fits: bool = False
+    problem: str = ""  # why this layout cannot run at all (no estimates then)
+    reason: str = ""  # why it lost to the chosen layout
+
+    # shorthands
+    dp = property(lambda self: self.layout.dp)
+    tp = property(lambda self: self.layout.tp)
+    pp = property(lambda self: self.layout.pp)
+    schedule = property(lambda self: self.layout.schedule)
+    microbatches = property(lambda self: self.layout.microbatches)
+
+    def key(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.schedule if self.pp > 1 else "")
+
+    def name(self) -> str:
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        if self.pp > 1:
+            text += f" {self.schedule}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "micro_batch_size": self.layout.micro_batch_size,
+                "microbatches": self.microbatches, "schedule": self.schedule,
+                "virtual": self.layout.virtual,
+                "sequence_parallel": self.layout.sequence_parallel,
+                "zero_stage": self.layout.zero_stage,
+                "stage_bounds": [list(b) for b in self.stage_bounds],
+                "fits": self.fits, "problem": self.problem or None,
+                "reason": self.reason or None,
+                "memory": self.memory.to_dict() if self.memory else None,
+                "ranks": [r.to_dict() for r in self.ranks],
+                "time": self.time.to_dict() if self.time else None}
+
+
+@dataclass
+class Search:
+    chosen: Optional[Candidate]  # None: nothing fits
+    alternatives: list  # every other candidate, best first, each with its reason
+    num_workers: int
+    global_batch: int  # sequences per step
+    hardware: Hardware
+    shape: ModelShape
+    elapsed_s: float = 0.0
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.alternatives) + (self.chosen is not None)
+
+    def smallest(self) -> Optional[Candidate]:
+        """The runnable candidate needing the least memory (when nothing fits)."""
+        runnable = [c for c in self.alternatives + [self.chosen]
+                    if c is not None and c.memory is not None]
+        return min(runnable, key=lambda c: c.memory.total, default=None)
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
+                   micro_batch_size: int, global_batch: int, dp: int = 0, tp: int = 0,
+                   pp: int = 0, schedules: tuple = AUTO_SCHEDULES,
+                   pp_virtual_stages: int = 2, pp_split: Optional[list] = None,
+                   sequence_parallel: bool = False, zero_stage: int = 0,
+                   prefer: Optional[tuple] = None) -> Search:
+    """Every layout of ``num_workers`` workers, ranked. ``dp``/``tp``/``pp`` nonzero fix
+    that dimension. ``prefer`` = (dp, tp, pp, schedule): take that candidate as the
+    chosen one whatever its rank (the user's own layout), the others ranked against it.
+    """
+    t0 = time.perf_counter()
+    parts: dict = {}
+    cands = []
+    for t in _divisors(num_workers):
+        if tp and t != tp:
+            continue
+        for p in _divisors(num_workers // t):
+            if pp and p != pp:
+                continue
+            d = num_workers // (t * p)
+            if dp and d != dp:
+                continue
+            for sched in (schedules if p > 1 else schedules[:1]):
+                cands.append(_candidate(shape, hw, parts, d, t, p, sched, micro_batch_size,
+                                        global_batch, pp_virtual_stages, pp_split,
+                                        sequence_parallel, zero_stage))
+    if not cands:
+        raise ConfigError(f"no layout dp x tp x pp = {num_workers} matches dp={dp or 'any'} "
+                          f"tp={tp or 'any'} pp={pp or 'any'}")
+
+    def rank(c: Candidate):
+        if c.problem:
+            return (2, 0.0, 0.0)
+        if not c.fits:
+            return (1, c.memory.total, 0.0)
+        return (0, c.time.step, c.memory.total)
+
+    cands.sort(key=rank)
+    chosen = None
+    if prefer is not None:
+        want = (prefer[0], prefer[1], prefer[2], prefer[3] if prefer[2] > 1 else "")
+        chosen = next((c for c in cands if c.key() == want), None)
+    elif cands[0].fits:
+        chosen = cands[0]
+    others = [c for c in cands if c is not chosen]
+    for c in others:
+        c.reason = _why_lost(c, chosen, hw)
+    return Search(chosen=chosen, alternatives=others, num_workers=num_workers,
+                  global_batch=global_batch, hardware=hw, shape=shape,
+                  elapsed_s=time.perf_counter() - t0)
+
+
+def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_virtual,
+               split, sp, zero) -> Candidate:
+    virtual = virtual_stages(schedule, pp_virtual) if pp > 1 else 1
+    m = global_batch // (dp * mbs)
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, microbatches=max(1, m),
+                    schedule=schedule, virtual=virtual, sequence_parallel=sp and tp > 1,
+                    zero_stage=zero)
+    c = Candidate(layout)
+    if tp > hw.workers_per_node:
+        c.problem = f"tp={tp} exceeds {hw.workers_per_node} workers per node"
+    elif hw.workers_per_node % tp:  # a node's workers would not split into whole tp groups
+        c.problem = f"tp={tp} does not divide the {hw.workers_per_node} workers of a node"
+    elif tp > 1:
+        c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
+    if c.problem:
+        return c
+    if pp > 1 and tp > 1 and layout.sequence_parallel:
+        c.problem = "sequence parallelism with pp > 1 is not supported"
+    elif pp > 1 and tp > 1 and not shape.own_stages:
+        c.problem = (f"tp with pp: raylm cuts {shape.model_type} by torch.export, which "
+                     "takes no tensor-parallel layers")
+    elif pp > 1 and not shape.cuttable:
+        c.problem = f"pp={pp}: raylm cannot cut {shape.model_type} into stages"
+    elif pp * virtual > shape.num_blocks:
+        c.problem = (f"pp={pp}{f' x {virtual} virtual stages' if virtual > 1 else ''} "
+                     f"exceeds the model's {shape.num_blocks} blocks")
+    elif m < 1 or m * dp * mbs != global_batch:
+        c.problem = (f"the global batch of {global_batch} sequences does not split into "
+                     f"dp={dp} x micro-batches of {mbs}")
+    if c.problem:
+        return c
+    if pp > 1:
+        try:
+            check_schedule(schedule, pp, virtual, m)
+        except ConfigError as e:
+            c.problem = f"{schedule}: {str(e).split(': ', 1)[-1]}"
+            return c
+    key = (pp, virtual, schedule if pp > 1 else "")
+    if key not in parts:
+        try:
+            parts[key] = (partition(shape.embed, list(shape.blocks), shape.head, pp,
+                                    schedule, virtual, split) if pp > 1
+                          else single_stage(shape))
+        except ConfigError as e:
+            parts[key] = str(e)
+    part = parts[key]
+    if isinstance(part, str):
+        c.problem = part
+        return c
+    c.stage_bounds = tuple(tuple(b) for b in part.bounds)
+    c.ranks = rank_memory(shape, part, layout, hw)
+    c.memory = max(c.ranks, key=lambda r: r.total)
+    c.fits = c.memory.total <= hw.worker_memory
+    c.time = step_time(shape, part, layout, hw, c.ranks)
+    return c
+
+
+def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
+    """Why tensor parallelism of degree ``tp`` cannot shard this model ("" if it can):
+    the runtime's own check where it has one (raylm.parallel.tensor), else the heads."""
+    key = ("tp", tp, sp)
+    if key in cache:
+        return cache[key]
+    problem = ""
+    try:
+        from raylm.parallel.tensor import check_tensor_parallel
+    except ImportError:
+        check_tensor_parallel = None
+    if check_tensor_parallel is not None and shape.config is not None:
+        try:
+            check_tensor_parallel(shape.config, tp, sp)
+        except ConfigError as e:
+            problem = f"tp={tp}: {e}"
+    elif not shape.tensor_parallel:
+        problem = f"tp={tp}: raylm has no tensor-parallel plan for {shape.model_type}"
+    elif not shape.tp_divides(tp):
+        problem = (f"tp={tp} does not divide the {shape.heads} attention heads"
+                   + (f" and {shape.kv_heads} key-value heads"
+                      if shape.kv_heads != shape.heads else ""))
+    if not problem and sp and shape.seq_len % tp:
+        problem = (f"sequence parallelism: tp={tp} does not divide the block size "
+                   f"{shape.seq_len}")
+    cache[key] = problem
+    return problem
+
+
+TIME_PARTS = (("bubble", "pp bubble"), ("tp_comm", "tp all-reduces"),
+              ("pp_comm", "pipeline sends and overhead"),
+              ("dp_comm", "dp gradient all-reduce"), ("compute", "compute"),
+              ("optimizer", "optimizer step"))
+
+
+def _why_lost(c: Candidate, chosen: Optional[Candidate], hw: Hardware) -> str:
+    if c.problem:
+        return c.problem
+    if not c.fits:
+        return (f"does not fit: {human_bytes(c.memory.total)} > "
+                f"{human_bytes(hw.worker_memory)} per worker ({_largest_part(c.memory)})")
+    if chosen is None or chosen.time is None:
+        return f"predicted step {c.time.step:.3g} s"
+    ratio = c.time.step / chosen.time.step
+    if abs(ratio - 1) <= SAME_TIME:
+        return (f"same predicted step time, more memory: {human_bytes(c.memory.total)} vs "
+                f"{human_bytes(chosen.memory.total)} per worker")
+    word = "slower" if ratio > 1 else "faster"
+    # The cost that grew the most against the chosen layout (or shrank, when faster).
+    sign = 1 if ratio > 1 else -1
+    attr, label = max(TIME_PARTS, key=lambda p: sign * (getattr(c.time, p[0])
+                                                         - getattr(chosen.time, p[0])))
+    if attr == "bubble":
+        detail = f"pp bubble {c.time.bubble_fraction:.0%}"
+    else:
+        detail = f"{label} {getattr(c.time, attr):.3g} s vs {getattr(chosen.time, attr):.3g} s"
+    return f"{word}: {ratio:.2f}x predicted step time ({detail})"
+
+
+def _largest_part(mem: Memory) -> str:
+    parts = {"parameters": mem.parameters, "gradients": mem.gradients,
+             "optimizer states": mem.optimizer, "activations": mem.activations,
+             "workspace": mem.workspace}
+    name = max(parts, key=parts.get)
+    extra = f" of {mem.in_flight} micro-batches" if name == "activations" and \
+        mem.in_flight > 1 else ""
+    return f"{name}{extra} {human_bytes(parts[name])}"
+
+
+# -- from a TrainConfig --------------------------------------------------------------------
+def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
+    """The ModelShape of a resolved model (built once, on the meta device)."""
+    from raylm.parallel.pipeline.stages import meta_model
+    from raylm.plan.shape import model_shape
+
+    try:
+        model = meta_model(spec)
+    except (ValueError, TypeError, AttributeError, AssertionError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot build the model ({spec.config.model_type}) from its "
+                          f"config: {msg}") from None
+    return model_shape(model, seq_len, use_gpu)
+
+
+def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,
+                      hw: Optional[Hardware] = None, shape: Optional[ModelShape] = None,
+                      global_batch: Optional[int] = None,
+                      prefer: Optional[tuple] = None) -> Search:
+    """search_layouts for a TrainConfig: its model, batch, fixed dims and cost flags
+    (``spec``/``seq_len`` are resolved from ``cfg`` when not given)."""
+    from raylm.plan.hardware import hardware_for
+
+    if spec is None or seq_len is None:
+        from raylm.models.loading import resolve_block_size, resolve_model
+
+        spec = spec or resolve_model(cfg)
+        seq_len = seq_len or resolve_block_size(cfg, spec)
+    hw = hw or hardware_for(cfg)
+    shape = shape or shape_of(spec, seq_len, hw.use_gpu)
+    mbs = cfg.per_device_train_batch_size
+    if global_batch is None:
+        global_batch = mbs * cfg.gradient_accumulation_steps * num_workers
+    split = None
+    if cfg.pp and cfg.pp_split:
+        try:
+            split = [int(x) for x in str(cfg.pp_split).split(",") if x.strip()]
+        except ValueError:
+            split = None  # plan_pipeline reports it
+    schedules = (cfg.pipeline_schedule,) if cfg.pp else AUTO_SCHEDULES
+    if not cfg.pp and cfg.pipeline_schedule not in schedules:
+        schedules = schedules + (cfg.pipeline_schedule,)
+    return search_layouts(
+        shape, num_workers, hw, micro_batch_size=mbs, global_batch=global_batch,
+        dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, schedules=schedules,
+        pp_virtual_stages=cfg.pp_virtual_stages, pp_split=split,
+        sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)),
+        zero_stage=int(getattr(cfg, "zero_stage", 0) or 0), prefer=prefer)
+
+
+def no_fit_error(search: Search) -> ConfigError:
+    hw = search.hardware
+    best = search.smallest()
+    if best is None:
+        reasons = "; ".join(sorted({c.problem for c in search.alternatives}))[:300]
+        return ConfigError(f"no layout of {search.num_workers} worker(s) can run this model: "
+                           f"{reasons}")
+    m = best.memory
+    hb = human_bytes
+    return ConfigError(
+        f"no layout of {search.num_workers} worker(s) fits in {hb(hw.worker_memory)} per "
+        f"worker: the smallest, {best.name()}, needs {hb(m.total)} (parameters "
+        f"{hb(m.parameters)}, gradients {hb(m.gradients)}, optimizer {hb(m.optimizer)}, "
+        f"activations {hb(m.activations)}, workspace {hb(m.workspace)}); add workers, lower "
+        "--per_device_train_batch_size or --block_size, or set --worker_memory_gb")
+
+
+def summary(search: Search, top: int = 3) -> list[str]:
+    """A few log lines: the choice and the runners-up."""
+    c = search.chosen
+    lines = [f"planner: {c.name()}, {c.microbatches} micro-batch(es) of "
+             f"{c.layout.micro_batch_size} per replica; predicted {c.time.step:.3g} s/step, "
+             f"{human_bytes(c.memory.total)} of {human_bytes(search.hardware.worker_memory)} "
+             "per worker "
+             f"({search.evaluated} layouts in {search.elapsed_s * 1000:.0f} ms)"]
+    for alt in search.alternatives[:top]:
+        lines.append(f"planner:   not {alt.name()}: {alt.reason}")
+    return lines
+
+
+def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,
+                      search: Optional[Search] = None) -> Layout:
+    """The layout make_plan uses when --dp, --tp and --pp are all 0: the planner's choice
+    (logged with its runners-up when this call searched: a caller that passes ``search``
+    presents it itself); ConfigError when no layout fits; pure data parallelism, as before
+    the planner, for a model whose shape it cannot read."""
+    if search is not None and search.num_workers != num_workers:
+        search = None  # made for another cluster size
+    searched_here = search is None
+    if search is None:
+        try:
+            search = search_for_config(cfg, num_workers, spec, seq_len)
+        except ValueError as e:
+            log.warning("planner: %s; data parallelism over the %d workers", e, num_workers)
+            return Layout(dp=num_workers, tp=1, pp=1,
+                          micro_batch_size=cfg.per_device_train_batch_size,
+                          microbatches=cfg.gradient_accumulation_steps)
+    if search.chosen is None:
+        raise no_fit_error(search)
+    if searched_here:
+        for line in summary(search):
+            log.info("%s", line)
+    return search.chosen.layout
+
+
+def evaluate_layout(cfg, dp: int, tp: int, pp: int, spec=None,
+                    seq_len: Optional[int] = None) -> Candidate:
+    """The cost model's prediction for one given layout of ``cfg``'s model (its schedule,
+    micro-batch size and gradient_accumulation_steps micro-batches per replica, as
+    make_plan runs fixed dims): memory per pp rank and step time, or its ``problem``."""
+    import dataclasses
+
+    fixed = dataclasses.replace(cfg, dp=dp, tp=tp, pp=pp)
+    search = search_for_config(
+        fixed, dp * tp * pp, spec, seq_len,
+        global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp,
+        prefer=(dp, tp, pp, cfg.pipeline_schedule))
+    return search.chosen
+
+
+def predict_layout(cfg, dp: int, pp: int, tp: int) -> float:
+    """Predicted bytes of model state (parameters + gradients + optimizer) on the rank
+    that holds the most, for one layout of ``cfg`` (benchmarks compare it with what the
+    ranks hold)."""
+    c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp)
+    if c is None or c.problem:
+        raise ConfigError(f"dp={dp} x tp={tp} x pp={pp}: "
+                          f"{c.problem if c else 'not a layout'}")
+    return max(r.states for r in c.ranks)

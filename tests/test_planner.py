@@ -1,0 +1,418 @@
+"""The layout planner and its cost model: predictions against what real runs hold, the
+choices it makes, and planning a 70B model on 1024 workers in seconds.
+
+Memory is checked against measurements of real training (raylm.runtime.memory): one rank
+in this process, and both ranks of a 2-stage 1F1B pipeline in two torch.distributed gloo
+processes, for a GPT-2 (dropout on: SDPA's math path keeps the attention scores) and a
+Llama (grouped-query attention, fused SDPA, gated MLP). No Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import torch
+
+from raylm.cli.main import main
+from raylm.config import TrainConfig
+from raylm.errors import ConfigError
+from raylm.plan.cost import Layout, rank_memory, single_stage, step_time
+from raylm.plan.hardware import GIB, hardware_for
+from raylm.plan.layout import make_plan
+from raylm.plan.partition import partition
+from raylm.plan.planner import search_for_config
+from raylm.plan.shape import model_shape
+from raylm.runtime.memory import ActivationMeter, state_bytes
+
+SEQ, BATCH, VOCAB = 64, 4, 500
+MODELS = {
+    "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, n_positions=SEQ,
+                 vocab_size=VOCAB),
+    "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
+                  max_position_embeddings=SEQ, vocab_size=VOCAB),
+}
+TOLERANCE = 0.15
+LLAMA_70B = ("hidden_size=8192,num_hidden_layers=80,num_attention_heads=64,"
+             "num_key_value_heads=8,intermediate_size=28672,vocab_size=128256,"
+             "max_position_embeddings=4096")
+TINY_GPT2 = "n_layer=4,n_embd=32,n_head=4,n_positions=64"
+TINY_LLAMA = ("num_hidden_layers=4,hidden_size=32,num_attention_heads=4,"
+              "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=64")
+
+
+def _config(name):
+    from transformers import AutoConfig
+
+    kw = dict(MODELS[name])
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def _model(name, device=None):
+    from transformers import AutoModelForCausalLM
+
+    if device == "meta":
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(_config(name))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(name))
+    model.config.use_cache = False
+    return model.train()
+
+
+def _optimizer(model):
+    # As the worker builds it: AdamW, matrices decayed, biases and norms not.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
+                               "weight_decay": 0.01},
+                              {"params": [p for p in params if p.ndim < 2],
+                               "weight_decay": 0.0}], lr=1e-3)
+
+
+def _loss(logits, labels):
+    from raylm.models.objectives import CausalLM
+
+    return CausalLM().loss_sum(logits, labels)
+
+
+def _predicted(name, part_bounds=None, microbatches=2):
+    """Per pp rank, the cost model's Memory for the layout (dp=1, tp=1)."""
+    shape = model_shape(_model(name, "meta"), SEQ)
+    hw = hardware_for(TrainConfig())  # CPU: float dropout masks
+    if part_bounds is None:
+        part, pp = single_stage(shape), 1
+    else:
+        pp = len(part_bounds)
+        part = partition(shape.embed, list(shape.blocks), shape.head, pp, "1f1b", 1,
+                         [b[0] for b in part_bounds[1:]])
+    layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=BATCH, microbatches=microbatches)
+    return rank_memory(shape, part, layout, hw)
+
+
+def _compare(measured: dict, predicted) -> dict:
+    """Relative errors of the prediction, per part and for the whole rank."""
+    parts = ("parameters", "gradients", "optimizer", "activations")
+    err = {k: getattr(predicted, k) / measured[k] - 1 for k in parts}
+    total_m = sum(measured[k] for k in parts)
+    err["total"] = (predicted.states + predicted.activations) / total_m - 1
+    return err
+
+
+def _assert_close(err: dict, where: str):
+    for k in ("parameters", "gradients", "optimizer"):
+        assert abs(err[k]) < 0.01, (where, k, err)
+    assert abs(err["activations"]) < TOLERANCE, (where, err)
+    assert abs(err["total"]) < TOLERANCE, (where, err)
+
+
+# -- memory: prediction vs measurement --------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_single_rank_memory_matches_a_measured_run(name):
+    model = _model(name)
+    opt = _optimizer(model)
+    g = torch.Generator().manual_seed(0)
+    with ActivationMeter(model) as meter:
+        for _ in range(2):  # gradient accumulation: micro-batches one after the other
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            _loss(model(input_ids=ids).logits, ids).backward()
+            assert meter.live == 0  # backward released every saved tensor
+    opt.step()
+    measured = {**state_bytes(model, opt), "activations": meter.peak}
+    err = _compare(measured, _predicted(name)[0])
+    print(name, {k: f"{v:+.2%}" for k, v in err.items()})
+    _assert_close(err, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pipeline_rank(rank: int, port: int, queue) -> None:
+    """One rank of a 2-stage 1F1B pipeline (4 micro-batches, 2 steps) per test model:
+    its measured state and peak activations."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from raylm.parallel.pipeline.stages import cut
+    from raylm.plan.partition import Partition
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    out = {}
+    try:
+        for name in MODELS:
+            model = _model(name)
+            part = Partition(bounds=[(0, 1), (1, 2)], stage_rank=[0, 1])
+            mods, _, _ = cut(model, part, [rank], torch.zeros(BATCH, SEQ, dtype=torch.long))
+            stage = PipelineStage(mods[0], rank, 2, torch.device("cpu"))
+            schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_loss,
+                                    scale_grads=False)
+            opt = _optimizer(model)
+            ids = torch.randint(0, VOCAB, (4 * BATCH, SEQ),
+                                generator=torch.Generator().manual_seed(0))
+            with ActivationMeter(model) as meter:
+                for _ in range(2):
+                    if rank == 0:
+                        schedule.step(ids)
+                    else:
+                        schedule.step(target=ids, losses=[])
+            opt.step()
+            out[name] = {**state_bytes(model, opt), "activations": meter.peak}
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+def test_pipeline_ranks_memory_matches_measured_runs():
+    """pp=2, 1F1B, 4 micro-batches in two gloo processes: stage 0 (embeddings + block 0)
+    holds 2 micro-batches at its peak, stage 1 (block 1 + head) holds 1; GPT-2's tied
+    table is on both ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_pipeline_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for name in MODELS:
+        predicted = _predicted(name, part_bounds=[(0, 1), (1, 2)], microbatches=4)
+        assert [m.in_flight for m in predicted] == [2, 1]
+        for rank in range(2):
+            err = _compare(results[rank][name], predicted[rank])
+            print(name, "pp rank", rank, {k: f"{v:+.2%}" for k, v in err.items()})
+            _assert_close(err, f"{name} pp rank {rank}")
+
+
+def test_activation_meter_counts_storages_once_and_sees_releases():
+    model = _model("gpt2")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with ActivationMeter(model) as meter:
+        loss = _loss(model(input_ids=ids).logits, ids)
+        forward = meter.live
+        assert forward > 0 and meter.peak == forward
+        del loss  # a graph dropped without backward frees its saved tensors too
+        assert meter.live == 0
+        x = torch.randn(1000, requires_grad=True)
+        y = x.exp()  # saves its output
+        (y * y).sum()  # y saved twice: one storage
+        assert meter.live == 4000
+    assert meter.peak == forward
+    # parameters are state, not activations: a bare matmul with a weight saves the input
+    # only
+    with ActivationMeter(model) as meter:
+        h = torch.randn(8, 64)
+        out = model.transformer.h[0].mlp.c_fc(h)
+        assert meter.live == h.numel() * 4
+        del out
+
+
+def test_state_bytes_counts_a_tied_table_once():
+    model = _model("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    n = sum(p.numel() for p in model.parameters())
+    assert state_bytes(model) == {"parameters": 4 * n, "gradients": 0, "optimizer": 0}
+
+
+# -- the cost model's formulas -----------------------------------------------------------
+def test_zero_stages_shard_states_over_dp():
+    shape = model_shape(_model("llama", "meta"), SEQ)
+    hw = hardware_for(TrainConfig())
+    part = single_stage(shape)
+    psi = shape.total_params
+
+    def mem(zero):
+        layout = Layout(dp=4, tp=1, pp=1, micro_batch_size=BATCH, microbatches=1,
+                        zero_stage=zero)
+        return rank_memory(shape, part, layout, hw)[0]
+
+    m0, m1, m2, m3 = (mem(z) for z in range(4))
+    assert (m0.parameters, m0.gradients, m0.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert (m1.parameters, m1.gradients, m1.optimizer) == (4 * psi, 4 * psi, 2 * psi)
+    assert (m2.parameters, m2.gradients, m2.optimizer) == (4 * psi, psi, 2 * psi)
+    assert (m3.parameters, m3.gradients, m3.optimizer) == (psi, psi, 2 * psi)
+    assert m3.workspace > m0.workspace  # gathered blocks
+    assert m0.activations == m3.activations
+
+
+def test_tensor_parallel_shards_matrices_and_activations():
+    shape = model_shape(_model("llama", "meta"), SEQ)
+    hw = hardware_for(TrainConfig())
+    part = single_stage(shape)
+    one, two = (rank_memory(shape, part, Layout(dp=1, tp=t, pp=1, micro_batch_size=BATCH,
+                                                microbatches=1), hw)[0] for t in (1, 2))
+    norms = 2 * 64 * 2 + 64  # two RMSNorm weights per block, the final norm: replicated
+    assert two.param_count == pytest.approx((shape.total_params - norms) / 2 + norms)
+    assert one.activations / 2 < two.activations < one.activations  # norms replicated
+
+
+def test_step_time_bubble_and_communication():
+    shape = model_shape(_model("gpt2", "meta"), SEQ)
+    hw = hardware_for(TrainConfig(worker_tflops=1.0))
+
+    def timed(pp, schedule="1f1b", m=8, tp=1, dp=1):
+        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        part = (partition(shape.embed, list(shape.blocks), shape.head, pp, schedule, virtual)
+                if pp > 1 else single_stage(shape))
+        layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=BATCH, microbatches=m,
+                        schedule=schedule, virtual=virtual)
+        return step_time(shape, part, layout, hw, rank_memory(shape, part, layout, hw))
+
+    one, piped = timed(1), timed(2)
+    assert one.bubble == one.tp_comm == one.pp_comm == one.dp_comm == 0
+    assert piped.bubble_fraction == pytest.approx(1 / (8 + 1))  # (pp-1)/(m+pp-1)
+    assert timed(2, "gpipe").step == pytest.approx(piped.step)
+    assert timed(2, "gpipe", m=2).bubble_fraction > piped.bubble_fraction
+    assert timed(1, tp=2).tp_comm > 0 and timed(1, dp=2).dp_comm > 0
+
+
+# -- the planner's choices ---------------------------------------------------------------
+def _cfg(model_type="gpt2", overrides=TINY_GPT2, **kw) -> TrainConfig:
+    kw.setdefault("block_size", 32)
+    return TrainConfig(model_type=model_type, config_overrides=overrides, **kw)
+
+
+@pytest.mark.parametrize("model_type, overrides", [("gpt2", TINY_GPT2),
+                                                   ("llama", TINY_LLAMA)])
+def test_tiny_models_on_a_few_workers_stay_data_parallel(model_type, overrides):
+    for workers in (1, 2, 4):
+        for mbs, gas in ((1, 1), (8, 2)):
+            cfg = _cfg(model_type, overrides, per_device_train_batch_size=mbs,
+                       gradient_accumulation_steps=gas)
+            plan = make_plan(cfg, workers)
+            assert (plan.dp, plan.tp, plan.pp) == (workers, 1, 1), (workers, mbs, gas)
+            assert plan.global_batch_size == mbs * gas * workers
+            assert plan.micro_batches_per_rank == gas
+
+
+def test_a_model_that_does_not_fit_one_worker_is_split():
+    # 16 MiB per worker: the tiny Llama's logits and activations need ~25 MiB on one
+    # rank; the planner keeps the fastest layout that fits, and says why dp lost.
+    cfg = _cfg("llama", TINY_LLAMA, num_workers=4, worker_memory_gb=16 / 1024,
+               per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    search = search_for_config(cfg, 4)
+    c = search.chosen
+    assert c.fits and c.memory.total <= 16 * 2**20 and (c.tp, c.pp) != (1, 1)
+    dp4 = next(a for a in search.alternatives if (a.dp, a.tp, a.pp) == (4, 1, 1))
+    assert dp4.reason.startswith("does not fit: ") and "> 16.00 MiB per worker" in dp4.reason
+    slower = [a for a in search.alternatives if a.fits]
+    assert slower and all(a.time.step >= c.time.step for a in slower)
+    assert all(a.reason.startswith(("slower: ", "same predicted step time"))
+               for a in slower)
+    assert any("x predicted step time (" in a.reason for a in slower)
+    plan = make_plan(cfg, 4)
+    assert (plan.dp, plan.tp, plan.pp) == (c.dp, c.tp, c.pp)
+    assert plan.global_batch_size == 8 * 2 * 4
+
+
+def test_layout_rules_are_reasons():
+    cfg = _cfg("llama", TINY_LLAMA, num_workers=8, workers_per_node=2)
+    reasons = {a.reason for a in search_for_config(cfg, 8).alternatives}
+    assert "tp=4 exceeds 2 workers per node" in reasons
+    assert "tp=8 exceeds 2 workers per node" in reasons
+    assert any(r.startswith("pp=8 exceeds the model's 4 blocks") for r in reasons)
+    # fixed dims constrain the search
+    fixed = search_for_config(_cfg("llama", TINY_LLAMA, tp=2), 8)
+    assert {c.tp for c in fixed.alternatives + [fixed.chosen]} == {2}
+
+
+def test_nothing_fits_is_one_error():
+    cfg = _cfg(num_workers=2, worker_memory_gb=1 / 1024)
+    with pytest.raises(ConfigError) as err:
+        make_plan(cfg, 2)
+    msg = str(err.value)
+    assert msg.startswith("no layout of 2 worker(s) fits in 1.00 MiB per worker: the smallest")
+    assert "\n" not in msg
+
+
+def test_flags_and_defaults_of_the_hardware():
+    hw = hardware_for(TrainConfig(), {})  # no cluster (the test session may run one)
+    assert not hw.use_gpu and hw.worker_memory == 16 * GIB and hw.workers_per_node == 8
+    assert hw.source["worker_memory_gb"] == "default"
+    gpu = hardware_for(TrainConfig(use_gpu=True, worker_memory_gb=141, network_gbps=200))
+    assert gpu.worker_memory == 141 * GIB and gpu.source["worker_memory_gb"] == "flag"
+    assert gpu.network_bw == 200e9 / 8 and gpu.worker_flops == 50e12
+    assert gpu.mask_bytes == 1
+    cluster = hardware_for(TrainConfig(), {"workers_per_node": 4, "worker_memory": 3 * GIB})
+    assert (cluster.workers_per_node, cluster.worker_memory) == (4, 3 * GIB)
+    assert cluster.source["workers_per_node"] == "cluster"
+
+
+# -- raylm plan --------------------------------------------------------------------------
+def test_plan_prints_the_choice_memory_time_and_alternatives(capsys):
+    args = ["plan", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
+            "--block_size", "32", "--num_workers", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "chosen by the planner: dp=4 x tp=1 x pp=1" in out
+    assert "memory per worker: parameters " in out and "optimizer states" in out
+    assert "of 16.00 GiB" in out
+    assert "assumed: worker memory 16 GiB: the CPU default (no Ray cluster connected" in out
+    assert "step: predicted " in out and "tokens/s" in out
+    assert "alternatives (next best first):" in out and "slower: " in out
+
+    assert main([*args, "--json", "--worker_memory_gb", "4"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["planner"]["searched"] and rep["fits"]
+    assert (rep["chosen"]["dp"], rep["chosen"]["tp"], rep["chosen"]["pp"]) == (4, 1, 1)
+    assert rep["worker_memory"] == 4 * GIB and rep["hardware"]["source"]["worker_memory_gb"] \
+        == "flag"
+    assert not any("worker memory" in a for a in rep["assumed"])
+    mem = rep["memory"]
+    assert mem["total"] == pytest.approx(mem["parameters"] + mem["gradients"]
+                                         + mem["optimizer"] + mem["activations"]
+                                         + mem["workspace"])
+    assert rep["time"]["step"] > 0 and rep["time"]["tokens_per_s"] > 0
+    assert 1 <= len(rep["alternatives"]) <= 5
+    assert all(a["reason"] for a in rep["alternatives"])
+
+
+def test_70b_llama_on_1024_workers_plans_in_seconds(capsys):
+    start = time.monotonic()
+    rc = main(["plan", "--json", "--model_type", "llama", "--config_overrides", LLAMA_70B,
+               "--num_workers", "1024", "--block_size", "2048",
+               "--per_device_train_batch_size", "1", "--use_gpu"])
+    elapsed = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert elapsed < 30, f"planning took {elapsed:.1f} s"
+    rep = json.loads(out)
+    c = rep["chosen"]
+    print(f"70B on 1024: {elapsed:.2f} s (search {rep['planner']['elapsed_s']:.2f} s), "
+          f"dp={c['dp']} tp={c['tp']} pp={c['pp']} {c['schedule']}, "
+          f"{rep['memory']['total'] / GIB:.1f} GiB")
+    assert c["dp"] * c["tp"] * c["pp"] == 1024
+    assert rep["fits"] and rep["memory"]["total"] <= 80 * GIB
+    assert c["tp"] <= 8 and c["pp"] > 1  # 1.1 TB of fp32 states need both
+    assert rep["planner"]["evaluated"] > 50
+    assert rep["model"]["parameters"] > 70e9
+
+
+def test_plan_with_address_reads_the_cluster(ray_cluster, capsys):
+    from tests.conftest import RAY_CPUS
+
+    rc = main(["plan", "--json", "--address", "auto", "--model_type", "gpt2",
+               "--config_overrides", TINY_GPT2, "--block_size", "32"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["planner"]["num_workers"] == RAY_CPUS  # the cluster's size
+    assert rep["hardware"]["workers_per_node"] == RAY_CPUS
+    assert rep["hardware"]["source"]["worker_memory_gb"] == "cluster"
+    node = next(n for n in ray_cluster.nodes() if n["Alive"])
+    assert rep["worker_memory"] == pytest.approx(node["Resources"]["memory"] / RAY_CPUS)
+    assert not any("worker memory" in a for a in rep["assumed"])
