@@ -61,3 +61,20 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_CACHE: dict = {}
+
+
+def cached_reference(key, make_config, global_batch_size: int, steps: int):
+    """``reference_run`` for the config ``make_config()`` builds, computed once per ``key``
+    in a test session (several test files compare layouts with the same reference)."""
+    from raylm.runtime.prepare import check_inputs, prepare_data
+
+    if key not in _CACHE:
+        cfg = make_config()
+        inputs = check_inputs(cfg)
+        data = prepare_data(cfg, inputs)
+        _CACHE[key] = reference_run(cfg, inputs.spec, data.train, data.train_ids,
+                                    global_batch_size, steps)
+    return _CACHE[key]

@@ -162,3 +162,27 @@ def test_pipeline_layout_errors_before_any_actor(kw, message, ray_cluster, tmp_p
         driver.run()
     assert message in str(err.value) and "\n" not in str(err.value)
     assert driver.workers == [] and driver.state == "planning"
+
+
+@pytest.mark.parametrize("kw,overrides,message", [
+    # TINY_GPT2 has 2 attention heads.
+    (dict(tp=4, num_workers=4), TINY_GPT2, "heads"),
+    # Grouped-query attention: 4 query heads but 2 key-value heads.
+    (dict(tp=4, num_workers=4), "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,"
+     "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=64",
+     "key-value heads"),
+    (dict(tp=2, pp=2, num_workers=4, sequence_parallel=True, gradient_accumulation_steps=2),
+     TINY_GPT2, "--sequence_parallel with --pp > 1"),
+    (dict(tp=2, num_workers=3), TINY_GPT2, "does not equal --num_workers 3"),
+])
+def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_cluster, tmp_path,
+                                               corpus_dir, cache_root):
+    model_type = "llama" if "key-value" in message else "gpt2"
+    cfg = TrainConfig(model_type=model_type, config_overrides=overrides,
+                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      output_dir=str(tmp_path / "out"), max_steps=2, cpus_per_worker=0.5, **kw)
+    driver = Driver(cfg)
+    with pytest.raises(ConfigError) as err:
+        driver.run()
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert driver.workers == [] and driver.state == "planning"

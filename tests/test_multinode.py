@@ -34,3 +34,18 @@ def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
     assert failed >= 7
     assert any(f"step-00000004: {failed - 1 - 4} step(s) will be redone" in l for l in log), log
     assert any("driver: starting (1 rank(s))" in l for l in log), log
+
+
+def test_tensor_parallel_group_stays_on_one_node(corpus_dir, cache_root):
+    """dp=2 x tp=2 on two 3-CPU nodes: each tp group is one placement bundle, so ranks
+    0-1 share a node and ranks 2-3 share the other (per-rank bundles would split 2-3)."""
+    script = Path(__file__).with_name("multinode_tp_placement.py")
+    proc = subprocess.run([sys.executable, str(script), str(corpus_dir), cache_root],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    r = json.loads(line[len("RESULT "):])
+    nodes = r["nodes"]
+    assert r["steps"] == 2 and len(nodes) == 4
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes

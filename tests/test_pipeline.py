@@ -15,8 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from raylm import TrainConfig, train
-from raylm.runtime.prepare import check_inputs, prepare_data
-from tests.reference import reference_run
+from tests.reference import cached_reference
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -51,20 +50,12 @@ def pp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-_REFERENCES: dict = {}
-
-
 @pytest.fixture
 def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     """Single-process losses and final weights, per model (computed once)."""
     def get(model):
-        if model not in _REFERENCES:
-            cfg = pp_config(tmp_path_factory.mktemp("ref"), corpus_dir, cache_root, model)
-            inputs = check_inputs(cfg)
-            data = prepare_data(cfg, inputs)
-            _REFERENCES[model] = reference_run(cfg, inputs.spec, data.train, data.train_ids,
-                                               GLOBAL_BATCH, STEPS)
-        return _REFERENCES[model]
+        return cached_reference(("pipeline", model), lambda: pp_config(
+            tmp_path_factory.mktemp("ref"), corpus_dir, cache_root, model), GLOBAL_BATCH, STEPS)
     return get
 
 

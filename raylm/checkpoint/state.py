@@ -1,8 +1,12 @@
 """What a rank saves and restores: model, optimizer, LR schedule, RNG (worker side).
 
 Model and optimizer go through torch.distributed.checkpoint, keyed by the model's own
-parameter names, so a checkpoint does not depend on the layout that wrote it (later
-layouts shard the same keys differently and DCP reshards on load). RNG states are per
+parameter names and in the model's own shapes, so a checkpoint does not depend on the
+layout that wrote it: pipeline stages write disjoint keys, tensor-parallel shards are
+DTensors of the full tensor, and DCP reshards on load into any other layout. A model
+whose runtime form differs from its checkpoint form (a vocabulary padded for tensor
+parallelism, GPT-2's layers turned into nn.Linear) goes through the canonical adapter of
+raylm.parallel.tensor, which presents its tensors in the model's own shapes. RNG states are per
 rank, written with safetensors (no pickle anywhere in a checkpoint). The LR schedule is a
 pure function of the step, so it is rebuilt from the step rather than stored.
 """
@@ -31,11 +35,11 @@ def _rng_path(path: str, rank: int) -> str:
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save_rank_state(path: str, model, optimizer, rank: int, process_group=None) -> None:
+def save_rank_state(path: str, model, optimizer, rank: int, adapter,
+                    process_group=None) -> None:
     """Collective: every rank of ``process_group`` calls this with the same ``path``."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
-             process_group=process_group)
+    state = _canonical_state(model, optimizer, adapter)[1]
+    dcp.save(state, checkpoint_id=path, process_group=process_group)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -43,7 +47,7 @@ def save_rank_state(path: str, model, optimizer, rank: int, process_group=None) 
     save_file(rng, _rng_path(path, rank))
 
 
-def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
+def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_seed: int,
                     process_group=None) -> None:
     """Collective: restore model and optimizer, and this rank's RNG.
 
@@ -51,11 +55,10 @@ def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
     from ``fallback_seed`` instead.
     """
     _init_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    state = {"model": model_sd, "optim": optim_sd}
+    (model_sd, optim_sd), state = _canonical_state(model, optimizer, adapter)
     dcp.load(state, checkpoint_id=path, process_group=process_group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
+    adapter.from_canonical({**state["model"], **state["optim"]}, {**model_sd, **optim_sd})
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
     rng_file = _rng_path(path, rank)
     if os.path.exists(rng_file):
@@ -65,6 +68,15 @@ def load_rank_state(path: str, model, optimizer, rank: int, fallback_seed: int,
             torch.cuda.set_rng_state(rng["cuda"])
     else:
         torch.manual_seed(fallback_seed)
+
+
+def _canonical_state(model, optimizer, adapter):
+    """The rank's model and optimizer state dicts, and the same in checkpoint form:
+    {"model": {name: tensor}, "optim": {"state.<name>.exp_avg": tensor, ...}}."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    canon = adapter.to_canonical({**model_sd, **optim_sd})
+    return (model_sd, optim_sd), {"model": {k: canon[k] for k in model_sd},
+                                  "optim": {k: canon[k] for k in optim_sd}}
 
 
 def _init_optimizer_state(optimizer) -> None:

@@ -33,6 +33,7 @@ class Plan:
     virtual: int = 1
     stage_bounds: tuple = ()
     seq_len: int = 0  # tokens per sample (a generic, exported stage is traced at it)
+    sequence_parallel: bool = False  # tp > 1: norms and dropouts on sequence shards
 
     @property
     def world_size(self) -> int:
@@ -55,7 +56,8 @@ class Plan:
         return max(1, int(self.cpus_per_worker))
 
     def describe(self) -> str:
-        text = (f"{self.world_size} rank(s): dp={self.dp} x pp={self.pp} x tp={self.tp}; "
+        sp = " (sequence parallel)" if self.sequence_parallel else ""
+        text = (f"{self.world_size} rank(s): dp={self.dp} x pp={self.pp} x tp={self.tp}{sp}; "
                 f"global batch {self.global_batch_size} = {self.micro_batches_per_rank} "
                 f"micro-batch(es) of {self.micro_batch_size} on each of {self.dp} "
                 f"data-parallel rank(s)")
@@ -75,18 +77,21 @@ class Plan:
         return dataclasses.replace(self, dp=dp)
 
 
-def make_plan(cfg, capacity: int) -> Plan:
-    """Choose the layout for a TrainConfig on a cluster that can hold ``capacity`` ranks."""
+def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None) -> Plan:
+    """Choose the layout for a TrainConfig on a cluster that can hold ``capacity`` ranks.
+
+    With --dp, --tp and --pp all 0 the planner (raylm.plan.planner) chooses dp x tp x pp,
+    the micro-batches and the schedule for the workers, holding the global batch at
+    per_device_train_batch_size x gradient_accumulation_steps x workers. ``spec`` and
+    ``seq_len`` (the resolved model and block size) are resolved from ``cfg`` when not
+    given; ``search``: a planner search already made for these workers."""
     for name in ("dp", "tp", "pp", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0")
-    if cfg.tp > 1:
-        raise ConfigError("--tp > 1: tensor parallelism is not implemented yet in raylm "
-                          "(data parallelism only for now)")
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
-    tp, pp = 1, cfg.pp or 1
+    tp, pp = cfg.tp or 1, cfg.pp or 1
     if cfg.num_workers:
         num_workers = cfg.num_workers
         if num_workers > capacity:
@@ -105,6 +110,13 @@ def make_plan(cfg, capacity: int) -> Plan:
         need = "a single worker" if tp * pp == 1 else f"the {tp * pp} workers of pp={pp}"
         raise ConfigError(f"the cluster has no room for {need} ({cfg.cpus_per_worker:g} CPU "
                           "each); lower --cpus_per_worker")
+    accum, schedule = cfg.gradient_accumulation_steps, cfg.pipeline_schedule
+    if not (cfg.dp or cfg.tp or cfg.pp):  # the planner's layout
+        from raylm.plan.planner import choose_for_config
+
+        chosen = choose_for_config(cfg, num_workers, spec, seq_len, search)
+        tp, pp, accum = chosen.tp, chosen.pp, chosen.microbatches
+        schedule = chosen.schedule if pp > 1 else schedule
     if num_workers < tp * pp:
         raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
                           "replica")
@@ -113,10 +125,10 @@ def make_plan(cfg, capacity: int) -> Plan:
         raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
                           f"--num_workers {num_workers}")
     return Plan(dp=dp, pp=pp, tp=tp, micro_batch_size=cfg.per_device_train_batch_size,
-                global_batch_size=cfg.per_device_train_batch_size
-                * cfg.gradient_accumulation_steps * dp,
+                global_batch_size=cfg.per_device_train_batch_size * accum * dp,
                 cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
-                schedule=cfg.pipeline_schedule)
+                schedule=schedule,
+                sequence_parallel=bool(cfg.sequence_parallel and tp > 1))
 
 
 def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
@@ -126,8 +138,9 @@ def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
     from raylm.parallel.pipeline.stages import meta_model, model_units
     from raylm.plan.partition import check_schedule, partition, virtual_stages
 
-    virtual = virtual_stages(cfg.pipeline_schedule, cfg.pp_virtual_stages)
-    check_schedule(cfg.pipeline_schedule, plan.pp, virtual, plan.micro_batches_per_rank)
+    schedule = plan.schedule  # the user's --pipeline_schedule, or the planner's choice
+    virtual = virtual_stages(schedule, cfg.pp_virtual_stages)
+    check_schedule(schedule, plan.pp, virtual, plan.micro_batches_per_rank)
     split = None
     if cfg.pp_split:
         try:
@@ -142,7 +155,32 @@ def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
                           f"'{spec.config.model_type}' do not take (the GPT-2, GPT-Neo, GPT-J, "
                           "Llama-family, BERT and RoBERTa stages do)")
     embed, blocks, head = model_units(model, seq_len)
-    part = partition(embed, blocks, head, plan.pp, cfg.pipeline_schedule, virtual, split)
-    return dataclasses.replace(plan, schedule=cfg.pipeline_schedule, virtual=virtual,
+    part = partition(embed, blocks, head, plan.pp, schedule, virtual, split)
+    return dataclasses.replace(plan, virtual=virtual,
                                stage_bounds=tuple(tuple(b) for b in part.bounds),
                                seq_len=seq_len), part
+
+
+def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
+    """For tp > 1: the one-line errors a tensor-parallel layout can hit, before any actor
+    starts (driver side, no weights)."""
+    from raylm.models.families import family_of
+    from raylm.parallel.pipeline.stages import is_t5
+    from raylm.parallel.tensor import check_tensor_parallel
+
+    if plan.tp <= 1:
+        return
+    check_tensor_parallel(spec.config, plan.tp, plan.sequence_parallel)
+    if plan.sequence_parallel and seq_len % plan.tp:
+        raise ConfigError(f"--sequence_parallel with --tp {plan.tp}: the block size "
+                          f"{seq_len} must be a multiple of tp (each rank holds an equal "
+                          "slice of the sequence)")
+    if plan.pp > 1:
+        if plan.sequence_parallel:
+            raise ConfigError("--sequence_parallel with --pp > 1 is not supported yet: "
+                              "stages exchange whole sequences; drop one of the two")
+        if family_of(spec.config) is None and not is_t5(spec.config):
+            raise ConfigError(f"--tp {plan.tp} with --pp {plan.pp}: raylm cuts "
+                              f"'{spec.config.model_type}' into stages by tracing it with "
+                              "torch.export, which does not take tensor-parallel layers; "
+                              "use one of the two, or a model type raylm has stages for")

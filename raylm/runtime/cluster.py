@@ -32,10 +32,11 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def capacity(cpus_per_worker: float, use_gpu: bool) -> int:
+def capacity(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
     """How many rank actors the live nodes can hold, each with its CPUs (and one GPU).
 
-    Counted per node from total resources: a rank never spans nodes.
+    Counted per node from total resources, in whole groups of ``group`` ranks (a
+    tensor-parallel group never spans nodes; nor does a rank).
     """
     total = 0
     for node in ray.nodes():
@@ -45,19 +46,22 @@ def capacity(cpus_per_worker: float, use_gpu: bool) -> int:
         fit = math.floor(res.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 10**6
         if use_gpu:
             fit = min(fit, int(res.get("GPU", 0)))
-        total += fit
+        total += fit - fit % group
     return total
 
 
-def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float):
-    """A placement group of ``num`` rank bundles, or None if it cannot be placed in time.
+def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float, group: int = 1):
+    """A placement group for ``num`` ranks, or None if it cannot be placed in time.
 
-    PACK keeps ranks together (fewer nodes, faster collectives) but spreads when it must.
+    One bundle per group of ``group`` consecutive ranks (a tensor-parallel group): a
+    bundle always lies on one node, so a tp group does too, and its collectives stay on
+    the node's fast links. Rank r runs in bundle r // group. PACK keeps the bundles
+    together (fewer nodes) but spreads them when it must.
     """
-    bundle = {"CPU": cpus_per_worker}
+    bundle = {"CPU": cpus_per_worker * group}
     if use_gpu:
-        bundle["GPU"] = 1
-    pg = placement_group([dict(bundle) for _ in range(num)], strategy="PACK")
+        bundle["GPU"] = group
+    pg = placement_group([dict(bundle) for _ in range(num // group)], strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if ready:
         return pg
@@ -66,11 +70,11 @@ def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float):
 
 
 def wait_for_capacity(target: int, cpus_per_worker: float, use_gpu: bool,
-                      settle_s: float = 20.0) -> int:
+                      settle_s: float = 20.0, group: int = 1) -> int:
     """After a failure: wait until the cluster's view settles, return the usable ranks."""
     deadline = time.time() + settle_s
-    n = capacity(cpus_per_worker, use_gpu)
+    n = capacity(cpus_per_worker, use_gpu, group)
     while n < 1 and time.time() < deadline:
         time.sleep(0.5)
-        n = capacity(cpus_per_worker, use_gpu)
+        n = capacity(cpus_per_worker, use_gpu, group)
     return min(target, n)

@@ -32,7 +32,7 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
-from raylm.plan.layout import Plan, make_plan, plan_pipeline
+from raylm.plan.layout import Plan, check_tensor_layout, make_plan, plan_pipeline
 from raylm.plan.report import describe_partition
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
@@ -83,12 +83,13 @@ class Driver:
         inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
         owns_ray = cluster.connect(cfg.address)
         try:
-            cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu)
-            plan = make_plan(cfg, cap)
+            cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, cfg.tp or 1)
+            plan = make_plan(cfg, cap, inputs.spec, inputs.block_size)
             if inputs.run_record and inputs.run_record.get("global_batch_size"):
                 # Resuming: the global batch is the run's, whatever the layout now.
                 plan = dataclasses.replace(
                     plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
+            check_tensor_layout(inputs.spec, plan, inputs.block_size)
             if plan.pp > 1:
                 plan, part = plan_pipeline(cfg, inputs.spec, plan, inputs.block_size)
                 for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):
@@ -111,7 +112,8 @@ class Driver:
         self._enter("starting", f"{plan.world_size} rank(s)")
         n = plan.world_size
         while True:
-            self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu, timeout_s=30)
+            self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu, timeout_s=30,
+                                     group=plan.tp)
             if self.pg is not None:
                 break
             if n <= 1:
@@ -128,7 +130,7 @@ class Driver:
             actor.options(
                 num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=rank),
+                    self.pg, placement_group_bundle_index=rank // plan.tp),
             ).remote(rank, n, plan.torch_threads)
             for rank in range(n)
         ]
@@ -205,6 +207,7 @@ class Driver:
         log.info("training %d step(s): %d sample(s), %d step(s) per epoch", steps,
                  sampler.num_samples, sampler.steps_per_epoch)
 
+        self.spec, self.block_size = inputs.spec, inputs.block_size
         plan = self._start_group(plan, inputs, data, steps, restore, start_step)
         self.plan = plan
         self.step = start_step
@@ -293,12 +296,15 @@ class Driver:
                    "loss": out["loss"], "learning_rate": out["learning_rate"],
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
                    "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
-                   "data_wait_s": max(r["data_wait_s"] for r in results)}
+                   "data_wait_s": max(r["data_wait_s"] for r in results),
+                   "peak_rss_bytes": [r["peak_rss_bytes"] for r in results]}
             self.history = [h for h in self.history if h["step"] < self.step] + [rec]
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
                     f.write(json.dumps({"step": self.step, "ranks": [
                         r["sample_ids"] for r in results if "sample_ids" in r]}) + "\n")
+            if "memory" in results[0]:
+                self._memory_report(results)
             window_tokens += out["tokens"]
             self.progress.update(self.step, rec["loss"], rec["tokens_per_second"])
             if self.step % cfg.logging_steps == 0 or self.step == steps:
@@ -320,6 +326,44 @@ class Driver:
                 ahead = submit(self.step)
                 t_last = time.time()
             inflight = ahead
+
+    def _memory_report(self, results: list) -> None:
+        """Log each rank's measured memory next to the planner's prediction, and keep both
+        in output_dir/memory.json (the first step after each start of the group)."""
+        from raylm.plan.planner import evaluate_layout
+        from raylm.plan.report import human_bytes
+
+        plan, cfg = self.plan, self.cfg
+        try:
+            fixed = dataclasses.replace(cfg, gradient_accumulation_steps=plan.micro_batches_per_rank,
+                                        pipeline_schedule=plan.schedule,
+                                        sequence_parallel=plan.sequence_parallel)
+            predicted = evaluate_layout(fixed, plan.dp, plan.tp, plan.pp, self.spec,
+                                        self.block_size)
+        except Exception as e:  # the report must never stop a run
+            log.warning("memory prediction unavailable: %s", e)
+            predicted = None
+        ranks = []
+        for r in results:
+            m = r["memory"]
+            pred = None
+            if predicted is not None and not predicted.problem:
+                pred = predicted.ranks[m["coords"]["pp"]].to_dict()
+            ranks.append({"measured": {k: m[k] for k in
+                                       ("parameters", "gradients", "optimizer", "activations")},
+                          "coords": m["coords"], "predicted": pred,
+                          "peak_rss_bytes": r.get("peak_rss_bytes")})
+            meas = sum(ranks[-1]["measured"].values())
+            log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
+                     "optimizer %s, activations %s = %s%s", len(ranks) - 1,
+                     m["coords"]["dp"], m["coords"]["pp"], m["coords"]["tp"],
+                     *(human_bytes(m[k]) for k in ("parameters", "gradients", "optimizer",
+                                                   "activations")), human_bytes(meas),
+                     f" (predicted {human_bytes(pred['states'] + pred['activations'])})"
+                     if pred else "")
+        with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
+            json.dump({"layout": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp},
+                       "step": self.step, "ranks": ranks}, f, indent=2)
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:
         tmp = self.ckpt.begin(self.step)
@@ -373,7 +417,7 @@ class Driver:
         log.warning("restoring %s: %d step(s) will be redone",
                     restore or "the initial model (no checkpoint yet)", self.step - restore_step)
         n = cluster.wait_for_capacity(self.target_workers, self.plan.cpus_per_worker,
-                                      self.plan.use_gpu)
+                                      self.plan.use_gpu, group=self.plan.tp)
         plan = self.plan.resized(n) if n != self.plan.world_size else self.plan
         self.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
         self.step = restore_step

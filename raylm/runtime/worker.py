@@ -69,17 +69,32 @@ class RankWorker:
         self.model = build_model(spec, train_cfg["seed"]).to(self.device)
         self.spec = spec
         self.objective = objective_for(spec.config)
+        # The parallelisms, in a fixed order: tensor parallelism shards the whole model's
+        # layers first (every rank holds the same weights, so each takes its shard), then
+        # the pipeline cut keeps this rank's stages of the sharded model.
+        self.tensor_parallel = None
+        if plan.tp > 1:
+            from raylm.parallel.tensor import apply_tensor_parallel
+
+            self.tensor_parallel = apply_tensor_parallel(self.model, self.mesh["tp"],
+                                                         plan.sequence_parallel)
         self.pipeline = None
         self.line_by_line = bool(dataset is not None and dataset.line_by_line)
         if plan.pp > 1:
             self.pipeline = self._make_pipeline(plan)
+        from raylm.parallel.tensor import canonical_adapter
+
+        # Checkpoints and the saved model in the model's own (layout-free) shapes.
+        self.canonical = canonical_adapter(self.model, self.tensor_parallel)
         self.optimizer = self._make_optimizer()
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(total_steps)
         self.grad_sync = GradientAllReduce(self.model.parameters(), self.dp_group)
-        # Dropout differs per rank, and is reproducible per rank.
-        torch.manual_seed(train_cfg["seed"] + 1 + self.rank)
+        # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
+        # share a seed (they compute the same replicated activations).
+        torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
 
+        self.measure_next = True  # the first step measures what the rank holds
         self.reader = BlockReader(dataset) if dataset is not None else None
         self.prefetcher = Prefetcher(self.reader) if self.reader is not None else None
         self.eval_reader = None
@@ -115,6 +130,32 @@ class RankWorker:
         return PipelineRuntime(self.model, modules, stage_ids, part, holders, plan.schedule,
                                plan.micro_batches_per_rank, self._pipeline_loss,
                                self.mesh["pp"].get_group(), pp_rank, self.device, tied_groups)
+
+    @property
+    def _seed_rank(self) -> int:
+        return self.rank // self.plan.tp
+
+    def _loss_context(self):
+        """Forward, loss and backward run inside this: the parallel cross-entropy over
+        vocabulary-sharded logits under tensor parallelism."""
+        import contextlib
+
+        if self.tensor_parallel is None:
+            return contextlib.nullcontext()
+        return self.tensor_parallel.loss_context()
+
+    def _clip(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` over the whole model; the norm before clipping."""
+        import torch
+
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(max_norm)
+        if self.tensor_parallel is not None:
+            from raylm.parallel.clip import clip_grad_norm
+
+            params = list(self.model.parameters())
+            return clip_grad_norm(params, params, max_norm)
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _pipeline_loss(self, logits, labels):
         # The last stage's loss per micro-batch: summed token loss over the step's global
@@ -181,22 +222,24 @@ class RankWorker:
 
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, b in enumerate(batches):
-            mb_loss, _ = self._loss_sum(b)
-            loss_sum += mb_loss.detach()
-            if i == 0 and count_work is not None:
-                count_work.wait()
-            if i == len(batches) - 1:
-                self.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
-            (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
+        meter = self._meter()
+        with self._loss_context(), meter:
+            for i, b in enumerate(batches):
+                mb_loss, _ = self._loss_sum(b)
+                loss_sum += mb_loss.detach()
+                if i == 0 and count_work is not None:
+                    count_work.wait()
+                if i == len(batches) - 1:
+                    self.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
+                (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
         if not batches:  # no samples for this rank in an epoch's short last step
             if count_work is not None:
                 count_work.wait()
             self.grad_sync.arm(loss_sum)
 
         global_loss = self.grad_sync.finish()  # gradients (and the loss) summed over dp
-        out = self._apply(lambda max_norm: float(torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm)))
+        out = self._apply(self._clip)
+        self._report_memory(out, meter)
         tokens = float(global_tokens[0].item())
         out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
                     "local_tokens": local_tokens, "data_wait_s": t_data,
@@ -208,6 +251,8 @@ class RankWorker:
     def _apply(self, clip) -> dict:
         """Clip (``clip(max_norm)`` returns the norm before clipping), optimizer step,
         schedule step, zero the gradients."""
+        import resource
+
         grad_norm = None
         if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
             grad_norm = clip(self.cfg["max_grad_norm"])
@@ -215,7 +260,9 @@ class RankWorker:
         self.optimizer.step()
         self.scheduler.step()
         self.grad_sync.zero_grad()
-        return {"learning_rate": lr, "grad_norm": grad_norm}
+        # Peak resident memory of this rank's process so far (Linux reports KiB).
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"learning_rate": lr, "grad_norm": grad_norm, "peak_rss_bytes": peak_rss}
 
     def _pipeline_step(self, step: int, batches: list, micro_batch_ids: list, t0: float,
                        t_data: float) -> dict:
@@ -236,14 +283,17 @@ class RankWorker:
         self.global_tokens = float(global_tokens[0].item()) or 1.0
         ids, labels, kwargs = self._stack(batches)
         pipe.train(True)
-        losses = pipe.run(ids, labels, kwargs)
+        meter = self._meter()
+        with self._loss_context(), meter:
+            losses = pipe.run(ids, labels, kwargs)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb_loss in losses:
             loss_sum += mb_loss.detach().double() * self.global_tokens
         self.grad_sync.arm(loss_sum)
         global_loss = self.grad_sync.finish()  # dp sum (each stage over its own dp group)
         pipe.sync_tied_grads()
-        out = self._apply(pipe.clip_grad_norm)  # the norm over the whole pipeline
+        out = self._apply(self._clip)  # the norm over the whole pipeline
+        self._report_memory(out, meter)
         tokens = float(global_tokens[0].item())
         out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
                     "has_loss": pipe.has_last, "local_tokens": local_tokens,
@@ -251,6 +301,28 @@ class RankWorker:
         if self.cfg.get("log_sample_ids") and pipe.has_first:
             out["sample_ids"] = [int(i) for ids_ in micro_batch_ids for i in ids_ if i >= 0]
         return out
+
+    def _meter(self):
+        """On the first step after set-up: count the activations autograd saves (their
+        peak over the step); otherwise nothing."""
+        import contextlib
+
+        if not self.measure_next:
+            return contextlib.nullcontext()
+        from raylm.runtime.memory import ActivationMeter
+
+        return ActivationMeter(self.model)
+
+    def _report_memory(self, out: dict, meter) -> None:
+        """Add what this rank holds (measured from its tensors) to the step's result."""
+        if not self.measure_next:
+            return
+        from raylm.runtime.memory import state_bytes
+
+        self.measure_next = False
+        out["memory"] = {**state_bytes(self.model, self.optimizer),
+                         "activations": meter.peak,
+                         "coords": {d: self.mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}}
 
     def _stack(self, batches: list):
         """The step's rows as the schedule takes them: all micro-batches stacked (it splits
@@ -303,7 +375,7 @@ class RankWorker:
             reader = self.eval_reader
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        with torch.no_grad():
+        with torch.no_grad(), self._loss_context():
             if self.pipeline is not None:
                 # micro_batch_ids: chunks of one step's shape (the schedule's micro-batch
                 # count and size), filled up with padding ids.
@@ -333,26 +405,29 @@ class RankWorker:
     def save_checkpoint(self, path: str) -> bool:
         from raylm.checkpoint.state import save_rank_state
 
-        save_rank_state(path, self.model, self.optimizer, self.rank)
+        save_rank_state(path, self.model, self.optimizer, self.rank, self.canonical)
         return True
 
     def load_checkpoint(self, path: str, step: int) -> bool:
         from raylm.checkpoint.state import load_rank_state
 
-        load_rank_state(path, self.model, self.optimizer, self.rank,
-                        fallback_seed=self.cfg["seed"] + 1 + self.rank + 7919 * step)
+        load_rank_state(path, self.model, self.optimizer, self.rank, self.canonical,
+                        fallback_seed=self.cfg["seed"] + 1 + self._seed_rank + 7919 * step)
         self._set_schedule_step(step)
         return True
 
     def save_pretrained(self, output_dir: str) -> bool:
         """Rank 0 writes one ordinary Hugging Face model (safetensors).
 
-        Under pipeline parallelism rank 0 holds only its stages: the first data-parallel
-        replica's stages send their weights to it over the pp group, and it writes them
-        as one whole model (it needs the whole model's memory for that moment)."""
+        Without tensor or pipeline parallelism rank 0 holds the whole model and saves it.
+        Otherwise the first data-parallel replica assembles it: each tensor-parallel group
+        gathers its shards into full tensors in the model's own shapes (original
+        vocabulary, Hugging Face orientation), the pipeline stages send theirs to rank 0
+        over the pp group, and rank 0 loads them into a fresh model and saves that (it
+        needs the whole model's memory for that moment)."""
         model = self.model
-        if self.pipeline is not None:
-            model = self._gather_pipeline_model()
+        if self.pipeline is not None or self.tensor_parallel is not None:
+            model = self._assemble_model()
         if self.rank == 0:
             from transformers.utils import logging as hf_logging
 
@@ -362,24 +437,24 @@ class RankWorker:
             model.config.use_cache = False
         return True
 
-    def _gather_pipeline_model(self):
+    def _assemble_model(self):
         import torch.distributed as dist
 
         from raylm.models.loading import build_model
 
-        if self.dp_rank != 0 or self.mesh["tp"].get_local_rank() != 0:
+        if self.dp_rank != 0:
             return None
-        group = self.mesh["pp"].get_group()
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        parts = [None] * self.plan.pp if self.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=group)
-        if self.rank != 0:
+        state = self.canonical.hf_state_dict(self.model)  # collective over the tp group
+        if self.mesh["tp"].get_local_rank() != 0:
             return None
-        whole = {}
-        for part in parts:
-            whole.update(part)
+        if self.pipeline is not None:
+            parts = [None] * self.plan.pp if self.rank == 0 else None
+            dist.gather_object(state, parts, dst=0, group=self.mesh["pp"].get_group())
+            if self.rank != 0:
+                return None
+            state = {k: v for part in parts for k, v in part.items()}
         full = build_model(self.spec, self.cfg["seed"])
-        full.load_state_dict(whole, strict=True)
+        full.load_state_dict(state, strict=True)
         return full
 
     def shutdown(self) -> bool:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
+from raylm.parallel.clip import clip_grad_norm
 from raylm.plan.partition import Partition
 
 SCHEDULE_CLASSES = {
@@ -132,19 +134,14 @@ class PipelineRuntime:
     def sync_tied_grads(self) -> None:
         for p, group in self.tied:
             if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(_local(p.grad), op=dist.ReduceOp.SUM, group=group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """torch's clip_grad_norm_, over the whole pipeline's parameters."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g.detach(), 2.0).double() ** 2
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
-        total = float(sq.sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return total
+        return clip_grad_norm(self.norm_params, self.model.parameters(), max_norm,
+                              self.pp_group)
+
+
+def _local(t):
+    """A tensor's local part (a DTensor's shard under tensor parallelism)."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,136 @@
+"""Every layout of 4 rank actors on the same model, against dp=4, in one run.
+
+    python benchmarks/bench_layouts.py            # GPT-2 4 x 256, block 128 (~6 min)
+    python benchmarks/bench_layouts.py --quick    # tiny model, few steps (~2 min)
+
+Layouts (dp x pp x tp = 4): dp4, dp2 x tp2, tp4, dp2 x pp2, pp2 x tp2, pp4. Same model
+(GPT-2 built from the size flags, raylm's built-in 4096-token tokenizer), same data, same
+global batch, same micro-batch size (so each layout runs the same number of micro-batch
+rows), fp32, 1F1B for the pipelines. Each rank actor gets 0.5 CPU and one torch thread
+(4 actors on 2 cores).
+
+Per layout: tokens/s from the median steady-state step time (the driver's wall time of a
+step; warm-up steps dropped), its ratio to dp=4, each rank's peak resident memory (the
+process's ru_maxrss: Python, torch and Ray included) as max / mean over the ranks, and
+what the busiest rank holds of the training state (parameters, gradients, optimizer
+states and saved activations, measured from its tensors: memory.json) next to what the
+planner's memory model predicted for it. The loss column checks that every layout trains the same
+model (dropout is off).
+
+Asserts nothing: on a shared 2-core machine a single run varies by +-10%. What tensor and
+pipeline parallelism buy (memory per rank, models that do not fit one worker) shows in
+the memory columns; their communication costs show in tokens/s, which on CPU with gloo
+and 4 actors on 2 cores is all overhead relative to dp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+LAYOUTS = (("dp4", 4, 1, 1), ("dp2xtp2", 2, 1, 2), ("tp4", 1, 1, 4),
+           ("dp2xpp2", 2, 2, 1), ("pp2xtp2", 1, 2, 2), ("pp4", 1, 4, 1))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6; quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; quick 1)")
+    ap.add_argument("--n_layer", type=int, default=None, help="default 4")
+    ap.add_argument("--n_embd", type=int, default=None, help="default 256 (quick 64)")
+    ap.add_argument("--block_size", type=int, default=None, help="default 128 (quick 64)")
+    ap.add_argument("--global_batch", type=int, default=16)
+    ap.add_argument("--micro_batch", type=int, default=2)
+    ap.add_argument("--only", nargs="*", choices=[name for name, *_ in LAYOUTS], default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    preset = (dict(steps=3, warmup=1, n_layer=4, n_embd=64, block_size=64) if args.quick
+              else dict(steps=6, warmup=2, n_layer=4, n_embd=256, block_size=128))
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def overrides(args) -> str:
+    return (f"n_layer={args.n_layer},n_embd={args.n_embd},n_head=4,"
+            f"n_positions={args.block_size},resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0")
+
+
+def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
+    from raylm import TrainConfig, train
+
+    cfg = TrainConfig(
+        model_type="gpt2", config_overrides=overrides(args), block_size=args.block_size,
+        cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.global_batch // (dp * args.micro_batch),
+        max_steps=args.warmup + args.steps, do_eval=False, disable_tqdm=True,
+        validation_split_percentage=0.0, logging_steps=10**6, save_steps=10**6,
+        num_workers=4, cpus_per_worker=0.5, dp=dp, pp=pp, tp=tp,
+        pipeline_schedule="1f1b")
+    result = train(cfg)
+    hist = sorted(result.history, key=lambda h: h["step"])
+    timed = hist[args.warmup:]
+    median = statistics.median(h["step_time_s"] for h in timed)
+    rss = hist[-1]["peak_rss_bytes"]
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        ranks = json.load(f)["ranks"]  # measured by each rank in its first step
+    held = [sum(r["measured"].values()) for r in ranks]
+    predicted = [r["predicted"]["states"] + r["predicted"]["activations"] for r in ranks
+                 if r["predicted"]]
+    return {"name": name, "tokens_per_s": args.global_batch * args.block_size / median,
+            "median_s": median, "rss_max": max(rss), "rss_mean": sum(rss) / len(rss),
+            "held_max": max(held), "predicted_max": max(predicted) if predicted else None,
+            "first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    logging.basicConfig(level=logging.WARNING)
+    work = tempfile.mkdtemp(prefix="raylm-bench-layouts-")
+    cache = os.path.join(work, "cache")
+    rows = []
+    print(f"model gpt2 {overrides(args)}; block {args.block_size}; global batch "
+          f"{args.global_batch} in micro-batches of {args.micro_batch}; {args.warmup} warm-up "
+          f"+ {args.steps} timed steps; 4 rank actors x 0.5 CPU", flush=True)
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        for name, dp, pp, tp in LAYOUTS:
+            if args.only and name not in args.only:
+                continue
+            rows.append(run_layout(args, name, dp, pp, tp, cache, work))
+            print(f"  {name}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    mib = 2**20
+    base = next((r for r in rows if r["name"] == "dp4"), None)
+    print()
+    print(f"{'layout':<9} {'s/step':>7} {'tokens/s':>9} {'vs dp4':>7} {'peak RSS max':>13} "
+          f"{'mean':>9} {'held/rank':>11} {'predicted':>11} {'loss first -> last':>19}")
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
+        pred = f"{r['predicted_max'] / mib:>7.1f} MiB" if r["predicted_max"] else "n/a"
+        print(f"{r['name']:<9} {r['median_s']:>7.3f} {r['tokens_per_s']:>9,.0f} {ratio:>7} "
+              f"{r['rss_max'] / mib:>9,.0f} MiB {r['rss_mean'] / mib:>5,.0f} MiB "
+              f"{r['held_max'] / mib:>7.1f} MiB {pred:>11} "
+              f"{r['first_loss']:>8.3f} -> {r['last_loss']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
