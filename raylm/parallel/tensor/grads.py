@@ -2,8 +2,10 @@
 
 torch's ``clip_grad_norm_`` over DTensor gradients computes the norm with DTensor ops and
 one collective per gradient; this sums the local squares first and does one all-reduce
-per mesh group, in float64 (so the result does not depend on the shard count beyond
-float64 rounding).
+per mesh group. Each tensor's norm is taken in its own dtype, as torch's
+``clip_grad_norm_`` does (so a model that is not sharded gets torch's figure to the last
+bits, which matters: Adam turns a last-bit change of the clip coefficient into visible
+changes of weights whose gradients are near zero), and summed in float64.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def grad_norm_sq(params) -> torch.Tensor:
                 g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
                                                for pl in g.placements])
             local = g.to_local().detach()
-            sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float64) ** 2
+            sq = torch.linalg.vector_norm(local, 2.0).double() ** 2
             dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
             if dims:  # kept on the gradient's device (NCCL reduces device tensors)
                 key = (g.device_mesh, dims)
@@ -47,7 +49,7 @@ def grad_norm_sq(params) -> torch.Tensor:
                 continue
             total += sq.cpu()
         else:
-            total += torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float64).cpu() ** 2
+            total += torch.linalg.vector_norm(g.detach(), 2.0).double().cpu() ** 2
     # In first-seen order, which is the same on every rank (same parameters, same order).
     for (mesh, dims), sq in sharded.items():
         for d in dims:
