@@ -1,7 +1,7 @@
 """Every layout of 4 rank actors on the same model, against dp=4, in one run.
 
-    python benchmarks/bench_layouts.py            # GPT-2 4 x 256, block 128 (~6 min)
-    python benchmarks/bench_layouts.py --quick    # tiny model, few steps (~2 min)
+    python benchmarks/bench_layouts.py            # GPT-2 4 x 256, block 128 (~3 min)
+    python benchmarks/bench_layouts.py --quick    # tiny model, few steps (~1 min)
 
 Layouts (dp x pp x tp = 4): dp4, dp2 x tp2, tp4, dp2 x pp2, pp2 x tp2, pp4. Same model
 (GPT-2 built from the size flags, raylm's built-in 4096-token tokenizer), same data, same

@@ -78,3 +78,19 @@ def cached_reference(key, make_config, global_batch_size: int, steps: int):
         _CACHE[key] = reference_run(cfg, inputs.spec, data.train, data.train_ids,
                                     global_batch_size, steps)
     return _CACHE[key]
+
+
+def reference_fixture(key: str, config_fn, global_batch_size: int, steps: int):
+    """A pytest fixture ``reference``: ``reference(model)`` gives the single-process
+    (losses, final state) of ``config_fn(out, corpus_dir, cache_root, model)``, computed
+    once per model in a session."""
+    import pytest
+
+    @pytest.fixture
+    def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
+        def get(model):
+            return cached_reference((key, model), lambda: config_fn(
+                tmp_path_factory.mktemp("ref"), corpus_dir, cache_root, model),
+                global_batch_size, steps)
+        return get
+    return reference

@@ -12,14 +12,20 @@ from pathlib import Path
 import numpy as np
 
 
-def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
-    script = Path(__file__).with_name("multinode_node_loss.py")
+def run_script(name: str, corpus_dir, cache_root, timeout: int):
+    """Run a multi-node scenario in its own process (one Ray connection per process);
+    returns its RESULT line's JSON and the process."""
+    script = Path(__file__).with_name(name)
     proc = subprocess.run([sys.executable, str(script), str(corpus_dir), cache_root],
-                          capture_output=True, text=True, timeout=540,
+                          capture_output=True, text=True, timeout=timeout,
                           cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
     [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    r = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):]), proc
+
+
+def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
+    r, proc = run_script("multinode_node_loss.py", corpus_dir, cache_root, 540)
     assert r["removed"] and r["failures"] == 1
     assert r["world_size_after"] == 1  # re-planned onto the surviving node
     assert r["hit_steps"] == list(range(1, 13))
@@ -39,13 +45,7 @@ def test_node_lost_mid_run_shrinks_and_keeps_losses(corpus_dir, cache_root):
 def test_tensor_parallel_group_stays_on_one_node(corpus_dir, cache_root):
     """dp=2 x tp=2 on two 3-CPU nodes: each tp group is one placement bundle, so ranks
     0-1 share a node and ranks 2-3 share the other (per-rank bundles would split 2-3)."""
-    script = Path(__file__).with_name("multinode_tp_placement.py")
-    proc = subprocess.run([sys.executable, str(script), str(corpus_dir), cache_root],
-                          capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parents[1])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    r = json.loads(line[len("RESULT "):])
+    r, _ = run_script("multinode_tp_placement.py", corpus_dir, cache_root, 300)
     nodes = r["nodes"]
     assert r["steps"] == 2 and len(nodes) == 4
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes

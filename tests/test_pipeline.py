@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from raylm import TrainConfig, train
-from tests.reference import cached_reference
+from tests.reference import reference_fixture
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -39,8 +39,8 @@ MODELS = {
 }
 
 
-def pp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
-    model_type, overrides = MODELS[model]
+def pp_config(out, corpus, cache_root, model="gpt2", models=None, **kw) -> TrainConfig:
+    model_type, overrides = (models or MODELS)[model]
     base = dict(model_type=model_type, config_overrides=overrides, train_file=[str(corpus)],
                 block_size=32, cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
@@ -50,13 +50,8 @@ def pp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.fixture
-def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
-    """Single-process losses and final weights, per model (computed once)."""
-    def get(model):
-        return cached_reference(("pipeline", model), lambda: pp_config(
-            tmp_path_factory.mktemp("ref"), corpus_dir, cache_root, model), GLOBAL_BATCH, STEPS)
-    return get
+# Single-process losses and final weights, per model (computed once).
+reference = reference_fixture("pipeline", pp_config, GLOBAL_BATCH, STEPS)
 
 
 def assert_parity(result, ref, steps=STEPS):

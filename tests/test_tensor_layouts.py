@@ -18,12 +18,8 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
-from tests.reference import cached_reference
-from tests.test_pipeline import assert_parity
-
-STEPS = 3
-GLOBAL_BATCH = 8
-MICRO = 2
+from tests.reference import reference_fixture
+from tests.test_pipeline import GLOBAL_BATCH, MICRO, STEPS, assert_parity, pp_config
 
 MODELS = {
     # Tied wte / lm_head; Conv1D layers (converted to nn.Linear under tp); 4 blocks so
@@ -38,25 +34,14 @@ MODELS = {
 
 
 def tp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
-    model_type, overrides = MODELS[model]
-    base = dict(model_type=model_type, config_overrides=overrides, train_file=[str(corpus)],
-                block_size=32, cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
-                logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
-                warmup_steps=1, per_device_train_batch_size=MICRO,
-                gradient_accumulation_steps=GLOBAL_BATCH // MICRO, cpus_per_worker=0.5)
-    base.update(kw)
+    kw.setdefault("cpus_per_worker", 0.5)  # up to 8 rank actors on the session's 4 CPUs
     # The global batch is fixed: fewer micro-batches per replica as dp grows.
-    base["gradient_accumulation_steps"] = GLOBAL_BATCH // (MICRO * base.get("dp", 1))
-    return TrainConfig(**base)
+    kw["gradient_accumulation_steps"] = GLOBAL_BATCH // (MICRO * kw.get("dp", 1))
+    return pp_config(out, corpus, cache_root, model, models=MODELS, **kw)
 
 
-@pytest.fixture
-def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
-    """Single-process losses and final weights, per model (computed once)."""
-    def get(model):
-        return cached_reference(("tensor", model), lambda: tp_config(
-            tmp_path_factory.mktemp("ref"), corpus_dir, cache_root, model), GLOBAL_BATCH, STEPS)
-    return get
+# Single-process losses and final weights, per model (computed once).
+reference = reference_fixture("tensor", tp_config, GLOBAL_BATCH, STEPS)
 
 
 LAYOUTS = [  # (dp, pp, tp, model, sequence parallel)
