@@ -167,12 +167,14 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
                     schedule=schedule, virtual=virtual, sequence_parallel=sp and tp > 1,
                     zero_stage=zero)
     c = Candidate(layout)
-    if tp > hw.workers_per_node:
+    if tp > 1:  # the model's own limits first: the most useful reason to show
+        c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
+    if c.problem:
+        pass
+    elif tp > hw.workers_per_node:
         c.problem = f"tp={tp} exceeds {hw.workers_per_node} workers per node"
     elif hw.workers_per_node % tp:  # a node's workers would not split into whole tp groups
         c.problem = f"tp={tp} does not divide the {hw.workers_per_node} workers of a node"
-    elif tp > 1:
-        c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
     if c.problem:
         return c
     if pp > 1 and tp > 1 and layout.sequence_parallel:
@@ -218,16 +220,15 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
 
 def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
     """Why tensor parallelism of degree ``tp`` cannot shard this model ("" if it can):
-    the runtime's own check where it has one (raylm.parallel.tensor), else the heads."""
+    the runtime's own check (raylm.parallel.tensor) where the config is known, else the
+    heads."""
+    from raylm.parallel.tensor import check_tensor_parallel
+
     key = ("tp", tp, sp)
     if key in cache:
         return cache[key]
     problem = ""
-    try:
-        from raylm.parallel.tensor import check_tensor_parallel
-    except ImportError:
-        check_tensor_parallel = None
-    if check_tensor_parallel is not None and shape.config is not None:
+    if shape.config is not None:
         try:
             check_tensor_parallel(shape.config, tp, sp)
         except ConfigError as e:
