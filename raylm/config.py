@@ -146,6 +146,17 @@ class TrainConfig:
         None, "Manual pipeline cut: comma-separated block indices where stages 1, 2, ... "
         "begin, e.g. \"3,6,9\" for 4 stages of a 12-block model (default: balanced by "
         "compute and parameters; see `raylm plan`).", "cluster")
+    zero_stage: Optional[int] = _f(
+        None, "ZeRO over each data-parallel group: 0 replicates; 1 partitions optimizer "
+        "states, 2 also gradients, 3 also parameters (FSDP2; the model is built on the meta "
+        "device and materialised shard by shard). Unset: 0, or the lowest stage that fits "
+        "--worker_memory_gb when memory is short (see `raylm plan`).", "cluster",
+        choices=(0, 1, 2, 3))
+    zero_optimization: bool = _f(
+        False, "Merak's switch: True is --zero_stage 1.", "cluster")
+    cpu_offload: bool = _f(
+        False, "With --use_gpu and --zero_stage >= 1: keep optimizer states (and the "
+        "partition they update) in host memory and step them on the CPU.", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")

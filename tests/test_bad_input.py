@@ -186,3 +186,31 @@ def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_clust
         driver.run()
     assert message in str(err.value) and "\n" not in str(err.value)
     assert driver.workers == [] and driver.state == "planning"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(zero_optimization=True, zero_stage=2),
+     "--zero_optimization True means --zero_stage 1, which conflicts with --zero_stage 2"),
+    (dict(zero_stage=1, cpu_offload=True), "--cpu_offload needs --use_gpu"),
+    (dict(zero_stage=0, cpu_offload=True, use_gpu=True),
+     "--cpu_offload needs --zero_stage 1, 2 or 3"),
+])
+def test_zero_flag_errors_before_any_actor(kw, message, ray_cluster, tmp_path, corpus_dir,
+                                           cache_root):
+    cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
+                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      output_dir=str(tmp_path / "out"), max_steps=2, num_workers=2, **kw)
+    driver = Driver(cfg)
+    with pytest.raises(ConfigError) as err:
+        driver.run()
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert driver.workers == [] and driver.state == "planning"
+
+
+def test_zero_flag_conflict_is_one_line_from_the_command(tmp_path, capsys, corpus_dir,
+                                                         cache_root):
+    rc, errors, err = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root),
+                              "--zero_optimization", "true", "--zero_stage", "3")
+    assert rc == 2 and "Traceback" not in err
+    assert errors == ["raylm: error: --zero_optimization True means --zero_stage 1, which "
+                      "conflicts with --zero_stage 3: give one of the two"]

@@ -210,3 +210,84 @@ def test_70b_llama_plans_in_seconds_without_ray():
     assert "model.layers.79" in out
     rows = [l.split() for l in out.splitlines() if l[:6].strip().isdigit()]
     assert [r[0] for r in rows[:8]] == [str(s) for s in range(8)]
+
+
+# -- ZeRO ----------------------------------------------------------------------------------
+# States outweigh activations (hidden 256, 32-token blocks of 1 sequence): 4 workers of
+# 26 MiB fit dp=4 at ZeRO-2 only (43.9 / 28.8 / 21.2 / 22.7 MiB at stages 0-3).
+ZERO_GPT2 = ("--model_type", "gpt2", "--config_overrides",
+             "n_layer=2,n_embd=256,n_head=4,n_positions=64", "--block_size", "32",
+             "--per_device_train_batch_size", "1", "--num_workers", "4")
+
+
+def test_plan_shows_each_zero_stage_and_who_owns_what(capsys):
+    args = (*ZERO_GPT2, "--worker_memory_gb", "0.026")
+    rc, out, err = plan(capsys, *args)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("plan: 4 rank(s): dp=4 x pp=1 x tp=1")
+    assert lines[0].endswith("; ZeRO-2 (optimizer states and gradients partitioned over "
+                             "dp=4)")
+    head = lines.index(next(l for l in lines if l.startswith("ZeRO over each data-parallel")))
+    assert "stage 2: planner: the lowest stage that fits" in lines[head]
+    table = lines[head + 1:head + 6]
+    assert table[0].split()[:3] == ["stage", "partitioned", "over"]
+    assert [r.split()[0] for r in table[1:]] == ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    assert [r.endswith("<- chosen") for r in table[1:]] == [False, False, True, False]
+    assert [" no" in r for r in table[1:]] == [True, True, False, False]  # fits
+    assert "ZeRO-2 ownership: each of the dp=4 ranks" in out
+    [own] = [l for l in lines if l.startswith("  pp rank 0 (global ranks 0-3)")]
+    assert "each dp rank owns" in own and "optimizer states" in own
+
+    rep = plan_json(capsys, *args)
+    z = rep["zero"]
+    assert rep["plan"]["zero_stage"] == z["stage"] == rep["chosen"]["zero_stage"] == 2
+    assert z["requested"] is None and z["chosen_by"].startswith("planner")
+    assert [s["chosen"] for s in z["stages"]] == [False, False, True, False]
+    assert [s["fits"] for s in z["stages"]] == [False, False, True, True]
+    assert z["stages"][2]["total"] <= 0.026 * 2**30 < z["stages"][1]["total"]
+    assert z["stages"][2]["total"] == pytest.approx(rep["memory"]["total"])
+    s0, s2 = z["stages"][0], z["stages"][2]
+    assert s2["parameters"] == s0["parameters"]  # stage 2 keeps whole parameters
+    assert s2["gradients"] == pytest.approx(s0["gradients"] / 4)
+    assert s2["optimizer"] == pytest.approx(s0["optimizer"] / 4)
+    total, _ = reference_params(*args)
+    owners = z["ownership"]
+    assert [e["coords"]["dp"] for e in owners] == [0, 1, 2, 3]
+    owned = [e["elements"]["owned"] for e in owners]
+    assert sum(owned) == total and all(e["elements"]["held"] == total for e in owners)
+    assert max(owned) - min(owned) <= 256 * 3  # to within a row of each tensor
+    assert all(e["bytes"]["gradients"] == 4 * e["elements"]["owned"] for e in owners)
+    assert all(e["bytes"]["parameters"] == 4 * total for e in owners)
+    assert z["ownership_rows"] and owners[3]["rows"]["transformer.wte.weight"][1] == \
+        rep["model"]["vocab_size"]
+    assert z["ownership_summary"][0].startswith("ZeRO-2 ownership")
+
+
+def test_plan_with_ample_memory_and_an_explicit_stage(capsys):
+    rep = plan_json(capsys, *ZERO_GPT2)  # 16 GiB: no ZeRO
+    assert rep["zero"]["stage"] == 0 and rep["zero"]["chosen_by"] == "fits without ZeRO"
+    assert [s["chosen"] for s in rep["zero"]["stages"]] == [True, False, False, False]
+    rc, out, _ = plan(capsys, *ZERO_GPT2)
+    assert "ZeRO-0: no partition" in out and "ZeRO-" not in out.splitlines()[0]
+
+    rep = plan_json(capsys, *ZERO_GPT2, "--dp", "4", "--zero_optimization", "true")
+    assert rep["zero"]["stage"] == 1 and rep["zero"]["chosen_by"] == "flag"
+    assert rep["memory"]["optimizer"] == pytest.approx(
+        rep["zero"]["stages"][0]["optimizer"] / 4)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("--zero_optimization", "true", "--zero_stage", "3"),
+     ["--zero_optimization", "--zero_stage 3"]),
+    (("--zero_stage", "1", "--cpu_offload"), ["--cpu_offload needs --use_gpu"]),
+    (("--zero_stage", "0", "--cpu_offload", "--use_gpu"),
+     ["--cpu_offload needs --zero_stage 1, 2 or 3"]),
+])
+def test_zero_flag_errors_are_one_line(capsys, extra, words):
+    rc, out, err = plan(capsys, *ZERO_GPT2, *extra)
+    assert rc == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert line.startswith("raylm: error: ")
+    for w in words:
+        assert w in line, line

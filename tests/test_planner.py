@@ -10,6 +10,7 @@ Llama (grouped-query attention, fused SDPA, gated MLP). No Ray.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 
@@ -24,6 +25,7 @@ from raylm.plan.hardware import GIB, hardware_for
 from raylm.plan.layout import make_plan
 from raylm.plan.partition import partition
 from raylm.plan.planner import search_for_config
+from raylm.plan.report import human_bytes
 from raylm.plan.shape import model_shape
 from raylm.runtime.memory import ActivationMeter, state_bytes
 
@@ -353,6 +355,263 @@ def test_flags_and_defaults_of_the_hardware():
     assert cluster.source["workers_per_node"] == "cluster"
 
 
+# -- ZeRO: the stage in the plan ----------------------------------------------------------
+# A GPT-2 whose states outweigh its activations (hidden 256, 32-token blocks, micro-batches
+# of 1): at dp=4 the cost model predicts 43.9 MiB per worker at stage 0, 28.8 at stage 1,
+# 21.2 at stage 2 (ZeRO-3's gathered blocks make it 22.7: never the lowest that fits here).
+STATES_GPT2 = "n_layer=2,n_embd=256,n_head=4,n_positions=64"
+# Smaller blocks, more of them: at dp=4, 23.8 / 16.2 / 12.5 / 10.9 MiB for stages 0-3.
+DEEP_GPT2 = "n_layer=4,n_embd=128,n_head=4,n_positions=64"
+
+
+def _zero_cfg(overrides=STATES_GPT2, **kw) -> TrainConfig:
+    kw.setdefault("per_device_train_batch_size", 1)
+    return _cfg("gpt2", overrides, **kw)
+
+
+def _stage_memory(cfg, plan) -> list:
+    """The cost model's peak bytes per worker of ``plan``'s layout at stages 0-3."""
+    from raylm.plan.planner import evaluate_layout
+
+    fixed = TrainConfig(**{**cfg.__dict__, "gradient_accumulation_steps":
+                           plan.micro_batches_per_rank, "pipeline_schedule": plan.schedule})
+    return [evaluate_layout(fixed, plan.dp, plan.tp, plan.pp, zero_stage=z).memory.total
+            for z in range(4)]
+
+
+def test_zero_stage_from_the_flags():
+    plan = make_plan(_zero_cfg(dp=4, zero_stage=2), 4)
+    assert (plan.dp, plan.zero_stage, plan.cpu_offload) == (4, 2, False)
+    assert "ZeRO-2 (optimizer states and gradients partitioned over dp=4)" in plan.describe()
+    # The planner searches at the stage given (each layout at ZeRO-3 here).
+    plan = make_plan(_zero_cfg(num_workers=4, zero_stage=3), 4)
+    assert plan.zero_stage == 3 and plan.world_size == 4
+    assert ("ZeRO-3 (optimizer states, gradients and parameters partitioned over "
+            f"dp={plan.dp})") in plan.describe()
+    # Merak's switch is stage 1, alone or with --zero_stage 1.
+    assert make_plan(_zero_cfg(dp=4, zero_optimization=True), 4).zero_stage == 1
+    assert make_plan(_zero_cfg(dp=4, zero_optimization=True, zero_stage=1), 4).zero_stage == 1
+    # An explicit stage holds whatever dp is; the memory-driven choice never runs for it.
+    assert make_plan(_zero_cfg(dp=1, zero_stage=1, worker_memory_gb=1e-6), 1).zero_stage == 1
+    assert make_plan(_zero_cfg(dp=4, zero_stage=0, worker_memory_gb=0.026), 4).zero_stage == 0
+    # ZeRO-3 with sequence parallelism is a layout like any other.
+    plan = make_plan(_zero_cfg(dp=2, tp=2, zero_stage=3, sequence_parallel=True), 4)
+    assert (plan.zero_stage, plan.sequence_parallel, plan.tp) == (3, True, 2)
+    # --cpu_offload: with GPU workers and a stage >= 1.
+    plan = make_plan(_zero_cfg(dp=4, zero_stage=2, use_gpu=True, cpu_offload=True), 4)
+    assert plan.cpu_offload and "offloaded to host memory" in plan.describe()
+    assert "ZeRO" not in make_plan(_zero_cfg(dp=4), 4).describe()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(zero_optimization=True, zero_stage=2), ["--zero_optimization", "--zero_stage 2"]),
+    (dict(zero_optimization=True, zero_stage=0), ["--zero_optimization", "--zero_stage 0"]),
+    (dict(cpu_offload=True, zero_stage=1), ["--cpu_offload needs --use_gpu"]),
+    (dict(cpu_offload=True, zero_stage=0, use_gpu=True),
+     ["--cpu_offload needs --zero_stage 1, 2 or 3", "is 0"]),
+    (dict(cpu_offload=True, use_gpu=True), ["--cpu_offload needs --zero_stage", "unset"]),
+])
+def test_zero_flag_errors_are_one_line(kw, words):
+    for layout in (dict(dp=4), dict(num_workers=4)):  # the user's layout and the planner's
+        with pytest.raises(ConfigError) as err:
+            make_plan(_zero_cfg(**layout, **kw), 4)
+        msg = str(err.value)
+        assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_unset_stage_is_0_when_memory_is_ample():
+    for workers in (1, 2, 4):
+        plan = make_plan(_zero_cfg(num_workers=workers), workers)
+        assert plan.zero_stage == 0 and plan.dp == workers
+    plan = make_plan(_zero_cfg(dp=4), 4)
+    assert plan.zero_stage == 0
+    # dp=1: nothing to partition, so nothing to choose, however short the memory.
+    assert make_plan(_zero_cfg(pp=2, gradient_accumulation_steps=2,
+                                worker_memory_gb=0.026), 2).zero_stage == 0
+
+
+@pytest.mark.parametrize("memory_gb, stage", [(0.04, 1), (0.026, 2)])
+def test_planner_takes_the_lowest_stage_that_fits(memory_gb, stage):
+    cfg = _zero_cfg(num_workers=4, worker_memory_gb=memory_gb)
+    search = search_for_config(cfg, 4)
+    plan = make_plan(cfg, 4)
+    c = search.chosen
+    assert (plan.dp, plan.tp, plan.pp) == (c.dp, c.tp, c.pp) == (4, 1, 1)
+    assert plan.zero_stage == c.zero_stage == stage
+    limit = memory_gb * GIB
+    mem = _stage_memory(cfg, plan)
+    assert mem[stage] <= limit < mem[stage - 1]  # fits; the stage below does not
+    assert c.memory.total == pytest.approx(mem[stage])
+    assert all(mem[s] > limit for s in range(stage))
+    assert set(c.zero_tried) == set(range(stage + 1))
+    # Every fitting alternative is slower, each at its own lowest fitting stage.
+    for a in search.alternatives:
+        if a.fits:
+            assert a.time.step >= c.time.step
+            if a.zero_stage:
+                assert a.zero_tried[a.zero_stage - 1] > limit
+
+
+def test_the_users_layout_takes_the_lowest_stage_that_fits():
+    cfg = _zero_cfg(DEEP_GPT2, dp=4, worker_memory_gb=11.5 / 1024)
+    plan = make_plan(cfg, 4)
+    mem = _stage_memory(cfg, plan)
+    assert (plan.dp, plan.tp, plan.pp, plan.zero_stage) == (4, 1, 1, 3)
+    assert mem[3] <= 11.5 * 2**20 < mem[2]
+    # Nothing fits at any stage: stage 0, and the layout is left as the user gave it.
+    plan = make_plan(_zero_cfg(DEEP_GPT2, dp=4, worker_memory_gb=1 / 1024), 4)
+    assert (plan.dp, plan.zero_stage) == (4, 0)
+    # The planner, for the same workers, says what ZeRO-3 would still need.
+    search = search_for_config(_zero_cfg(DEEP_GPT2, num_workers=4,
+                                         worker_memory_gb=1 / 1024), 4)
+    assert search.chosen is None
+    dp4 = next(a for a in search.alternatives if (a.dp, a.tp, a.pp) == (4, 1, 1))
+    assert dp4.zero_stage == 0 and not dp4.fits and list(dp4.zero_tried) == [0, 1, 2, 3]
+    assert dp4.zero_tried[3] == pytest.approx(mem[3])
+    assert dp4.reason.endswith(f"; {human_bytes(mem[3])} with ZeRO-3")
+
+
+# -- ZeRO: which rank owns which partition -------------------------------------------------
+def _spec(cfg):
+    from raylm.models.loading import resolve_block_size, resolve_model
+
+    spec = resolve_model(cfg)
+    return spec, resolve_block_size(cfg, spec)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ownership_splits_every_tensor_over_dp(stage):
+    from raylm.plan.ownership import ownership_lines, zero_ownership
+
+    cfg = _zero_cfg(dp=4, zero_stage=stage)
+    spec, seq = _spec(cfg)
+    plan = make_plan(cfg, 4, spec, seq)
+    shapes = {n: tuple(p.shape) for n, p in _meta(spec).named_parameters()}
+    total = sum(math.prod(s) for s in shapes.values())
+    owners = zero_ownership(spec, plan, seq)
+    assert [e["rank"] for e in owners] == [0, 1, 2, 3]
+    assert [e["coords"] for e in owners] == [{"dp": d, "pp": 0, "tp": 0} for d in range(4)]
+    owned = [e["elements"]["owned"] for e in owners]
+    assert sum(owned) == total and all(e["elements"]["held"] == total for e in owners)
+    one_row = sum(math.prod(s[1:]) for s in shapes.values())  # a row of every tensor
+    assert all(abs(o - total / 4) <= one_row for o in owned), owned
+    for name, shape in shapes.items():  # the dp ranks' rows tile each tensor's dim 0
+        ranges = [e["rows"][name] for e in owners]
+        assert ranges[0][0] == 0 and ranges[-1][1] == shape[0]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for e in owners:  # bytes: fp32 + AdamW, partitioned from the stage on
+        kept = {c: e["elements"]["owned"] if c in e["partitioned"] else total
+                for c in ("parameters", "gradients", "optimizer")}
+        assert e["partitioned"] == ["optimizer", "gradients", "parameters"][:stage]
+        assert e["bytes"] == {"parameters": 4 * kept["parameters"],
+                              "gradients": 4 * kept["gradients"],
+                              "optimizer": 8 * kept["optimizer"],
+                              "total": 4 * kept["parameters"] + 4 * kept["gradients"]
+                              + 8 * kept["optimizer"]}
+    lines = ownership_lines(owners, plan.dp)
+    assert lines[0].startswith(f"ZeRO-{stage} ownership: each of the dp=4 ranks")
+    assert len(lines) == 2 and "global ranks 0-3" in lines[1]
+    assert f"{len(shapes)} tensors, {total:,} elements" in lines[1]
+
+
+def _meta(spec):
+    from raylm.parallel.pipeline.stages import meta_model
+
+    return meta_model(spec)
+
+
+def test_ownership_of_a_3d_layout_agrees_with_the_cost_model():
+    """dp=2 x pp=2 x tp=2, ZeRO-3: each rank holds its stage's tp shard (what the cost
+    model counts), and its dp group splits that; GPT-2's tied table sits on both pp
+    ranks."""
+    from raylm.plan.layout import plan_pipeline
+    from raylm.plan.ownership import ownership_lines, zero_ownership
+    from raylm.plan.report import build_plan_report
+
+    cfg = _cfg("gpt2", TINY_GPT2, dp=2, tp=2, pp=2, zero_stage=3,
+               gradient_accumulation_steps=2)
+    spec, seq = _spec(cfg)
+    plan, _ = plan_pipeline(cfg, spec, make_plan(cfg, 8, spec, seq), seq)
+    owners = zero_ownership(spec, plan, seq)
+    assert len(owners) == 8
+    rep = build_plan_report(cfg)
+    for e in owners:
+        c = e["coords"]
+        assert e["rank"] == c["dp"] * 4 + c["pp"] * 2 + c["tp"]
+        assert e["elements"]["held"] == rep["ranks"][c["pp"]]["local_parameters"]
+        group = [o for o in owners if (o["coords"]["pp"], o["coords"]["tp"])
+                 == (c["pp"], c["tp"])]
+        assert sum(o["elements"]["owned"] for o in group) == e["elements"]["held"]
+        assert e["elements"]["parameters"] == e["elements"]["owned"]  # stage 3
+    wte = "transformer.wte.weight"
+    assert all(wte in e["rows"] for e in owners)  # the tied table, on both pp ranks
+    lines = ownership_lines(owners, 2)
+    assert len(lines) == 3  # a header, one line per pp rank (equal tp shards merged)
+    assert "pp rank 0, tp rank(s) 0-1 (global ranks 0-1, 4-5)" in lines[1]
+
+
+def _odd_vocab_model(name, device=None):
+    """A test model with a vocabulary of 101, which tp=2 pads to 102."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {**MODELS[name], "vocab_size": 101}
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device(device or "cpu"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _tp_shapes_rank(rank: int, port: int, queue) -> None:
+    """One rank of tp=2: the local shapes raylm's tensor parallelism gives each parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from raylm.parallel.tensor import apply_tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        out = {}
+        for name in MODELS:
+            model = _odd_vocab_model(name)
+            apply_tensor_parallel(model, mesh)
+            out[name] = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+                         for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+def test_ownership_shapes_are_the_runtimes_tensor_parallel_shards():
+    """The shapes ownership derives for tp=2 (GPT-2's Conv1D as nn.Linear, the vocabulary
+    of 101 padded to 102, colwise and rowwise splits, replicated norms) are those
+    apply_tensor_parallel gives each parameter on two real gloo ranks."""
+    import torch.multiprocessing as mp
+
+    from raylm.plan.ownership import tensor_parallel_shapes
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_shapes_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    for name in MODELS:
+        model = _odd_vocab_model(name, "meta")
+        for rank in range(2):
+            assert tensor_parallel_shapes(model, 2, rank) == results[rank][name], (name, rank)
+    assert results[0]["llama"]["lm_head.weight"] == (51, 64)  # 102 / 2 rows
+
+
 # -- raylm plan --------------------------------------------------------------------------
 def test_plan_prints_the_choice_memory_time_and_alternatives(capsys):
     args = ["plan", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
@@ -382,11 +641,13 @@ def test_plan_prints_the_choice_memory_time_and_alternatives(capsys):
     assert all(a["reason"] for a in rep["alternatives"])
 
 
-def test_70b_llama_on_1024_workers_plans_in_seconds(capsys):
+@pytest.mark.parametrize("zero", ["0", None])
+def test_70b_llama_on_1024_workers_plans_in_seconds(capsys, zero):
     start = time.monotonic()
     rc = main(["plan", "--json", "--model_type", "llama", "--config_overrides", LLAMA_70B,
                "--num_workers", "1024", "--block_size", "2048",
-               "--per_device_train_batch_size", "1", "--use_gpu"])
+               "--per_device_train_batch_size", "1", "--use_gpu"]
+              + (["--zero_stage", zero] if zero else []))
     elapsed = time.monotonic() - start
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -394,13 +655,21 @@ def test_70b_llama_on_1024_workers_plans_in_seconds(capsys):
     rep = json.loads(out)
     c = rep["chosen"]
     print(f"70B on 1024: {elapsed:.2f} s (search {rep['planner']['elapsed_s']:.2f} s), "
-          f"dp={c['dp']} tp={c['tp']} pp={c['pp']} {c['schedule']}, "
+          f"dp={c['dp']} tp={c['tp']} pp={c['pp']} {c['schedule']} ZeRO-{c['zero_stage']}, "
           f"{rep['memory']['total'] / GIB:.1f} GiB")
     assert c["dp"] * c["tp"] * c["pp"] == 1024
     assert rep["fits"] and rep["memory"]["total"] <= 80 * GIB
-    assert c["tp"] <= 8 and c["pp"] > 1  # 1.1 TB of fp32 states need both
     assert rep["planner"]["evaluated"] > 50
     assert rep["model"]["parameters"] > 70e9
+    stages = rep["zero"]["stages"]
+    if zero == "0":  # without ZeRO, only tensor and pipeline parallelism shard the states
+        assert c["zero_stage"] == 0 and stages[0]["chosen"] and stages[0]["fits"]
+        assert c["tp"] <= 8 and c["pp"] > 1  # 1.1 TB of fp32 states need both
+    else:  # unset: the lowest stage at which the fastest layout fits
+        z = c["zero_stage"]
+        assert z >= 1 and stages[z]["chosen"] and stages[z]["fits"]
+        assert not stages[z - 1]["fits"]
+        assert c["zero_tried"] and all(c["zero_tried"][str(s)] > 80 * GIB for s in range(z))
 
 
 def test_plan_with_address_reads_the_cluster(ray_cluster, capsys):

@@ -20,7 +20,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -36,10 +38,13 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save_rank_state(path: str, model, optimizer, rank: int, adapter,
-                    process_group=None) -> None:
-    """Collective: every rank of ``process_group`` calls this with the same ``path``."""
-    state = _canonical_state(model, optimizer, adapter)[1]
+                    process_group=None, zero=None) -> None:
+    """Collective: every rank of ``process_group`` calls this with the same ``path``.
+    ``zero``: the checkpoint form of a ZeRO 1/2 partitioned optimizer (its state is
+    saved in the same keys and global shapes as an unpartitioned one's)."""
+    state = _canonical_state(model, optimizer, adapter, zero)[1]
     dcp.save(state, checkpoint_id=path, process_group=process_group)
+    _GATHERED.clear()
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -48,18 +53,25 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
 
 
 def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_seed: int,
-                    process_group=None) -> None:
+                    process_group=None, zero=None) -> None:
     """Collective: restore model and optimizer, and this rank's RNG.
 
     A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
     from ``fallback_seed`` instead.
     """
     _init_optimizer_state(optimizer)
-    (model_sd, optim_sd), state = _canonical_state(model, optimizer, adapter)
+    (model_sd, optim_sd), state = _canonical_state(model, optimizer, adapter, zero)
     dcp.load(state, checkpoint_id=path, process_group=process_group)
-    adapter.from_canonical({**state["model"], **state["optim"]}, {**model_sd, **optim_sd})
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
+    both = {**model_sd, **optim_sd}
+    adapter.from_canonical({**state["model"], **state["optim"]}, _tp_only(both))
+    _write_rows_back(both)
+    strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+    if zero is None:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=strict)
+    else:
+        set_model_state_dict(model, model_sd, options=strict)
+        zero.load(optim_sd)
     rng_file = _rng_path(path, rank)
     if os.path.exists(rng_file):
         rng = load_file(rng_file)
@@ -70,11 +82,15 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
         torch.manual_seed(fallback_seed)
 
 
-def _canonical_state(model, optimizer, adapter):
+def _canonical_state(model, optimizer, adapter, zero=None):
     """The rank's model and optimizer state dicts, and the same in checkpoint form:
     {"model": {name: tensor}, "optim": {"state.<name>.exp_avg": tensor, ...}}."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    canon = adapter.to_canonical({**model_sd, **optim_sd})
+    if zero is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    else:
+        model_sd = get_model_state_dict(model, options=OPTIONS)
+        optim_sd = zero.state_dict()
+    canon = adapter.to_canonical(_tp_only({**model_sd, **optim_sd}))
     return (model_sd, optim_sd), {"model": {k: canon[k] for k in model_sd},
                                   "optim": {k: canon[k] for k in optim_sd}}
 
@@ -94,3 +110,48 @@ def _init_optimizer_state(optimizer) -> None:
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
+
+
+# ZeRO-3 with tensor parallelism: FSDP's tensors are DTensors over (dp, tp), each rank
+# holding its dp rows of its tp shard. The canonical adapter (raylm.parallel.tensor)
+# speaks tp shards; such a tensor is gathered over dp into its tp shard first (a transient
+# copy of the rank's tp share of the states), and loaded values go back by rows.
+_GATHERED: dict = {}
+
+
+def _tp_only(sd: dict) -> dict:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = {}
+    for key, value in sd.items():
+        if isinstance(value, DTensor) and value.device_mesh.ndim > 1:
+            gathered = _GATHERED.get(id(value))
+            if gathered is None:
+                mesh = value.device_mesh
+                pl = value.placements[-1]
+                whole = value.redistribute(placements=[Replicate()] * (mesh.ndim - 1) + [pl])
+                tp_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.mesh_dim_names else None
+                gathered = DTensor.from_local(whole.to_local(), tp_mesh, [pl],
+                                              shape=value.shape, stride=value.stride(),
+                                              run_check=False)
+                _GATHERED[id(value)] = gathered
+            value = gathered
+        out[key] = value
+    return out
+
+
+@torch.no_grad()
+def _write_rows_back(sd: dict) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from raylm.plan.zero import owned_rows
+
+    for value in sd.values():
+        gathered = _GATHERED.pop(id(value), None) if isinstance(value, DTensor) else None
+        if gathered is None:
+            continue
+        mesh = value.device_mesh
+        full = gathered.to_local()
+        a, b = owned_rows(full.shape[0], mesh.size(0), mesh.get_local_rank(0))
+        value.to_local().copy_(full[a:b])
+    _GATHERED.clear()

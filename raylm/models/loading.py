@@ -175,10 +175,35 @@ def model_class(config):
     return AutoModelForCausalLM
 
 
-def build_model(spec: ModelSpec, seed: int):
-    """Build the model on this rank: identical on every rank (same seed, same weights)."""
+def build_model(spec: ModelSpec, seed: int, device=None):
+    """Build the model on this rank: identical on every rank (same seed, same weights).
+
+    ``device=None`` (or ``"cpu"``): the model with its weights: from scratch,
+    ``torch.manual_seed(seed)`` then Hugging Face's ``from_config`` (torch's default init at
+    construction, then the model's own ``_init_weights``, tied weights tied), which leaves
+    the global CPU generator seeded and advanced past those draws; or the weights of
+    ``spec.pretrained_path``.
+
+    ``device="meta"`` (ZeRO stage 3): the same model's skeleton, without its weights: every
+    parameter is on the meta device, every buffer (persistent or not, e.g. a rotary
+    embedding's ``inv_freq``) is a real CPU tensor equal to the one ``device=None`` gives,
+    and tied weights are the same Parameter object. Nothing the size of the model is ever
+    allocated: the construction runs with its tensors on the meta device and only the ops
+    the buffers depend on are replayed (raylm.models.materialize). It neither reads nor
+    changes any random generator (callers seed their own training RNG afterwards). Fill
+    the parameters with ``raylm.models.materialize.initial_state(spec, seed)``, which
+    yields build_model's values a module at a time.
+    """
     import torch
 
+    if device is not None and torch.device(device).type == "meta":
+        from raylm.models.materialize import meta_skeleton
+
+        model = meta_skeleton(spec, seed)
+        model.config.use_cache = False
+        return model
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"build_model: device must be None, 'cpu' or 'meta' (got {device!r})")
     auto = model_class(spec.config)
     if spec.pretrained_path:
         model = auto.from_pretrained(spec.pretrained_path, config=spec.config,

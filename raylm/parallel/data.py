@@ -42,7 +42,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class GradientAllReduce:
-    def __init__(self, params, group, bucket_bytes: int = 4 * 2**20):
+    def __init__(self, params, group, bucket_bytes: int = 4 * 2**20, loss_slot: bool = True):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
@@ -62,7 +62,7 @@ class GradientAllReduce:
         self.flats: list[torch.Tensor] = []
         self.bucket_of: dict[int, int] = {}
         for i, bucket in enumerate(buckets):
-            extra = 1 if i == len(buckets) - 1 else 0  # the loss slot
+            extra = 1 if loss_slot and i == len(buckets) - 1 else 0  # the loss slot
             flat = torch.zeros(sum(_local(p).numel() for p in bucket) + extra,
                                dtype=bucket[0].dtype, device=_local(bucket[0]).device)
             offset = 0
@@ -77,7 +77,7 @@ class GradientAllReduce:
                 self.bucket_of[id(p)] = i
                 offset += n
             self.flats.append(flat)
-        self.loss_slot = self.flats[-1][-1:] if self.flats else None
+        self.loss_slot = self.flats[-1][-1:] if self.flats and loss_slot else None
         self.pending = [0] * len(buckets)
         self.works: list = []
         self.launched = 0
@@ -138,3 +138,11 @@ def all_reduce_sum(values: list[float], group, device="cpu") -> list[float]:
     if work is not None:
         work.wait()
     return t.tolist()
+
+
+def all_reduce_max(value: float, group, device="cpu") -> float:
+    """The largest of one scalar over the group."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())

@@ -37,8 +37,14 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   weight-gradient work fills most of the bubble);
 * data parallelism: the ring all-reduce of the rank's gradients, 2(dp-1)/dp x 4 Psi /
   bandwidth, overlapped with the last micro-batch's backward without a pipeline (its
-  last 4 MiB bucket never is) and after the schedule with one; ZeRO-3 adds the parameter
-  all-gathers (1.5x the volume);
+  last 4 MiB bucket never is) and after the schedule with one. Under ZeRO (a
+  reduce-scatter or all-gather is half an all-reduce): stage 1 reduce-scatters the
+  gradients at the last micro-batch (overlapped as above) and all-gathers the updated
+  parameters after the optimizer step (exposed); stage 2 reduce-scatters after every
+  micro-batch (each overlapped with that micro-batch's backward), then the same
+  all-gather; stage 3 all-gathers each block's parameters in every micro-batch's forward
+  and backward (prefetched: only what the compute does not hide counts) and
+  reduce-scatters every micro-batch's gradients, with no all-gather after the step;
 * the optimizer step and gradient clipping stream ~32 bytes per parameter it updates.
 """
 
@@ -245,13 +251,22 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
     pipe = m * t_mb + bubble
 
     grads = max(FP32 * r.param_count for r in ranks)
-    volume = 1.5 if layout.zero_stage >= 3 else 1.0
-    dp_full = volume * allreduce_time(grads, dp, dp_bw, dp_lat)
-    if dp > 1 and pp == 1:
-        tail = allreduce_time(min(grads, BUCKET_BYTES), dp, dp_bw, dp_lat)
-        dp_c = max(dp_full - 2 / 3 * per_rank[0][1], tail)  # vs the last backward
+    zero = layout.zero_stage if dp > 1 else 0
+    if zero == 0:
+        dp_full = allreduce_time(grads, dp, dp_bw, dp_lat)
+        if dp > 1 and pp == 1:
+            tail = allreduce_time(min(grads, BUCKET_BYTES), dp, dp_bw, dp_lat)
+            dp_c = max(dp_full - 2 / 3 * per_rank[0][1], tail)  # vs the last backward
+        else:
+            dp_c = dp_full
     else:
-        dp_c = dp_full
+        # Reduce-scatter (gradients) and all-gather (parameters): half an all-reduce each.
+        half = allreduce_time(grads, dp, dp_bw, dp_lat) / 2
+        tail = allreduce_time(min(grads, BUCKET_BYTES), dp, dp_bw, dp_lat) / 2
+        backward = 2 / 3 * compute  # one micro-batch's backward on the slowest rank
+        hidden = (lambda t: max(t - backward, tail)) if pp == 1 else (lambda t: t)
+        scatters = 1 if zero == 1 else m  # stage 1: once, at the last micro-batch
+        dp_c = scatters * hidden(half) + (half if zero in (1, 2) else 0.0)
     updated = max(r.param_count for r in ranks) / (dp if layout.zero_stage >= 1 else 1)
     opt = 32 * updated / hw.memory_bw
     step = pipe + dp_c + opt

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from raylm.errors import ConfigError
 
 # Mesh dimension order: dp outermost, tp innermost (tensor-parallel peers are adjacent
 # ranks, which placement keeps on one node).
 MESH_DIMS = ("dp", "pp", "tp")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Plan:
     stage_bounds: tuple = ()
     seq_len: int = 0  # tokens per sample (a generic, exported stage is traced at it)
     sequence_parallel: bool = False  # tp > 1: norms and dropouts on sequence shards
+    zero_stage: int = 0  # ZeRO over each dp group (raylm.plan.zero)
+    cpu_offload: bool = False  # zero_stage >= 1 on GPUs: optimizer states in host memory
 
     @property
     def world_size(self) -> int:
@@ -65,6 +69,8 @@ class Plan:
             stages = " | ".join(f"{a}-{b - 1}" for a, b in self.stage_bounds)
             text += (f"; pipeline {self.schedule}, {len(self.stage_bounds)} stages "
                      f"(blocks {stages})")
+        if self.zero_stage > 0:
+            text += f"; {describe_zero(self.zero_stage, self.dp, self.cpu_offload)}"
         return text
 
     def resized(self, num_workers: int) -> "Plan":
@@ -77,14 +83,59 @@ class Plan:
         return dataclasses.replace(self, dp=dp)
 
 
-def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None) -> Plan:
+def describe_zero(stage: int, dp: int, cpu_offload: bool = False) -> str:
+    """"ZeRO-2 (optimizer states and gradients partitioned over dp=4)"."""
+    from raylm.plan.zero import STAGE_PARTITIONS
+
+    names = {"optimizer": "optimizer states", "gradients": "gradients",
+             "parameters": "parameters"}
+    parts = [names[p] for p in STAGE_PARTITIONS[stage]]
+    what = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = f"ZeRO-{stage} ({what} partitioned over dp={dp})"
+    if cpu_offload:
+        text += ", optimizer states offloaded to host memory"
+    return text
+
+
+def requested_zero_stage(cfg) -> Optional[int]:
+    """The ZeRO stage the flags ask for (None: unset, the planner's choice), after the
+    checks that need no model: --zero_optimization True is --zero_stage 1; --cpu_offload
+    needs --use_gpu and a stage >= 1. One-line ConfigError otherwise."""
+    stage = getattr(cfg, "zero_stage", None)
+    if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
+        raise ConfigError(f"--zero_stage {stage}: choose one of 0, 1, 2, 3")
+    if getattr(cfg, "zero_optimization", False):
+        if stage is not None and stage != 1:
+            raise ConfigError(f"--zero_optimization True means --zero_stage 1, which "
+                              f"conflicts with --zero_stage {stage}: give one of the two")
+        stage = 1
+    if getattr(cfg, "cpu_offload", False):
+        if not cfg.use_gpu:
+            raise ConfigError("--cpu_offload needs --use_gpu: on CPU workers the optimizer "
+                              "states are in host memory already")
+        if not stage:
+            got = "is unset" if stage is None else "is 0"
+            raise ConfigError(f"--cpu_offload needs --zero_stage 1, 2 or 3 (it offloads the "
+                              f"partitioned optimizer states; --zero_stage {got})")
+    return stage
+
+
+def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
+              hw=None) -> Plan:
     """Choose the layout for a TrainConfig on a cluster that can hold ``capacity`` ranks.
 
     With --dp, --tp and --pp all 0 the planner (raylm.plan.planner) chooses dp x tp x pp,
     the micro-batches and the schedule for the workers, holding the global batch at
     per_device_train_batch_size x gradient_accumulation_steps x workers. ``spec`` and
     ``seq_len`` (the resolved model and block size) are resolved from ``cfg`` when not
-    given; ``search``: a planner search already made for these workers."""
+    given; ``search``: a planner search already made for these workers; ``hw``: the
+    Hardware to plan for (default: raylm.plan.hardware.hardware_for(cfg)).
+
+    The ZeRO stage: --zero_stage (or --zero_optimization, stage 1) when given; else 0,
+    unless the layout does not fit the worker memory at stage 0 and dp > 1: then the
+    lowest stage (1, 2, 3) whose predicted memory fits (the planner chooses it per
+    layout; for a layout the flags fix, it is evaluated here), 0 when none fits."""
+    zero = requested_zero_stage(cfg)  # before anything else: one line, no actor
     for name in ("dp", "tp", "pp", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0")
@@ -111,12 +162,15 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None) -> Plan:
         raise ConfigError(f"the cluster has no room for {need} ({cfg.cpus_per_worker:g} CPU "
                           "each); lower --cpus_per_worker")
     accum, schedule = cfg.gradient_accumulation_steps, cfg.pipeline_schedule
-    if not (cfg.dp or cfg.tp or cfg.pp):  # the planner's layout
+    searched = not (cfg.dp or cfg.tp or cfg.pp)
+    if searched:  # the planner's layout (and, when unset, ZeRO stage)
         from raylm.plan.planner import choose_for_config
 
-        chosen = choose_for_config(cfg, num_workers, spec, seq_len, search)
+        chosen = choose_for_config(cfg, num_workers, spec, seq_len, search, hw=hw)
         tp, pp, accum = chosen.tp, chosen.pp, chosen.microbatches
         schedule = chosen.schedule if pp > 1 else schedule
+        if zero is None:
+            zero = chosen.zero_stage if num_workers // (tp * pp) > 1 else 0
     if num_workers < tp * pp:
         raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
                           "replica")
@@ -124,11 +178,32 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None) -> Plan:
     if dp * tp * pp != num_workers:
         raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
                           f"--num_workers {num_workers}")
+    if zero is None:
+        zero = 0 if dp <= 1 else lowest_fitting_stage(cfg, dp, tp, pp, spec, seq_len, hw)
     return Plan(dp=dp, pp=pp, tp=tp, micro_batch_size=cfg.per_device_train_batch_size,
                 global_batch_size=cfg.per_device_train_batch_size * accum * dp,
                 cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
                 schedule=schedule,
-                sequence_parallel=bool(cfg.sequence_parallel and tp > 1))
+                sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
+                zero_stage=zero, cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
+
+
+def lowest_fitting_stage(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None,
+                         hw=None) -> int:
+    """For a layout the flags fix and an unset ZeRO stage: 0 if its predicted memory
+    fits the worker memory, else the lowest stage that fits, else 0 (the layout's own
+    errors, or the run, tell what does not fit). The cost model's prediction, as the
+    planner makes it (raylm.plan.planner.evaluate_layout)."""
+    from raylm.plan.planner import evaluate_layout
+
+    try:
+        c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
+                            zero_stage=None)
+    except (ConfigError, ValueError):
+        return 0  # a layout or model the checks after planning explain
+    if c is None or c.problem or not c.fits:
+        return 0
+    return c.layout.zero_stage
 
 
 def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
@@ -184,3 +259,12 @@ def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
                               f"'{spec.config.model_type}' into stages by tracing it with "
                               "torch.export, which does not take tensor-parallel layers; "
                               "use one of the two, or a model type raylm has stages for")
+
+
+def check_zero_layout(plan: Plan) -> None:
+    """ZeRO-3 runs over data parallelism alone for now: one clear error before any actor
+    (`raylm plan` still shows such layouts; the planner may choose them)."""
+    if plan.zero_stage == 3 and (plan.pp > 1 or plan.tp > 1):
+        raise ConfigError(f"--zero_stage 3 with pp={plan.pp} x tp={plan.tp}: ZeRO-3 runs with "
+                          "data parallelism alone so far (--pp 1 --tp 1); stages 1 and 2 "
+                          "compose with pipelines and tensor parallelism")

@@ -16,22 +16,33 @@ schedule's constraints (partition.check_schedule).
 Ranking: fitting layouts by predicted step time, ties to less memory; then layouts that
 do not fit, by memory; then layouts that cannot run. Each loser carries one line saying
 why it lost to the chosen layout.
+
+ZeRO: with --zero_stage (or --zero_optimization) every layout is evaluated at that stage.
+Unset, the stage is part of each layout: 0 when the layout fits at 0, else (dp > 1) the
+lowest stage 1, 2, 3 whose predicted memory fits, else 0 (the layout does not fit). So
+with ample memory nothing changes, and a layout that needs ZeRO competes on its
+predicted step time with the others; a layout is never taken at a higher stage than it
+needs (each stage adds communication or, at 3, parameter gathers; the cost model's
+optimizer step is faster partitioned, which is not a reason to partition).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.errors import ConfigError
-from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
+from raylm.plan.cost import (ZERO_STAGES, Layout, Memory, StepTime, rank_memory,
+                             single_stage, step_time)
 from raylm.plan.hardware import Hardware
 from raylm.plan.partition import check_schedule, partition, virtual_stages
 from raylm.plan.report import human_bytes
 from raylm.plan.shape import ModelShape
 
+FROM_CONFIG = "config"  # zero_stage argument: the stage the TrainConfig's flags ask for
 log = logging.getLogger("raylm")
 
 # Schedules the planner chooses among when --pp is left to it (zero bubble only when
@@ -50,6 +61,9 @@ class Candidate:
     fits: bool = False
     problem: str = ""  # why this layout cannot run at all (no estimates then)
     reason: str = ""  # why it lost to the chosen layout
+    # ZeRO stage chosen by the planner (the flags left it unset): the peak bytes per
+    # worker of each stage it evaluated, lowest first ({} when the stage was given)
+    zero_tried: dict = field(default_factory=dict)
 
     # shorthands
     dp = property(lambda self: self.layout.dp)
@@ -57,6 +71,7 @@ class Candidate:
     pp = property(lambda self: self.layout.pp)
     schedule = property(lambda self: self.layout.schedule)
     microbatches = property(lambda self: self.layout.microbatches)
+    zero_stage = property(lambda self: self.layout.zero_stage)
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.schedule if self.pp > 1 else "")
@@ -65,7 +80,14 @@ class Candidate:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         if self.pp > 1:
             text += f" {self.schedule}"
+        if self.zero_stage:
+            text += f" ZeRO-{self.zero_stage}"
         return text
+
+    def least_memory(self) -> float:
+        """The least peak bytes per worker this layout reaches (over the ZeRO stages the
+        planner tried for it)."""
+        return min([self.memory.total, *self.zero_tried.values()])
 
     def to_dict(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
@@ -77,6 +99,7 @@ class Candidate:
                 "stage_bounds": [list(b) for b in self.stage_bounds],
                 "fits": self.fits, "problem": self.problem or None,
                 "reason": self.reason or None,
+                "zero_tried": {str(k): v for k, v in self.zero_tried.items()} or None,
                 "memory": self.memory.to_dict() if self.memory else None,
                 "ranks": [r.to_dict() for r in self.ranks],
                 "time": self.time.to_dict() if self.time else None}
@@ -100,7 +123,7 @@ class Search:
         """The runnable candidate needing the least memory (when nothing fits)."""
         runnable = [c for c in self.alternatives + [self.chosen]
                     if c is not None and c.memory is not None]
-        return min(runnable, key=lambda c: c.memory.total, default=None)
+        return min(runnable, key=lambda c: c.least_memory(), default=None)
 
 
 def _divisors(n: int) -> list:
@@ -111,11 +134,13 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
                    micro_batch_size: int, global_batch: int, dp: int = 0, tp: int = 0,
                    pp: int = 0, schedules: tuple = AUTO_SCHEDULES,
                    pp_virtual_stages: int = 2, pp_split: Optional[list] = None,
-                   sequence_parallel: bool = False, zero_stage: int = 0,
+                   sequence_parallel: bool = False, zero_stage: Optional[int] = 0,
                    prefer: Optional[tuple] = None) -> Search:
     """Every layout of ``num_workers`` workers, ranked. ``dp``/``tp``/``pp`` nonzero fix
     that dimension. ``prefer`` = (dp, tp, pp, schedule): take that candidate as the
     chosen one whatever its rank (the user's own layout), the others ranked against it.
+    ``zero_stage``: every layout at that ZeRO stage; None: per layout, the lowest stage
+    that fits (see the module doc).
     """
     t0 = time.perf_counter()
     parts: dict = {}
@@ -165,7 +190,7 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     m = global_batch // (dp * mbs)
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, microbatches=max(1, m),
                     schedule=schedule, virtual=virtual, sequence_parallel=sp and tp > 1,
-                    zero_stage=zero)
+                    zero_stage=zero or 0)
     c = Candidate(layout)
     if tp > 1:  # the model's own limits first: the most useful reason to show
         c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
@@ -211,11 +236,26 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
         c.problem = part
         return c
     c.stage_bounds = tuple(tuple(b) for b in part.bounds)
-    c.ranks = rank_memory(shape, part, layout, hw)
+    _estimate(c, shape, part, hw)
+    if zero is None and not c.fits and dp > 1:  # the lowest ZeRO stage that fits
+        tried = {0: c.memory.total}
+        for stage in ZERO_STAGES[1:]:
+            z = Candidate(dataclasses.replace(layout, zero_stage=stage), c.stage_bounds)
+            _estimate(z, shape, part, hw)
+            tried[stage] = z.memory.total
+            if z.fits:
+                z.zero_tried = tried
+                return z
+        c.zero_tried = tried  # fits at no stage: reported at stage 0
+    return c
+
+
+def _estimate(c: Candidate, shape: ModelShape, part, hw: Hardware) -> None:
+    """The cost model's memory per pp rank and step time of ``c.layout``."""
+    c.ranks = rank_memory(shape, part, c.layout, hw)
     c.memory = max(c.ranks, key=lambda r: r.total)
     c.fits = c.memory.total <= hw.worker_memory
-    c.time = step_time(shape, part, layout, hw, c.ranks)
-    return c
+    c.time = step_time(shape, part, c.layout, hw, c.ranks)
 
 
 def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
@@ -256,8 +296,10 @@ def _why_lost(c: Candidate, chosen: Optional[Candidate], hw: Hardware) -> str:
     if c.problem:
         return c.problem
     if not c.fits:
+        zero3 = c.zero_tried.get(3)
         return (f"does not fit: {human_bytes(c.memory.total)} > "
-                f"{human_bytes(hw.worker_memory)} per worker ({_largest_part(c.memory)})")
+                f"{human_bytes(hw.worker_memory)} per worker ({_largest_part(c.memory)})"
+                + (f"; {human_bytes(zero3)} with ZeRO-3" if zero3 is not None else ""))
     if chosen is None or chosen.time is None:
         return f"predicted step {c.time.step:.3g} s"
     ratio = c.time.step / chosen.time.step
@@ -304,10 +346,16 @@ def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
 def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,
                       hw: Optional[Hardware] = None, shape: Optional[ModelShape] = None,
                       global_batch: Optional[int] = None,
-                      prefer: Optional[tuple] = None) -> Search:
+                      prefer: Optional[tuple] = None, zero_stage=FROM_CONFIG) -> Search:
     """search_layouts for a TrainConfig: its model, batch, fixed dims and cost flags
-    (``spec``/``seq_len`` are resolved from ``cfg`` when not given)."""
+    (``spec``/``seq_len`` are resolved from ``cfg`` when not given). ``zero_stage``: by
+    default the stage the flags ask for (raylm.plan.layout.requested_zero_stage; unset:
+    the planner's per-layout choice); an int fixes it, None leaves it to the planner."""
     from raylm.plan.hardware import hardware_for
+    from raylm.plan.layout import requested_zero_stage
+
+    if zero_stage == FROM_CONFIG:
+        zero_stage = requested_zero_stage(cfg)
 
     if spec is None or seq_len is None:
         from raylm.models.loading import resolve_block_size, resolve_model
@@ -333,7 +381,7 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, schedules=schedules,
         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=split,
         sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)),
-        zero_stage=int(getattr(cfg, "zero_stage", 0) or 0), prefer=prefer)
+        zero_stage=zero_stage, prefer=prefer)
 
 
 def no_fit_error(search: Search) -> ConfigError:
@@ -345,11 +393,14 @@ def no_fit_error(search: Search) -> ConfigError:
                            f"{reasons}")
     m = best.memory
     hb = human_bytes
+    zero3 = best.zero_tried.get(3)
     return ConfigError(
         f"no layout of {search.num_workers} worker(s) fits in {hb(hw.worker_memory)} per "
         f"worker: the smallest, {best.name()}, needs {hb(m.total)} (parameters "
         f"{hb(m.parameters)}, gradients {hb(m.gradients)}, optimizer {hb(m.optimizer)}, "
-        f"activations {hb(m.activations)}, workspace {hb(m.workspace)}); add workers, lower "
+        f"activations {hb(m.activations)}, workspace {hb(m.workspace)}"
+        + (f"; {hb(zero3)} with ZeRO-3" if zero3 is not None else "")
+        + "); add workers, lower "
         "--per_device_train_batch_size or --block_size, or set --worker_memory_gb")
 
 
@@ -367,22 +418,27 @@ def summary(search: Search, top: int = 3) -> list[str]:
 
 
 def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,
-                      search: Optional[Search] = None) -> Layout:
+                      search: Optional[Search] = None,
+                      hw: Optional[Hardware] = None) -> Layout:
     """The layout make_plan uses when --dp, --tp and --pp are all 0: the planner's choice
     (logged with its runners-up when this call searched: a caller that passes ``search``
-    presents it itself); ConfigError when no layout fits; pure data parallelism, as before
+    presents it itself), its ``zero_stage`` the flags' or the planner's; ConfigError when
+    no layout fits; pure data parallelism at stage 0 (or the flags' stage), as before
     the planner, for a model whose shape it cannot read."""
+    from raylm.plan.layout import requested_zero_stage
+
     if search is not None and search.num_workers != num_workers:
         search = None  # made for another cluster size
     searched_here = search is None
     if search is None:
         try:
-            search = search_for_config(cfg, num_workers, spec, seq_len)
+            search = search_for_config(cfg, num_workers, spec, seq_len, hw=hw)
         except ValueError as e:
             log.warning("planner: %s; data parallelism over the %d workers", e, num_workers)
             return Layout(dp=num_workers, tp=1, pp=1,
                           micro_batch_size=cfg.per_device_train_batch_size,
-                          microbatches=cfg.gradient_accumulation_steps)
+                          microbatches=cfg.gradient_accumulation_steps,
+                          zero_stage=requested_zero_stage(cfg) or 0)
     if search.chosen is None:
         raise no_fit_error(search)
     if searched_here:
@@ -392,17 +448,19 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
 
 
 def evaluate_layout(cfg, dp: int, tp: int, pp: int, spec=None,
-                    seq_len: Optional[int] = None) -> Candidate:
+                    seq_len: Optional[int] = None, hw: Optional[Hardware] = None,
+                    zero_stage=FROM_CONFIG) -> Candidate:
     """The cost model's prediction for one given layout of ``cfg``'s model (its schedule,
     micro-batch size and gradient_accumulation_steps micro-batches per replica, as
-    make_plan runs fixed dims): memory per pp rank and step time, or its ``problem``."""
-    import dataclasses
-
+    make_plan runs fixed dims): memory per pp rank and step time, or its ``problem``.
+    ``zero_stage``: as search_for_config (default: the flags'; unset or None: the lowest
+    stage that fits, as make_plan resolves it; pass a Plan's zero_stage to predict what
+    that plan runs)."""
     fixed = dataclasses.replace(cfg, dp=dp, tp=tp, pp=pp)
     search = search_for_config(
-        fixed, dp * tp * pp, spec, seq_len,
+        fixed, dp * tp * pp, spec, seq_len, hw=hw,
         global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp,
-        prefer=(dp, tp, pp, cfg.pipeline_schedule))
+        prefer=(dp, tp, pp, cfg.pipeline_schedule), zero_stage=zero_stage)
     return search.chosen
 
 

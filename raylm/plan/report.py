@@ -7,6 +7,10 @@ tokens/s, the next best layouts with why each lost, and for a pipeline each stag
 rank, blocks (module names), parameters and memory. The figures are the cost model's
 (raylm.plan.cost): fp32 training with AdamW, activations derived per architecture
 (raylm.plan.activations).
+
+ZeRO: for the layout, a table of the predicted per-worker parameter, gradient and
+optimizer-state bytes (and the peak with activations and workspace) at each stage 0-3,
+the plan's stage marked, and which rank owns which partition (raylm.plan.ownership).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from raylm.plan.partition import Partition
 
 BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weights, gradients, AdamW moments
 ALTERNATIVES_SHOWN = 5
+# `raylm plan --json` lists each rank's rows of every tensor up to this many (rank,
+# tensor) pairs in all; past it (thousands of ranks) only the counts and bytes.
+OWNERSHIP_ROWS_LIMIT = 50_000
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -75,13 +82,14 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     from raylm.parallel.pipeline.stages import meta_model
     from raylm.plan.cost import stage_activation_bytes
     from raylm.plan.hardware import hardware_for
-    from raylm.plan.layout import make_plan, plan_pipeline
+    from raylm.plan.layout import make_plan, plan_pipeline, requested_zero_stage
     from raylm.plan.planner import search_for_config
     from raylm.plan.shape import model_shape
 
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
+    requested = requested_zero_stage(cfg)  # the flags' own errors first
     spec = resolve_model(cfg)
     seq_len = resolve_block_size(cfg, spec)
     searched = not (cfg.dp or cfg.tp or cfg.pp)
@@ -106,12 +114,13 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
                                              pp_split=None)
             plan, part = plan_pipeline(chosen_cfg, spec, plan, seq_len)
     else:
-        plan = make_plan(cfg, workers)
+        plan = make_plan(cfg, workers, spec, seq_len, hw=hw)
         if plan.pp > 1:
             plan, part = plan_pipeline(cfg, spec, plan, seq_len)
         search = search_for_config(cfg, plan.world_size, spec, seq_len, hw=hw, shape=shape,
                                    global_batch=plan.global_batch_size,
-                                   prefer=(plan.dp, plan.tp, plan.pp, plan.schedule))
+                                   prefer=(plan.dp, plan.tp, plan.pp, plan.schedule),
+                                   zero_stage=plan.zero_stage)
     chosen = search.chosen
     if chosen is None or chosen.problem:  # the user's own --dp/--tp/--pp
         raise ConfigError(f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp}: "
@@ -161,6 +170,8 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         "stages": [],
         "ranks": [],
         "tied": {},
+        "zero": zero_report(spec, plan, seq_len, shape, part, layout, hw, requested,
+                            searched, model),
     }
     numel = {n: p.numel() for n, p in model.named_parameters()}  # tied weights once
     if plan.pp == 1:
@@ -204,6 +215,52 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
             "activation_bytes": mem.activations,
             "total_bytes": mem.states + mem.activations, "memory": mem.to_dict()})
     return report
+
+
+def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, searched,
+                model=None) -> dict:
+    """The ZeRO part of the report: the plan's stage and how it was chosen, the
+    predicted per-worker states at each stage 0-3 for the layout (the pp rank that
+    needs the most), and which rank owns which partition (raylm.plan.ownership)."""
+    import dataclasses
+
+    from raylm.plan.cost import rank_memory
+    from raylm.plan.ownership import ownership_lines, zero_ownership
+    from raylm.plan.zero import STAGE_PARTITIONS, ZERO_STAGES
+
+    if requested is not None:
+        how = "flag"
+    elif plan.dp <= 1:
+        how = "dp=1: nothing to partition"
+    elif plan.zero_stage == 0:
+        how = "fits without ZeRO"
+    else:
+        how = ("planner: the lowest stage that fits" if searched
+               else "the lowest stage at which this layout fits")
+    stages = []
+    for z in ZERO_STAGES:
+        ranks = rank_memory(shape, part, dataclasses.replace(layout, zero_stage=z), hw)
+        worst = max(range(len(ranks)), key=lambda r: ranks[r].total)
+        m = ranks[worst]
+        stages.append({"stage": z, "partitioned": list(STAGE_PARTITIONS[z]),
+                       "pp_rank": worst, "parameters": m.parameters,
+                       "gradients": m.gradients, "optimizer": m.optimizer,
+                       "states": m.states, "total": m.total,
+                       "fits": m.total <= hw.worker_memory, "chosen": z == plan.zero_stage,
+                       "ranks": [r.to_dict() for r in ranks]})
+    try:
+        entries = zero_ownership(spec, plan, seq_len, model)
+        lines = ownership_lines(entries, plan.dp)
+    except Exception as e:  # noqa: BLE001 - a view of the plan; the plan stands without it
+        entries, lines = [], [f"ZeRO ownership: not available for this model ({e})"]
+    rows_kept = sum(e["tensors"] for e in entries) <= OWNERSHIP_ROWS_LIMIT
+    owners = [e if rows_kept else {k: v for k, v in e.items() if k != "rows"}
+              for e in entries]
+    return {"stage": plan.zero_stage, "requested": requested, "chosen_by": how,
+            "cpu_offload": plan.cpu_offload, "dp": plan.dp,
+            "worker_memory": hw.worker_memory, "stages": stages,
+            "ownership": owners, "ownership_rows": rows_kept,
+            "ownership_summary": lines}
 
 
 def _hardware_dict(hw) -> dict:
@@ -340,7 +397,8 @@ def format_plan_report(report: dict) -> list[str]:
         rows = []
         for a in report["alternatives"]:
             name = f"dp={a['dp']} tp={a['tp']} pp={a['pp']}" + (
-                f" {a['schedule']}" if a["pp"] > 1 else "")
+                f" {a['schedule']}" if a["pp"] > 1 else "") + (
+                f" ZeRO-{a['zero_stage']}" if a.get("zero_stage") else "")
             am, at = a["memory"], a["time"]
             rows.append(["  " + name, a["microbatches"],
                          human_bytes(am["total"]) if am else "-",
@@ -366,7 +424,7 @@ def format_plan_report(report: dict) -> list[str]:
                      f"activations (1 micro-batch of {mb} x {seq} tokens at a "
                      f"time) = ~{human_bytes(r['total_bytes'])} per rank")
         lines.append(note)
-        return lines
+        return lines + _zero_lines(report)
 
     lines.append("")
     lines.append(f"pipeline: {len(report['stages'])} stage(s) on {p['pp']} pp rank(s), "
@@ -394,6 +452,32 @@ def format_plan_report(report: dict) -> list[str]:
         lines.append(f"tied: {name} is held by pp ranks {', '.join(map(str, ranks))} "
                      "(its gradients are summed between them each step)")
     lines.append(note)
+    return lines + _zero_lines(report)
+
+
+def _zero_lines(report: dict) -> list[str]:
+    """The ZeRO table (per-worker states at each stage, the plan's marked) and the
+    ownership summary."""
+    z = report.get("zero")
+    if not z:
+        return []
+    where = "" if report["plan"]["pp"] == 1 else ", the pp rank that needs the most"
+    lines = ["", f"ZeRO over each data-parallel group (dp={z['dp']}; per worker{where}; "
+             f"stage {z['stage']}: {z['chosen_by']}"
+             + (", optimizer states offloaded to host memory" if z["cpu_offload"] else "")
+             + "):"]
+    rows = []
+    for s in z["stages"]:
+        rows.append([f"  ZeRO-{s['stage']}", ", ".join(s["partitioned"]) or "-",
+                     human_bytes(s["parameters"]), human_bytes(s["gradients"]),
+                     human_bytes(s["optimizer"]), human_bytes(s["states"]),
+                     human_bytes(s["total"]), "yes" if s["fits"] else "no",
+                     "<- chosen" if s["chosen"] else ""])
+    lines += _table(["  stage", "partitioned over dp", "parameters", "gradients",
+                     "optimizer states", "states", "peak/worker", "fits", ""], rows,
+                    right={2, 3, 4, 5, 6})
+    lines.append("")
+    lines += z["ownership_summary"]
     return lines
 
 

@@ -32,7 +32,8 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
-from raylm.plan.layout import Plan, check_tensor_layout, make_plan, plan_pipeline
+from raylm.plan.layout import (Plan, check_tensor_layout, check_zero_layout, make_plan,
+                                plan_pipeline)
 from raylm.plan.report import describe_partition
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
@@ -90,6 +91,7 @@ class Driver:
                 plan = dataclasses.replace(
                     plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
             check_tensor_layout(inputs.spec, plan, inputs.block_size)
+            check_zero_layout(plan)
             if plan.pp > 1:
                 plan, part = plan_pipeline(cfg, inputs.spec, plan, inputs.block_size)
                 for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):
@@ -97,6 +99,15 @@ class Driver:
             data = prepare_data(cfg, inputs)
             self.target_workers = plan.world_size
             log.info("plan: %s", plan.describe())
+            if plan.zero_stage and plan.dp > 1:
+                try:
+                    from raylm.plan.ownership import ownership_lines, zero_ownership
+
+                    for line in ownership_lines(zero_ownership(inputs.spec, plan,
+                                                               inputs.block_size), plan.dp):
+                        log.info("%s", line)
+                except Exception as e:  # the log line must never stop a run
+                    log.warning("ZeRO ownership unavailable: %s", e)
             if cfg.should_train:
                 return self._train(inputs, data, plan)
             return self._evaluate_only(inputs, data, plan)
@@ -332,12 +343,14 @@ class Driver:
         in output_dir/memory.json (the first step after each start of the group)."""
         from raylm.plan.planner import evaluate_layout
         from raylm.plan.report import human_bytes
+        from raylm.plan.zero import theory_bytes
 
         plan, cfg = self.plan, self.cfg
         try:
             fixed = dataclasses.replace(cfg, gradient_accumulation_steps=plan.micro_batches_per_rank,
                                         pipeline_schedule=plan.schedule,
-                                        sequence_parallel=plan.sequence_parallel)
+                                        sequence_parallel=plan.sequence_parallel,
+                                        zero_stage=plan.zero_stage)
             predicted = evaluate_layout(fixed, plan.dp, plan.tp, plan.pp, self.spec,
                                         self.block_size)
         except Exception as e:  # the report must never stop a run
@@ -352,6 +365,11 @@ class Driver:
             ranks.append({"measured": {k: m[k] for k in
                                        ("parameters", "gradients", "optimizer", "activations")},
                           "coords": m["coords"], "predicted": pred,
+                          "replica_elements": m.get("replica_elements"),
+                          # The ZeRO paper's per-rank model states for the elements the
+                          # rank's replica holds (fp32, AdamW).
+                          "zero_theory": theory_bytes(m.get("replica_elements") or 0,
+                                                      plan.zero_stage, plan.dp),
                           "peak_rss_bytes": r.get("peak_rss_bytes")})
             meas = sum(ranks[-1]["measured"].values())
             log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
@@ -362,7 +380,8 @@ class Driver:
                      f" (predicted {human_bytes(pred['states'] + pred['activations'])})"
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
-            json.dump({"layout": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp},
+            json.dump({"layout": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp,
+                                  "zero_stage": plan.zero_stage},
                        "step": self.step, "ranks": ranks}, f, indent=2)
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:

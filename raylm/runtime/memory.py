@@ -60,8 +60,8 @@ def _sum_storages(tensors: Iterable[torch.Tensor], seen: set) -> int:
     return total
 
 
-def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
-                ) -> dict:
+def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                gradients: Optional[Iterable[torch.Tensor]] = None) -> dict:
     """{"parameters", "gradients", "optimizer"}: bytes this rank holds of each.
 
     Parameters: every distinct parameter storage of ``model`` (a DTensor's local shard).
@@ -72,7 +72,9 @@ def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     params = list(model.parameters())
     seen: set = set()
     out = {"parameters": _sum_storages(params, seen)}
-    out["gradients"] = _sum_storages((p.grad for p in params), seen)
+    # ``gradients``: where they live when not in p.grad (ZeRO-2's partitions).
+    grads = gradients if gradients is not None else (p.grad for p in params)
+    out["gradients"] = _sum_storages(grads, seen)
     opt = 0
     if optimizer is not None:
         tensors = [v for st in optimizer.state.values() for v in st.values()
@@ -129,8 +131,8 @@ class ActivationMeter:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _is_param(self, t: torch.Tensor, key) -> bool:
-        if key in self._param_keys:
-            return True
+        if key in self._param_keys or isinstance(t, torch.nn.Parameter):
+            return True  # (FSDP's gathered parameters are Parameters of their own)
         return not self._param_keys and t.is_leaf and t.requires_grad
 
     def _pack(self, t: torch.Tensor):

@@ -66,7 +66,14 @@ class RankWorker:
         self.dp_group = self.mesh["dp"].get_group()
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
-        self.model = build_model(spec, train_cfg["seed"]).to(self.device)
+        # ZeRO-3 builds the model on the meta device: no rank ever holds all of it; the
+        # weights are materialised shard by shard once the layout is applied.
+        self.zero_stage = plan.zero_stage
+        meta = self.zero_stage == 3
+        if meta:
+            self.model = build_model(spec, train_cfg["seed"], device="meta")
+        else:
+            self.model = build_model(spec, train_cfg["seed"]).to(self.device)
         self.spec = spec
         self.objective = objective_for(spec.config)
         # The parallelisms, in a fixed order: tensor parallelism shards the whole model's
@@ -80,16 +87,19 @@ class RankWorker:
                                                          plan.sequence_parallel)
         self.pipeline = None
         self.line_by_line = bool(dataset is not None and dataset.line_by_line)
+        self.fsdp_modules = []
         if plan.pp > 1:
             self.pipeline = self._make_pipeline(plan)
+        elif self.zero_stage == 3:
+            self._shard_parameters([self.model])
         from raylm.parallel.tensor import canonical_adapter
 
         # Checkpoints and the saved model in the model's own (layout-free) shapes.
         self.canonical = canonical_adapter(self.model, self.tensor_parallel)
+        self.grad_sync = self._make_grad_sync(GradientAllReduce)
         self.optimizer = self._make_optimizer()
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(total_steps)
-        self.grad_sync = GradientAllReduce(self.model.parameters(), self.dp_group)
         # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
         # share a seed (they compute the same replicated activations).
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
@@ -117,6 +127,8 @@ class RankWorker:
         stage_ids = part.stages_of(pp_rank)
         example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
         modules, holders, self.eval_stage_modules = cut(self.model, part, stage_ids, example)
+        if self.zero_stage == 3:  # before the runtime takes references to the parameters
+            self._shard_parameters(list(modules))
         grid = self.mesh.mesh  # global rank of each (dp, pp, tp) coordinate
         tp_rank = self.mesh["tp"].get_local_rank()
         tied_groups = {}
@@ -130,6 +142,46 @@ class RankWorker:
         return PipelineRuntime(self.model, modules, stage_ids, part, holders, plan.schedule,
                                plan.micro_batches_per_rank, self._pipeline_loss,
                                self.mesh["pp"].get_group(), pp_rank, self.device, tied_groups)
+
+    def _shard_parameters(self, roots: list) -> None:
+        """ZeRO-3: FSDP2 over the dp group (each rank keeps 1/dp of every tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        from raylm.parallel.zero.fsdp import apply_fsdp
+
+        # The tensor-parallel placement of each parameter, before FSDP adds the dp dim.
+        self._tp_layout = {n: (p.device_mesh, p.placements, p.shape)
+                           for n, p in self.model.named_parameters(remove_duplicate=False)
+                           if isinstance(p, DTensor)}
+        self.fsdp_modules = apply_fsdp(self.model, roots, self.mesh["dp"],
+                                       self.plan.cpu_offload)
+        if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
+               for p in self.model.parameters()):
+            # Before anything takes references to the parameters (materialising makes
+            # new ones): each rank fills its shards, one tensor of the model at a time.
+            from raylm.parallel.tensor import canonical_adapter
+            from raylm.parallel.zero.fsdp import materialize
+
+            materialize(self.model, self.spec, self.cfg["seed"], self.device, self._tp_layout,
+                        canonical_adapter(self.model, self.tensor_parallel))
+
+    def _make_grad_sync(self, GradientAllReduce):
+        """How gradients meet over dp: stage 0 all-reduce, 1 reduce-scatter of full
+        gradients, 2 per micro-batch reduce-scatter into partitions, 3 FSDP."""
+        params = list(self.model.parameters())
+        if self.zero_stage == 1:
+            from raylm.parallel.zero.partitioned import ReduceScatterGradients
+
+            return ReduceScatterGradients(params, self.dp_group)
+        if self.zero_stage == 2:
+            from raylm.parallel.zero.partitioned import ShardedGradients
+
+            return ShardedGradients(params, self.dp_group)
+        if self.zero_stage == 3:
+            from raylm.parallel.zero.fsdp import FSDPGradients
+
+            return FSDPGradients(self.model, self.dp_group)
+        return GradientAllReduce(params, self.dp_group)
 
     @property
     def _seed_rank(self) -> int:
@@ -148,9 +200,16 @@ class RankWorker:
         """Clip to ``max_norm`` over the whole model; the norm before clipping."""
         import torch
 
+        if self.zero_stage in (1, 2):
+            from raylm.parallel.zero.partitioned import clip_partitioned
+
+            pipe = self.pipeline
+            norm_params = pipe.norm_params if pipe is not None else self.grad_sync.params
+            return clip_partitioned(self.grad_sync, norm_params, max_norm,
+                                    pipe.pp_group if pipe is not None else None)
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(max_norm)
-        if self.tensor_parallel is not None:
+        if self.tensor_parallel is not None or self.zero_stage == 3:
             from raylm.parallel.clip import clip_grad_norm
 
             params = list(self.model.parameters())
@@ -169,11 +228,18 @@ class RankWorker:
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
         c = self.cfg
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": c["weight_decay"]},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=c["learning_rate"], betas=(c["adam_beta1"], c["adam_beta2"]),
-            eps=c["adam_epsilon"])
+        groups = [{"params": decay, "weight_decay": c["weight_decay"]},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        hyper = dict(lr=c["learning_rate"], betas=(c["adam_beta1"], c["adam_beta2"]),
+                     eps=c["adam_epsilon"])
+        self.zero_optimizer = None
+        if self.zero_stage in (1, 2):
+            # AdamW over this rank's rows only; its step all-gathers the parameters.
+            from raylm.parallel.zero.partitioned import PartitionedOptimizer
+
+            self.zero_optimizer = PartitionedOptimizer(self.grad_sync, groups, **hyper)
+            return self.zero_optimizer.optimizer
+        return torch.optim.AdamW(groups, **hyper)
 
     def _make_scheduler(self, total_steps: int):
         from transformers import get_scheduler
@@ -212,6 +278,11 @@ class RankWorker:
         t_data = time.time() - t0
         if self.pipeline is not None:
             return self._pipeline_step(step, batches, micro_batch_ids, t0, t_data)
+        if self.zero_stage == 3:
+            # FSDP gathers parameters inside every forward and backward: a rank short of
+            # samples (an epoch's last step) runs filler rows (no labels) to keep pace.
+            batches = batches + [self._filler() for _ in
+                                 range(self.plan.micro_batches_per_rank - len(batches))]
 
         # The loss of a step is the mean over every label token of the global batch, so
         # each rank needs the global count before its first backward: sum it over dp in
@@ -232,10 +303,13 @@ class RankWorker:
                 if i == len(batches) - 1:
                     self.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
                 (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
+                self._end_round()
         if not batches:  # no samples for this rank in an epoch's short last step
             if count_work is not None:
                 count_work.wait()
             self.grad_sync.arm(loss_sum)
+        for _ in range(self.plan.micro_batches_per_rank - len(batches)):
+            self._end_round(force=True)  # ZeRO-2: as many rounds as the other ranks
 
         global_loss = self.grad_sync.finish()  # gradients (and the loss) summed over dp
         out = self._apply(self._clip)
@@ -248,6 +322,12 @@ class RankWorker:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids]
         return out
 
+    def _end_round(self, force: bool = False) -> None:
+        """ZeRO-2: a micro-batch's gradients are done; send what its round left."""
+        end = getattr(self.grad_sync, "end_round", None)
+        if end is not None:
+            end(force)
+
     def _apply(self, clip) -> dict:
         """Clip (``clip(max_norm)`` returns the norm before clipping), optimizer step,
         schedule step, zero the gradients."""
@@ -257,7 +337,7 @@ class RankWorker:
         if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
             grad_norm = clip(self.cfg["max_grad_norm"])
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        (self.zero_optimizer or self.optimizer).step()
         self.scheduler.step()
         self.grad_sync.zero_grad()
         # Peak resident memory of this rank's process so far (Linux reports KiB).
@@ -291,7 +371,10 @@ class RankWorker:
             loss_sum += mb_loss.detach().double() * self.global_tokens
         self.grad_sync.arm(loss_sum)
         global_loss = self.grad_sync.finish()  # dp sum (each stage over its own dp group)
-        pipe.sync_tied_grads()
+        if self.zero_stage in (1, 2):  # the rows this rank owns of each tied copy
+            pipe.sync_tied_grads(lambda p: self.grad_sync.shard_grad[id(p)])
+        else:
+            pipe.sync_tied_grads()
         out = self._apply(self._clip)  # the norm over the whole pipeline
         self._report_memory(out, meter)
         tokens = float(global_tokens[0].item())
@@ -320,9 +403,31 @@ class RankWorker:
         from raylm.runtime.memory import state_bytes
 
         self.measure_next = False
-        out["memory"] = {**state_bytes(self.model, self.optimizer),
+        grads = getattr(self.grad_sync, "flats", None) if self.zero_stage == 2 else None
+        out["memory"] = {**state_bytes(self.model, self.optimizer, grads),
+                         "replica_elements": self._replica_elements(),
                          "activations": meter.peak,
                          "coords": {d: self.mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}}
+
+    def _replica_elements(self) -> int:
+        """Parameters this rank's data-parallel replica holds of what this rank holds
+        (its stage, its tensor-parallel shard; before any ZeRO partition): the Psi of
+        the ZeRO formulas for this rank."""
+        from torch.distributed.tensor import DTensor
+
+        total, seen = 0, set()
+        for p in self.model.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            if isinstance(p, DTensor):
+                names = p.device_mesh.mesh_dim_names or ()
+                for dim, pl in enumerate(p.placements):
+                    if pl.is_shard() and (names[dim] if dim < len(names) else "") == "tp":
+                        n //= p.device_mesh.size(dim)
+            total += n
+        return total
 
     def _stack(self, batches: list):
         """The step's rows as the schedule takes them: all micro-batches stacked (it splits
@@ -346,6 +451,12 @@ class RankWorker:
                 [b["attention_mask"] for b in batches]).to(self.device)
         return ids, labels, kwargs
 
+    def _filler(self) -> dict:
+        """A micro-batch of filler rows: every label ignored, so it adds nothing."""
+        from raylm.data.reader import PAD_ID
+
+        return self.reader.read([PAD_ID] * self.plan.micro_batch_size)
+
     def _count(self, batch: dict) -> int:
         """Label tokens of a micro-batch under the objective."""
         return self.objective.count(self.objective.split(batch)["labels"])
@@ -365,14 +476,19 @@ class RankWorker:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
         import torch
 
-        from raylm.data.reader import BlockReader
-        from raylm.parallel.data import all_reduce_sum
+        from raylm.data.reader import PAD_ID, BlockReader
+        from raylm.parallel.data import all_reduce_max, all_reduce_sum
 
         reader = self.reader
         if eval_dataset is not None:
             if self.eval_reader is None:
                 self.eval_reader = BlockReader(eval_dataset)
             reader = self.eval_reader
+        if self.zero_stage == 3 and self.pipeline is None:
+            # As in training: every dp rank runs as many forwards (FSDP gathers in each).
+            most = int(all_reduce_max(len(micro_batch_ids), self.dp_group, self.device))
+            micro_batch_ids = list(micro_batch_ids) + [
+                [PAD_ID] * self.plan.micro_batch_size] * (most - len(micro_batch_ids))
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         with torch.no_grad(), self._loss_context():
@@ -405,16 +521,24 @@ class RankWorker:
     def save_checkpoint(self, path: str) -> bool:
         from raylm.checkpoint.state import save_rank_state
 
-        save_rank_state(path, self.model, self.optimizer, self.rank, self.canonical)
+        save_rank_state(path, self.model, self.optimizer, self.rank, self.canonical,
+                        zero=self._zero_form())
         return True
 
     def load_checkpoint(self, path: str, step: int) -> bool:
         from raylm.checkpoint.state import load_rank_state
 
         load_rank_state(path, self.model, self.optimizer, self.rank, self.canonical,
-                        fallback_seed=self.cfg["seed"] + 1 + self._seed_rank + 7919 * step)
+                        fallback_seed=self.cfg["seed"] + 1 + self._seed_rank + 7919 * step,
+                        zero=self._zero_form())
         self._set_schedule_step(step)
         return True
+
+    def _zero_form(self):
+        """ZeRO 1/2: the partitioned optimizer's state in checkpoint form; else None."""
+        if self.zero_optimizer is None:
+            return None
+        return self.zero_optimizer.checkpoint_form(self.model, self.mesh["dp"])
 
     def save_pretrained(self, output_dir: str) -> bool:
         """Rank 0 writes one ordinary Hugging Face model (safetensors).
@@ -426,7 +550,8 @@ class RankWorker:
         over the pp group, and rank 0 loads them into a fresh model and saves that (it
         needs the whole model's memory for that moment)."""
         model = self.model
-        if self.pipeline is not None or self.tensor_parallel is not None:
+        if self.pipeline is not None or self.tensor_parallel is not None or \
+                self.zero_stage == 3:
             model = self._assemble_model()
         if self.rank == 0:
             from transformers.utils import logging as hf_logging
@@ -442,10 +567,14 @@ class RankWorker:
 
         from raylm.models.loading import build_model
 
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 and self.zero_stage != 3:
             return None
-        state = self.canonical.hf_state_dict(self.model)  # collective over the tp group
-        if self.mesh["tp"].get_local_rank() != 0:
+        # Collective over the tp group (and the dp group under ZeRO-3, whose shards are
+        # gathered one tensor at a time: only the saving ranks keep them).
+        keep = self.dp_rank == 0 and self.mesh["tp"].get_local_rank() == 0
+        state = self.canonical.hf_state_dict(self.model, keep=keep,
+                                             tp_mesh=self.mesh["tp"] if self.plan.tp > 1 else None)
+        if not keep:
             return None
         if self.pipeline is not None:
             parts = [None] * self.plan.pp if self.rank == 0 else None

@@ -131,10 +131,14 @@ class PipelineRuntime:
             out.append(t)
         return tuple(out)
 
-    def sync_tied_grads(self) -> None:
+    def sync_tied_grads(self, grad_of=None) -> None:
+        """Sum the gradients of a weight held by several stages over its holders.
+        ``grad_of(p)``: the tensor to sum instead of ``p.grad`` (ZeRO 1/2: the rows this
+        rank owns; holders with the same dp and tp coordinates own the same rows)."""
         for p, group in self.tied:
-            if p.grad is not None:
-                dist.all_reduce(_local(p.grad), op=dist.ReduceOp.SUM, group=group)
+            g = p.grad if grad_of is None else grad_of(p)
+            if g is not None:
+                dist.all_reduce(_local(g), op=dist.ReduceOp.SUM, group=group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """torch's clip_grad_norm_, over the whole pipeline's parameters."""

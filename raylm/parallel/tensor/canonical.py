@@ -97,6 +97,11 @@ class _Fused:
     def canonical(self, t):
         k = self.parts
         if self.conv1d:  # a plain Conv1D tensor, the canonical form is a view
+            if t.ndim == 1 and isinstance(t, DTensor) and \
+                    any(pl.is_shard() for pl in t.placements):
+                # A bias split by rows over dp (ZeRO): its [parts, n] form is no DTensor
+                # shard of the rows; use the whole (small) bias, written back by rows.
+                t = t.redistribute(placements=[Replicate()] * len(t.placements))
             return t.view(t.shape[0], k, -1) if t.ndim == 2 else t.view(k, -1)
         local = t.to_local() if isinstance(t, DTensor) else t
         if isinstance(t, DTensor) and not (isinstance(_one_dim(t), Shard)
@@ -114,6 +119,24 @@ class _Fused:
 
     def to_hf(self, full):
         return full.reshape(full.shape[0], -1) if full.ndim == 3 else full.reshape(-1)
+
+
+def _write_back(dest, value: torch.Tensor) -> None:
+    """When a canonical form is a copy rather than a view (a dp-sharded fused bias), put
+    the rows of ``dest`` back from the whole ``value``."""
+    local = dest.to_local() if isinstance(dest, DTensor) else dest
+    if not isinstance(dest, DTensor) or local.data_ptr() == value.data_ptr():
+        return
+    flat = value.reshape(-1)
+    if local.numel() == flat.numel():
+        if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            local.copy_(flat.view_as(local))
+        return
+    from raylm.plan.zero import owned_rows
+
+    mesh = dest.device_mesh
+    a, b = owned_rows(flat.shape[0], mesh.size(0), mesh.get_local_rank(0))
+    local.copy_(flat[a:b].view_as(local))
 
 
 class CanonicalAdapter:
@@ -164,18 +187,28 @@ class CanonicalAdapter:
             if view.data_ptr() == src.data_ptr() and view.stride() == src.stride():
                 continue  # DCP loaded through the view: already in place
             view.copy_(src)
+            _write_back(dest, view)
 
     @torch.no_grad()
-    def hf_state_dict(self, model: nn.Module) -> dict:
+    def hf_state_dict(self, model: nn.Module, keep: bool = True, tp_mesh=None) -> dict:
+        """``keep=False``: take part in the collectives only (a rank that does not save);
+        ``tp_mesh``: under ZeRO-3 with tensor parallelism, the tp mesh that tensors
+        sharded over (dp, tp) are first gathered to (over dp)."""
         out = {}
         for key, value in model.state_dict().items():
+            if isinstance(value, DTensor) and value.device_mesh.ndim > 1 and tp_mesh is not None:
+                pl = value.placements[-1]
+                whole = value.redistribute(placements=[Replicate(), pl])
+                value = DTensor.from_local(whole.to_local(), tp_mesh, [pl], shape=value.shape,
+                                           stride=value.stride(), run_check=False)
             rule = self._rule(key, value)
             if rule is not None:
                 value = rule.canonical(value)
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if rule is not None:
                 full = rule.to_hf(full)
-            out[key] = full.detach().cpu().clone(memory_format=torch.contiguous_format)
+            if keep:
+                out[key] = full.detach().cpu().clone(memory_format=torch.contiguous_format)
         return out
 
 

@@ -1,0 +1,149 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states sharded over the dp group,
+with torch's FSDP2 (``fully_shard``).
+
+Each transformer block is one FSDP unit (its parameters all-gathered just before its
+forward and again for its backward, freed after each), and what is left (embeddings,
+final norm, head) is one unit on the module whose forward runs: the model, or under a
+pipeline each of the rank's stage modules. Gradients are reduce-scattered summed, not
+averaged: raylm's loss is already divided by the step's global token count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def transformer_blocks(model: nn.Module) -> list:
+    """The repeated blocks of a model: the elements of its outermost ModuleLists of
+    same-type modules that hold parameters (GPT-2's h, Llama's layers, T5's encoder and
+    decoder blocks, BERT's layers)."""
+    blocks, seen = [], set()
+
+    def visit(module):
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) > 0 and \
+                    len({type(m) for m in child}) == 1 and \
+                    any(True for _ in child[0].parameters()):
+                for m in child:
+                    if id(m) not in seen:
+                        seen.add(id(m))
+                        blocks.append(m)
+                continue
+            visit(child)
+
+    visit(model)
+    return blocks
+
+
+def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False) -> list:
+    """Shard ``model`` over ``dp_mesh`` (a 1-D DeviceMesh): each block of ``model`` found
+    under ``roots`` (the modules whose forward runs), then each root. Returns the FSDP
+    modules, roots last."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    inside = {id(m) for r in roots for m in r.modules()}
+    units = [b for b in transformer_blocks(model) if id(b) in inside]
+    for block in units:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
+    modules = units + list(roots)
+    for m in modules:
+        m.set_gradient_divide_factor(1.0)  # summed: the loss is per global token already
+        # Plain SUM collectives (a custom factor otherwise means NCCL's PREMUL_SUM, which
+        # gloo lacks; the factor is 1 anyway).
+        m.set_force_sum_reduction_for_comms(True)
+    return modules
+
+
+class FSDPGradients:
+    """The worker's gradient-sync interface under stage 3: FSDP reduce-scatters during
+    backward itself; this sums the step's loss over dp and zeroes the (sharded)
+    gradients in place (so they stay allocated, as the ZeRO accounting has them)."""
+
+    def __init__(self, model: nn.Module, group):
+        import torch.distributed as dist
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.loss = None
+
+    def arm(self, loss_sum: torch.Tensor) -> None:
+        self.loss = loss_sum
+
+    def finish(self) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = self.loss.detach().reshape(1).to(torch.float64).clone()
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
+                adapter=None) -> None:
+    """Give a model built on the meta device (and sharded: FSDP, tensor parallelism,
+    pipeline cut) its initial weights, one tensor at a time, keeping only this rank's
+    shard of each: ``raylm.models.materialize.initial_state`` yields each full tensor
+    (one module's worth at a time, the values ``build_model`` would give); each is cut
+    to the rank's tensor-parallel shard (through the canonical adapter, which knows
+    padded vocabularies and GPT-2's fused and transposed layers), then to its FSDP rows,
+    and dropped. Buffers (real on the meta skeleton) are kept across ``to_empty``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from raylm.models.materialize import initial_state
+    from raylm.parallel.tensor.canonical import _contiguous_stride
+
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
+    # to_empty gives each module its own new tensor: note which (module, name) slots
+    # share a parameter (tied embeddings) to share the new one again.
+    slots: dict = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for group in slots.values():
+        first = group[0][0]._parameters[group[0][1]]
+        for module, name in group[1:]:
+            module._parameters[name] = first
+    for n, b in model.named_buffers(remove_duplicate=False):
+        b.copy_(buffers[n])
+    del buffers
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for name, full in initial_state(spec, seed, names=set(targets)):
+        p = targets[name]
+        value = full
+        if name in tp_layout:  # the rank's tensor-parallel shard, in the runtime form
+            mesh, placements, shape = tp_layout[name]
+            local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+            local = torch.zeros(local_shape, dtype=full.dtype)
+            tmp = DTensor.from_local(local, mesh, placements, shape=shape,
+                                     stride=_contiguous_stride(shape), run_check=False)
+            rule = adapter._rule(name, tmp) if adapter is not None else None
+            view = rule.canonical(tmp) if rule is not None else tmp
+            # (the canonical form may be a view of the HF tensor: GPT-2's c_attn [H, 3, H])
+            src = distribute_tensor(full.reshape(view.shape), mesh, view.placements,
+                                    src_data_rank=None)
+            view.to_local().copy_(src.to_local())
+            value = local
+        dest = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) and dest.shape != value.shape:
+            from raylm.plan.zero import owned_rows
+
+            dp_mesh = p.device_mesh
+            dp_rank = dp_mesh.get_local_rank(0) if dp_mesh.ndim > 1 else dp_mesh.get_local_rank()
+            a, b = owned_rows(value.shape[0], dp_mesh.size(0), dp_rank)
+            value = value[a:b]
+        dest.copy_(value.to(dest.device, dest.dtype))
+

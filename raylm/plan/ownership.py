@@ -1,0 +1,286 @@
+"""Which rank owns which partition: the driver's ZeRO plan, per global rank.
+
+Under ZeRO stage s >= 1 each data-parallel group splits every tensor its ranks hold
+(raylm.plan.zero: rows [start, stop) of dim 0, torch.chunk's split). What a rank holds
+is its pipeline stages' parameters (a weight two of its stages share once; a tied weight
+on two pp ranks once on each) in its tensor-parallel shard's local shapes; this module
+derives both from the model built on the meta device, with the rules the runtime
+applies:
+
+* pipeline stages: the runtime's own cut (raylm.parallel.pipeline.stages.cut) for the
+  families and T5; for a model cut by torch.export, the planner's units (the blocks by
+  module name, the output embedding with the last stage, everything else with the
+  first);
+* tensor parallelism (raylm.parallel.tensor.apply): GPT-2's Conv1D weights become
+  nn.Linear ([out, in]); colwise layers shard weight and bias on dim 0 (an
+  nn.Embedding on dim 1), rowwise layers the weight on dim 1 (bias replicated, an
+  nn.Embedding on dim 0); the input embedding, the LM head and its bias are sharded on
+  the vocabulary, padded to a multiple of tp; everything else is replicated. A shard of
+  dim d is torch.chunk's (DTensor Shard(d)).
+
+Bytes are fp32 training with AdamW: 4 per parameter, 4 per gradient, 8 per optimizer
+state element (two moments), each counted for the elements the rank keeps of it: the
+whole of what it holds, or its partition once the stage partitions that category.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from raylm.plan.zero import STAGE_PARTITIONS, owned_rows
+
+BYTES = {"parameters": 4, "gradients": 4, "optimizer": 8}
+CATEGORIES = ("parameters", "gradients", "optimizer")
+CATEGORY_NAMES = {"parameters": "parameters", "gradients": "gradients",
+                  "optimizer": "optimizer states"}
+
+
+# -- what one rank holds --------------------------------------------------------------------
+def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
+    """{parameter name: local shape} of every distinct parameter of ``model`` (the whole
+    meta model, canonical names) on tensor-parallel rank ``tp_rank`` of ``tp``."""
+    shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
+    if tp <= 1:
+        return shapes
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from raylm.parallel.tensor.apply import _base_prefix, match
+    from raylm.parallel.tensor.plans import plan_for
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():  # GPT-2: Conv1D (W [in, out]) -> nn.Linear (W.T)
+        if isinstance(module, Conv1D):
+            n = names[id(module.weight)]
+            shapes[n] = shapes[n][::-1]
+    shard: dict = {}  # name -> the dim tensor parallelism splits
+    plan, _ = plan_for(model.config)
+    if plan is not None:
+        prefix = _base_prefix(model)
+        for pattern, style in plan.layers.items():
+            for fqn in match(model, prefix, pattern):
+                module = model.get_submodule(fqn)
+                embedding = isinstance(module, nn.Embedding)
+                for pname, p in module.named_parameters(recurse=False):
+                    if style in ("colwise", "colwise_gather_output", "embedding_colwise"):
+                        dim = 1 if embedding else 0
+                    elif style in ("rowwise", "rowwise_split_input"):
+                        dim = 0 if embedding else (1 if pname == "weight" else None)
+                    else:  # replicated styles
+                        dim = None
+                    if dim is not None:
+                        shard[names[id(p)]] = dim
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = [emb.weight] if emb is not None else []
+    if head is not None:
+        vocab += [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None
+                                  else [])
+    for p in vocab:  # vocabulary-parallel, padded to a multiple of tp
+        n = names[id(p)]
+        padded = math.ceil(shapes[n][0] / tp) * tp
+        shapes[n] = (padded, *shapes[n][1:])
+        shard[n] = 0
+    for n, dim in shard.items():
+        if dim < len(shapes[n]):
+            start, stop = owned_rows(shapes[n][dim], tp, tp_rank)
+            shapes[n] = shapes[n][:dim] + (stop - start,) + shapes[n][dim + 1:]
+    return shapes
+
+
+def _partition(model, plan, seq_len: int):
+    """The plan's Partition (pp > 1): its stage bounds, or balanced ones."""
+    from raylm.parallel.pipeline.stages import model_units
+    from raylm.plan.partition import Partition, partition, stage_ranks
+
+    embed, blocks, head = model_units(model, seq_len)
+    if plan.stage_bounds:
+        return Partition(bounds=[tuple(b) for b in plan.stage_bounds],
+                         stage_rank=stage_ranks(plan.schedule, plan.pp, plan.virtual),
+                         embed=embed, blocks=blocks, head=head)
+    return partition(embed, blocks, head, plan.pp, plan.schedule, plan.virtual)
+
+
+def pipeline_holders(spec, part) -> dict:
+    """{parameter name: [pp ranks holding it]} for a pipeline Partition (a fresh meta
+    model is cut: the cut prunes it)."""
+    from raylm.models.families import family_of
+    from raylm.parallel.pipeline.stages import cut, is_t5, meta_model
+
+    model = meta_model(spec)
+    if family_of(model.config) is not None or is_t5(model.config):
+        try:
+            return cut(model, part, [])[1]
+        except Exception:  # noqa: BLE001 - the units below say the same, approximately
+            model = meta_model(spec)
+    names = {id(p): n for n, p in model.named_parameters()}
+    holders: dict = {}
+    last = part.num_stages - 1
+    block_stage = {}
+    for s, (a, b) in enumerate(part.bounds):
+        for i in range(a, b):
+            block_stage[part.blocks[i].name] = s
+    placed = set()
+    for unit, s in block_stage.items():
+        for p in model.get_submodule(unit).parameters():
+            holders.setdefault(names[id(p)], set()).add(part.stage_rank[s])
+            placed.add(id(p))
+    head = model.get_output_embeddings()
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    emb = model.get_input_embeddings()
+    emb_ids = {id(p) for p in emb.parameters()} if emb is not None else set()
+    for n, p in model.named_parameters():
+        if id(p) in placed:
+            continue
+        if id(p) in head_ids:
+            holders.setdefault(n, set()).add(part.stage_rank[last])
+        if id(p) not in head_ids or id(p) in emb_ids:
+            holders.setdefault(n, set()).add(part.stage_rank[0])
+    return {n: sorted(r) for n, r in holders.items()}
+
+
+def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
+    """{(pp_rank, tp_rank): {parameter name: local shape}}: what each rank of one
+    data-parallel replica holds (every dp replica holds the same)."""
+    from raylm.parallel.pipeline.stages import meta_model
+
+    model = model if model is not None else meta_model(spec)
+    if plan.pp > 1:
+        holders = pipeline_holders(spec, _partition(model, plan, seq_len))
+    else:
+        holders = None
+    out = {}
+    for t in range(plan.tp):
+        shapes = tensor_parallel_shapes(model, plan.tp, t)
+        for p in range(plan.pp):
+            out[(p, t)] = ({n: s for n, s in shapes.items() if p in holders.get(n, ())}
+                           if holders is not None else shapes)
+    return out
+
+
+# -- the ownership table --------------------------------------------------------------------
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _owned(shapes: dict, dp: int, dp_rank: int) -> tuple:
+    """(rows {name: (start, stop)}, elements owned) of one dp rank."""
+    rows, owned = {}, 0
+    for n, s in shapes.items():
+        start, stop = owned_rows(s[0] if s else 1, dp, dp_rank)
+        rows[n] = (start, stop)
+        owned += (stop - start) * (math.prod(s[1:]) if len(s) > 1 else 1)
+    return rows, owned
+
+
+def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
+    """One entry per global rank (mesh order dp, pp, tp) of ``plan``: what it holds and
+    which partition of it it owns under ``plan.zero_stage``, and its state bytes.
+
+    Each entry: ``rank``; ``coords`` {"dp", "pp", "tp"}; ``stage``; ``partitioned``
+    (the categories the stage splits over dp); ``tensors`` (how many it holds);
+    ``elements`` {"held": of its pp stages' tp shards, "owned": its rows of them (all of
+    them at stage 0 or dp=1), "parameters"/"gradients"/"optimizer": what it keeps of
+    each}; ``bytes`` {"parameters", "gradients", "optimizer", "total"} (fp32, AdamW);
+    ``rows`` {parameter name: (start, stop)}: the rows of dim 0 (of the local tp shard)
+    it owns of each tensor it holds (the whole tensor when nothing is partitioned).
+    Ranks of equal (pp shapes, dp rank) share one ``rows`` dict. ``model``: the meta
+    model, if the caller built one (it is not modified)."""
+    groups = held_shapes(spec, plan, seq_len, model)
+    stage = plan.zero_stage
+    parts = STAGE_PARTITIONS[stage]
+    split = stage > 0 and plan.dp > 1
+    cache: dict = {}
+    entries = []
+    for rank in range(plan.world_size):
+        d, rest = divmod(rank, plan.pp * plan.tp)
+        p, t = divmod(rest, plan.tp)
+        shapes = groups[(p, t)]
+        key = (tuple(shapes.items()), d if split else 0)
+        if key not in cache:
+            held = sum(_numel(s) for s in shapes.values())
+            if split:
+                rows, owned = _owned(shapes, plan.dp, d)
+            else:
+                rows = {n: (0, s[0] if s else 1) for n, s in shapes.items()}
+                owned = held
+            cache[key] = (rows, held, owned)
+        rows, held, owned = cache[key]
+        elements = {"held": held, "owned": owned}
+        for c in CATEGORIES:
+            elements[c] = owned if (split and c in parts) else held
+        nbytes = {c: BYTES[c] * elements[c] for c in CATEGORIES}
+        nbytes["total"] = sum(nbytes.values())
+        entries.append({"rank": rank, "coords": {"dp": d, "pp": p, "tp": t},
+                        "stage": stage, "partitioned": list(parts) if split else [],
+                        "tensors": len(shapes), "elements": elements, "bytes": nbytes,
+                        "rows": rows})
+    return entries
+
+
+def _ranges(values: list) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, values = [], sorted(set(values))
+    start = prev = None
+    for v in values + [None]:
+        if v is not None and prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    return ", ".join(out)
+
+
+def _count_range(values: list) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+
+
+def ownership_lines(entries: list[dict], dp: Optional[int] = None) -> list[str]:
+    """The ownership table as a few log lines: a header, then one line per (pp rank,
+    tp ranks) group whose ranks hold the same (tp ranks of equal shards merged)."""
+    from raylm.plan.report import human_bytes
+
+    if not entries:
+        return []
+    dp = dp or (max(e["coords"]["dp"] for e in entries) + 1)
+    stage = entries[0]["stage"]
+    parts = entries[0]["partitioned"]
+    if parts:
+        what = ", ".join(CATEGORY_NAMES[c] for c in parts)
+        head = (f"ZeRO-{stage} ownership: each of the dp={dp} ranks of a group owns rows "
+                f"[start, stop) of dim 0 of every tensor it holds (torch.chunk's split); "
+                f"partitioned: {what}")
+    elif stage > 0:
+        head = f"ZeRO-{stage} with dp={dp}: nothing to partition; every rank owns what it holds"
+    else:
+        head = "ZeRO-0: no partition; every rank holds and updates all it holds"
+    lines = [head]
+    groups: dict = {}
+    for e in entries:
+        c = e["coords"]
+        groups.setdefault((c["pp"], c["tp"]), []).append(e)
+    merged: dict = {}  # (pp, what the group holds and owns) -> tp ranks
+    for (p, t), es in sorted(groups.items()):
+        sig = (p, es[0]["tensors"], es[0]["elements"]["held"],
+               tuple(e["elements"]["owned"] for e in es))
+        merged.setdefault(sig, []).append(t)
+    many_tp = len(groups) > len({k[0] for k in groups})
+    for (p, tensors, held, owned), tps in merged.items():
+        es = [e for t in tps for e in groups[(p, t)]]
+        b = {k: [e["bytes"][k] for e in es] for k in ("parameters", "gradients",
+                                                      "optimizer", "total")}
+        ranks = sorted(e["rank"] for e in es)
+        who = f"pp rank {p}" + (f", tp rank(s) {_ranges(tps)}" if many_tp else "")
+        text = (f"  {who} (global ranks {_ranges(ranks)}): {tensors} tensors, "
+                f"{held:,} elements")
+        if parts:
+            text += f"; each dp rank owns {_count_range(list(owned))}"
+        def hb(k):
+            lo, hi = human_bytes(min(b[k])), human_bytes(max(b[k]))
+            return lo if lo == hi else f"{lo}-{hi}"
+        text += (f"; per rank parameters {hb('parameters')}, gradients {hb('gradients')}, "
+                 f"optimizer states {hb('optimizer')} = {hb('total')}")
+        lines.append(text)
+    return lines

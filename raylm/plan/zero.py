@@ -1,0 +1,81 @@
+"""ZeRO partitions: which data-parallel rank owns which part of each tensor.
+
+Under ZeRO stage s >= 1 each data-parallel group splits every tensor of its replica
+(optimizer states from stage 1, gradients from 2, parameters at 3) into dp parts. raylm
+splits each tensor along its first dimension, the way torch's DTensor ``Shard(0)`` and
+FSDP2 split it (``torch.chunk``: ceil(n / dp) rows per rank, the last ranks shorter or
+empty), so that
+
+* every rank owns 1/dp of every tensor (to one row): per-rank state is within rounding of
+  the ZeRO paper's formulas, however unequal the tensors (an embedding that is a third of
+  the model is split like the rest; torch's ZeroRedundancyOptimizer assigns whole
+  tensors to ranks, which can leave one rank a quarter over its share);
+* stage 1/2 (raylm's own partitioned optimizer) and stage 3 (FSDP2) own the same rows, and
+  a partition is a DTensor shard, which torch.distributed.checkpoint reshards into any
+  other layout.
+
+The driver's Plan names the stage; this module says what that means per rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+# What each stage partitions across the data-parallel group.
+STAGE_PARTITIONS = {
+    0: (),
+    1: ("optimizer",),
+    2: ("optimizer", "gradients"),
+    3: ("optimizer", "gradients", "parameters"),
+}
+
+
+def owned_rows(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a tensor with ``rows`` rows (its first dimension) that
+    data-parallel rank ``dp_rank`` of ``dp`` owns: torch.chunk's split, as DTensor
+    Shard(0) and FSDP2 take it."""
+    if dp <= 1:
+        return 0, rows
+    per = math.ceil(rows / dp) if rows else 0
+    start = min(dp_rank * per, rows)
+    return start, min(start + per, rows)
+
+
+def owned_numel(shape, dp: int, dp_rank: int) -> int:
+    """Elements of a tensor of ``shape`` that ``dp_rank`` owns (a 0-d tensor is one row)."""
+    shape = tuple(int(n) for n in shape) or (1,)
+    start, stop = owned_rows(shape[0], dp, dp_rank)
+    return (stop - start) * math.prod(shape[1:])
+
+
+def partition_table(shapes: dict, dp: int) -> list[dict]:
+    """Per data-parallel rank: the rows it owns of each tensor and its element count.
+
+    ``shapes``: {name: shape} of the tensors of one replica (one pipeline stage and
+    tensor-parallel shard: the shapes that rank holds). Returns one dict per dp rank:
+    {"dp_rank", "elements", "rows": {name: (start, stop)}}."""
+    table = []
+    for r in range(dp):
+        rows = {name: owned_rows((tuple(s) or (1,))[0], dp, r) for name, s in shapes.items()}
+        table.append({"dp_rank": r, "rows": rows,
+                      "elements": sum(owned_numel(s, dp, r) for s in shapes.values())})
+    return table
+
+
+def theory_bytes(elements: int, stage: int, dp: int, param_bytes: int = 4,
+                 optimizer_bytes_per_param: int = 8) -> dict:
+    """The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5)
+    for a replica of ``elements`` parameters: fp32 parameters and gradients (4 bytes
+    each) and AdamW's two moments (K = 8 bytes per parameter), each divided by dp once
+    its stage partitions it."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage {stage}: choose one of {ZERO_STAGES}")
+    parts = STAGE_PARTITIONS[stage]
+    n = max(1, dp)
+    return {
+        "parameters": elements * param_bytes / (n if "parameters" in parts else 1),
+        "gradients": elements * param_bytes / (n if "gradients" in parts else 1),
+        "optimizer": elements * optimizer_bytes_per_param / (n if "optimizer" in parts else 1),
+    }
