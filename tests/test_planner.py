@@ -134,6 +134,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_gloo_ranks(target):
+    """Run ``target(rank, port, queue)`` in two spawned processes (a gloo pair); returns
+    ({rank: result}, processes), the processes joined (killed if they hang)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return results, procs
+
+
 def _pipeline_rank(rank: int, port: int, queue) -> None:
     """One rank of a 2-stage 1F1B pipeline (4 micro-batches, 2 steps) per test model:
     its measured state and peak activations."""
@@ -175,21 +196,7 @@ def test_pipeline_ranks_memory_matches_measured_runs():
     """pp=2, 1F1B, 4 micro-batches in two gloo processes: stage 0 (embeddings + block 0)
     holds 2 micro-batches at its peak, stage 1 (block 1 + head) holds 1; GPT-2's tied
     table is on both ranks."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_pipeline_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results, procs = _two_gloo_ranks(_pipeline_rank)
     assert [p.exitcode for p in procs] == [0, 0]
     for name in MODELS:
         predicted = _predicted(name, part_bounds=[(0, 1), (1, 2)], microbatches=4)
@@ -588,23 +595,9 @@ def test_ownership_shapes_are_the_runtimes_tensor_parallel_shards():
     """The shapes ownership derives for tp=2 (GPT-2's Conv1D as nn.Linear, the vocabulary
     of 101 padded to 102, colwise and rowwise splits, replicated norms) are those
     apply_tensor_parallel gives each parameter on two real gloo ranks."""
-    import torch.multiprocessing as mp
-
     from raylm.plan.ownership import tensor_parallel_shapes
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_shapes_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results, procs = _two_gloo_ranks(_tp_shapes_rank)
     for name in MODELS:
         model = _odd_vocab_model(name, "meta")
         for rank in range(2):

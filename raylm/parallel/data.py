@@ -41,23 +41,28 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def bucket_params(params: list, bucket_bytes: int) -> list:
+    """Parameters in buckets of about ``bucket_bytes`` (of the local shards), in reverse
+    order: backward produces the last layers' gradients first."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = _local(p).numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class GradientAllReduce:
     def __init__(self, params, group, bucket_bytes: int = 4 * 2**20, loss_slot: bool = True):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
-        # Reverse order: backward produces the last layers' gradients first.
-        buckets: list[list[torch.nn.Parameter]] = []
-        current, current_bytes = [], 0
-        for p in reversed(self.params):
-            nbytes = _local(p).numel() * p.element_size()
-            if current and current_bytes + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += nbytes
-        if current:
-            buckets.append(current)
+        buckets = bucket_params(self.params, bucket_bytes)
         self.buckets = buckets
         self.flats: list[torch.Tensor] = []
         self.bucket_of: dict[int, int] = {}

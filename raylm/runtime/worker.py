@@ -87,7 +87,6 @@ class RankWorker:
                                                          plan.sequence_parallel)
         self.pipeline = None
         self.line_by_line = bool(dataset is not None and dataset.line_by_line)
-        self.fsdp_modules = []
         if plan.pp > 1:
             self.pipeline = self._make_pipeline(plan)
         elif self.zero_stage == 3:
@@ -153,8 +152,7 @@ class RankWorker:
         self._tp_layout = {n: (p.device_mesh, p.placements, p.shape)
                            for n, p in self.model.named_parameters(remove_duplicate=False)
                            if isinstance(p, DTensor)}
-        self.fsdp_modules = apply_fsdp(self.model, roots, self.mesh["dp"],
-                                       self.plan.cpu_offload)
+        apply_fsdp(self.model, roots, self.mesh["dp"], self.plan.cpu_offload)
         if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
                for p in self.model.parameters()):
             # Before anything takes references to the parameters (materialising makes

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from raylm.parallel.data import GradientAllReduce, _local
+from raylm.parallel.data import GradientAllReduce, _local, bucket_params
 from raylm.parallel.tensor.canonical import _contiguous_stride
 from raylm.plan.zero import owned_rows
 
@@ -127,22 +127,6 @@ class BucketLayout:
                     (t if t.ndim else t.view(1))[a:b].copy_(self.section_view(flat, r, i))
 
 
-def _buckets(params: list, bucket_bytes: int) -> list:
-    """Parameters in buckets of about ``bucket_bytes``, last layers first (the order
-    backward produces their gradients), as GradientAllReduce builds them."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        nbytes = _local(p).numel() * p.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 class _Partitioned:
     """What stage 1 and 2 share: buckets, their layouts, the loss sum, the owned-row
     gradient of each parameter (``shard_grad``)."""
@@ -177,10 +161,6 @@ class _Partitioned:
         else:
             out.copy_(staging)
         return work, staging, out
-
-    def owned(self) -> list:
-        """(parameter, owned-row gradient view) pairs, in the optimizer's order."""
-        return [(p, self.shard_grad[id(p)]) for p in self.params]
 
 
 class ReduceScatterGradients(GradientAllReduce, _Partitioned):
@@ -235,7 +215,7 @@ class ShardedGradients(_Partitioned):
 
     def __init__(self, params, group, bucket_bytes: int = 4 * 2**20):
         self.params = [p for p in params if p.requires_grad]
-        self.buckets = _buckets(self.params, bucket_bytes)
+        self.buckets = bucket_params(self.params, bucket_bytes)
         self._init_layouts(group)
         self.bucket_of = {}
         self.flats, self.shard_grad = [], {}
