@@ -155,8 +155,9 @@ class TrainConfig:
     zero_optimization: bool = _f(
         False, "Merak's switch: True is --zero_stage 1.", "cluster")
     cpu_offload: bool = _f(
-        False, "With --use_gpu and --zero_stage >= 1: keep optimizer states (and the "
-        "partition they update) in host memory and step them on the CPU.", "cluster")
+        False, "With --use_gpu and --zero_stage 3: keep the sharded parameters, gradients "
+        "and optimizer states in host memory and step on the CPU (FSDP2's "
+        "CPUOffloadPolicy).", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")

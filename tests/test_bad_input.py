@@ -193,7 +193,9 @@ def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_clust
      "--zero_optimization True means --zero_stage 1, which conflicts with --zero_stage 2"),
     (dict(zero_stage=1, cpu_offload=True), "--cpu_offload needs --use_gpu"),
     (dict(zero_stage=0, cpu_offload=True, use_gpu=True),
-     "--cpu_offload needs --zero_stage 1, 2 or 3"),
+     "--cpu_offload needs --zero_stage 3"),
+    (dict(zero_stage=2, cpu_offload=True, use_gpu=True),
+     "stages 1 and 2 do not offload yet; --zero_stage is 2"),
 ])
 def test_zero_flag_errors_before_any_actor(kw, message, ray_cluster, tmp_path, corpus_dir,
                                            cache_root):

@@ -404,8 +404,8 @@ def test_zero_stage_from_the_flags():
     # ZeRO-3 with sequence parallelism is a layout like any other.
     plan = make_plan(_zero_cfg(dp=2, tp=2, zero_stage=3, sequence_parallel=True), 4)
     assert (plan.zero_stage, plan.sequence_parallel, plan.tp) == (3, True, 2)
-    # --cpu_offload: with GPU workers and a stage >= 1.
-    plan = make_plan(_zero_cfg(dp=4, zero_stage=2, use_gpu=True, cpu_offload=True), 4)
+    # --cpu_offload: with GPU workers and stage 3.
+    plan = make_plan(_zero_cfg(dp=4, zero_stage=3, use_gpu=True, cpu_offload=True), 4)
     assert plan.cpu_offload and "offloaded to host memory" in plan.describe()
     assert "ZeRO" not in make_plan(_zero_cfg(dp=4), 4).describe()
 
@@ -415,7 +415,9 @@ def test_zero_stage_from_the_flags():
     (dict(zero_optimization=True, zero_stage=0), ["--zero_optimization", "--zero_stage 0"]),
     (dict(cpu_offload=True, zero_stage=1), ["--cpu_offload needs --use_gpu"]),
     (dict(cpu_offload=True, zero_stage=0, use_gpu=True),
-     ["--cpu_offload needs --zero_stage 1, 2 or 3", "is 0"]),
+     ["--cpu_offload needs --zero_stage 3", "is 0"]),
+    (dict(cpu_offload=True, zero_stage=2, use_gpu=True),
+     ["--cpu_offload needs --zero_stage 3", "do not offload yet", "is 2"]),
     (dict(cpu_offload=True, use_gpu=True), ["--cpu_offload needs --zero_stage", "unset"]),
 ])
 def test_zero_flag_errors_are_one_line(kw, words):

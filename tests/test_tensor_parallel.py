@@ -371,6 +371,44 @@ def job_dp2_tp2(rank, world, name, sequence_parallel=False):
            dp_group=mesh["dp"].get_group(), dp_rank=mesh["dp"].get_local_rank(), dp=2)
 
 
+def job_fsdp_tp_grads(rank, world, name):
+    """ZeRO-3 (FSDP2 over dp) on a tensor-parallel model, dp2 x tp2: each parameter's
+    gradient, gathered over (dp, tp), and its squared norm as clipping computes it (a
+    column-parallel weight is sharded over dp as a _StridedShard) equal one process's."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raylm.models.objectives import objective_for
+    from raylm.parallel.tensor import apply_tensor_parallel, grad_norm_sq
+    from raylm.parallel.zero.fsdp import apply_fsdp, tp_shard_of
+
+    def backward(model, micro, total, tps=None):
+        objective = objective_for(model.config)
+        with tps.loss_context() if tps is not None else contextlib.nullcontext():
+            for inputs, labels in micro:
+                logits = model(**inputs, use_cache=False).logits
+                (objective.loss_sum(logits, labels) / total).backward()
+
+    ref = build(name, seed=7)
+    data = batches(ref.config, 2, seed=3)
+    total = sum(objective_for(ref.config).count(labels) for _, labels in data)
+    backward(ref, data, total)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build(name, seed=7)
+    tps = apply_tensor_parallel(model, mesh["tp"])
+    apply_fsdp(model, [model], mesh["dp"])
+    backward(model, [data[mesh["dp"].get_local_rank()]], total, tps)
+    want = {n: p.grad.double().norm() ** 2 for n, p in ref.named_parameters()}
+    for n, p in model.named_parameters():
+        g = p.grad
+        full = tp_shard_of(g).full_tensor() if g.device_mesh.ndim > 1 else g.full_tensor()
+        torch.testing.assert_close(full.double().norm() ** 2, want[n], rtol=1e-5, atol=0,
+                                   msg=f"gradient {n}")
+        torch.testing.assert_close(grad_norm_sq([p]), want[n], rtol=1e-5, atol=0,
+                                   msg=f"norm of {n} ({g.placements})")
+
+
 # -- checkpoints across layouts ----------------------------------------------------------
 # As raylm.checkpoint.state does it: get_state_dict (optimizer state flattened to
 # "state.<fqn>.exp_avg" keys) -> canonical form -> dcp.save; to load, the same canonical
@@ -526,7 +564,8 @@ def runs(tmp_path_factory):
             ("dp2xtp2 llama", "job_dp2_tp2", ("llama",)),
             # tp all-reduces of Partial norm gradients inside backward, while the dp
             # bucket all-reduces run asynchronously
-            ("dp2xtp2 sp llama", "job_dp2_tp2", ("llama", True))]
+            ("dp2xtp2 sp llama", "job_dp2_tp2", ("llama", True)),
+            ("zero3 dp2xtp2 gpt2", "job_fsdp_tp_grads", ("gpt2",))]
     for name in CKPT_MODELS:
         four.append((f"ckpt load tp1->tp4 {name}", "job_ckpt_load", (base, name, "tp1")))
         four.append((f"ckpt load tp2->tp4 {name}", "job_ckpt_load", (base, name, "tp2")))
@@ -575,6 +614,11 @@ def test_tp4(runs):
 def test_dp2_x_tp2(runs, check):
     """GradientAllReduce over dp with DTensor gradients, against one process."""
     expect(runs, f"dp2xtp2 {check}")
+
+
+def test_zero3_over_tensor_parallel_gradients(runs):
+    """FSDP2 over dp on tensor-parallel shards: gradients and clipping's norm."""
+    expect(runs, "zero3 dp2xtp2 gpt2")
 
 
 @pytest.mark.parametrize("family", CKPT_MODELS)

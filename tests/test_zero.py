@@ -35,8 +35,9 @@ RUNS = [  # (stage, dp, pp, tp)
     (1, 2, 1, 1), (1, 4, 1, 1),
     (2, 2, 1, 1), (2, 4, 1, 1),
     (3, 2, 1, 1), (3, 4, 1, 1),
-    (2, 2, 2, 1),  # with a pipeline (4 rank actors)
-    (1, 2, 1, 2),  # with tensor parallelism (4 rank actors)
+    # with a pipeline, with tensor parallelism (4 rank actors each)
+    (2, 2, 2, 1), (3, 2, 2, 1),
+    (1, 2, 1, 2), (3, 2, 1, 2),
 ]
 
 
@@ -100,10 +101,26 @@ def test_checkpoint_moves_between_stages(reference, ray_cluster, corpus_dir, cac
                                    rtol=1e-5, err_msg=name)
 
 
-def test_zero3_with_other_parallelism_is_one_clear_error(ray_cluster, corpus_dir,
-                                                          cache_root, tmp_path):
+def test_zero3_tensor_parallel_checkpoint_resumes_without_it(reference, ray_cluster,
+                                                            corpus_dir, cache_root, tmp_path):
+    """ZeRO-3 over tensor-parallel shards (each rank its dp rows of its tp shard of a
+    padded vocabulary and fused GPT-2 layers) checkpoints in the model's own shapes: it
+    resumes under ZeRO-2 with dp=2 and no tensor parallelism, with the reference's losses."""
+    ref_losses, _ = reference("gpt2")
+    first = train(zero_config(tmp_path / "src", corpus_dir, cache_root, dp=2, tp=2,
+                              num_workers=4, zero_stage=3, cpus_per_worker=0.5, save_steps=1))
+    ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")
+    resumed = train(zero_config(tmp_path / "dst", corpus_dir, cache_root, dp=2, num_workers=2,
+                                zero_stage=2, resume_from_checkpoint=ckpt))
+    assert [h["step"] for h in resumed.history] == list(range(2, STEPS + 1))
+    np.testing.assert_allclose([h["loss"] for h in resumed.history], ref_losses[1:], rtol=1e-5)
+
+
+def test_zero3_with_zero_bubble_is_one_clear_error(ray_cluster, corpus_dir, cache_root,
+                                                   tmp_path):
     from raylm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="ZeRO-3 runs with data parallelism alone"):
-        train(zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, tp=2,
-                          num_workers=4, zero_stage=3, cpus_per_worker=0.5))
+    with pytest.raises(ConfigError, match="--zero_stage 3 with --pipeline_schedule zero_bubble"):
+        train(zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, pp=2,
+                          num_workers=4, zero_stage=3, cpus_per_worker=0.5,
+                          pipeline_schedule="zero_bubble"))

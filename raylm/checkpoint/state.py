@@ -42,9 +42,8 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
     """Collective: every rank of ``process_group`` calls this with the same ``path``.
     ``zero``: the checkpoint form of a ZeRO 1/2 partitioned optimizer (its state is
     saved in the same keys and global shapes as an unpartitioned one's)."""
-    state = _canonical_state(model, optimizer, adapter, zero)[1]
+    state = _canonical_state(model, optimizer, adapter, zero)[2]
     dcp.save(state, checkpoint_id=path, process_group=process_group)
-    _GATHERED.clear()
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -60,11 +59,10 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
     from ``fallback_seed`` instead.
     """
     _init_optimizer_state(optimizer)
-    (model_sd, optim_sd), state = _canonical_state(model, optimizer, adapter, zero)
+    (model_sd, optim_sd), tp_form, state = _canonical_state(model, optimizer, adapter, zero)
     dcp.load(state, checkpoint_id=path, process_group=process_group)
-    both = {**model_sd, **optim_sd}
-    adapter.from_canonical({**state["model"], **state["optim"]}, _tp_only(both))
-    _write_rows_back(both)
+    adapter.from_canonical({**state["model"], **state["optim"]}, tp_form)
+    _write_rows_back({**model_sd, **optim_sd}, tp_form)
     strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
     if zero is None:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -83,16 +81,18 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
 
 
 def _canonical_state(model, optimizer, adapter, zero=None):
-    """The rank's model and optimizer state dicts, and the same in checkpoint form:
+    """The rank's model and optimizer state dicts, the same in tensor-parallel form
+    (``_tp_only``) and in checkpoint form:
     {"model": {name: tensor}, "optim": {"state.<name>.exp_avg": tensor, ...}}."""
     if zero is None:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     else:
         model_sd = get_model_state_dict(model, options=OPTIONS)
         optim_sd = zero.state_dict()
-    canon = adapter.to_canonical(_tp_only({**model_sd, **optim_sd}))
-    return (model_sd, optim_sd), {"model": {k: canon[k] for k in model_sd},
-                                  "optim": {k: canon[k] for k in optim_sd}}
+    tp_form = _tp_only({**model_sd, **optim_sd})
+    canon = adapter.to_canonical(tp_form)
+    return (model_sd, optim_sd), tp_form, {"model": {k: canon[k] for k in model_sd},
+                                           "optim": {k: canon[k] for k in optim_sd}}
 
 
 def _init_optimizer_state(optimizer) -> None:
@@ -112,46 +112,22 @@ def _init_optimizer_state(optimizer) -> None:
         group["lr"] = lr
 
 
-# ZeRO-3 with tensor parallelism: FSDP's tensors are DTensors over (dp, tp), each rank
-# holding its dp rows of its tp shard. The canonical adapter (raylm.parallel.tensor)
-# speaks tp shards; such a tensor is gathered over dp into its tp shard first (a transient
-# copy of the rank's tp share of the states), and loaded values go back by rows.
-_GATHERED: dict = {}
-
-
 def _tp_only(sd: dict) -> dict:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    out = {}
-    for key, value in sd.items():
-        if isinstance(value, DTensor) and value.device_mesh.ndim > 1:
-            gathered = _GATHERED.get(id(value))
-            if gathered is None:
-                mesh = value.device_mesh
-                pl = value.placements[-1]
-                whole = value.redistribute(placements=[Replicate()] * (mesh.ndim - 1) + [pl])
-                tp_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.mesh_dim_names else None
-                gathered = DTensor.from_local(whole.to_local(), tp_mesh, [pl],
-                                              shape=value.shape, stride=value.stride(),
-                                              run_check=False)
-                _GATHERED[id(value)] = gathered
-            value = gathered
-        out[key] = value
-    return out
-
-
-@torch.no_grad()
-def _write_rows_back(sd: dict) -> None:
+    """ZeRO-3 with tensor parallelism: FSDP's tensors are DTensors over (dp, tp), each
+    rank holding its dp rows of its tp shard, while the canonical adapter speaks tp
+    shards: such a tensor is gathered over dp into its tp shard (a transient copy of the
+    rank's tp share of the states; ``_write_rows_back`` returns loaded values by rows)."""
     from torch.distributed.tensor import DTensor
 
-    from raylm.plan.zero import owned_rows
+    from raylm.parallel.zero.fsdp import tp_shard_of
 
-    for value in sd.values():
-        gathered = _GATHERED.pop(id(value), None) if isinstance(value, DTensor) else None
-        if gathered is None:
-            continue
-        mesh = value.device_mesh
-        full = gathered.to_local()
-        a, b = owned_rows(full.shape[0], mesh.size(0), mesh.get_local_rank(0))
-        value.to_local().copy_(full[a:b])
-    _GATHERED.clear()
+    return {k: tp_shard_of(v) if isinstance(v, DTensor) and v.device_mesh.ndim > 1 else v
+            for k, v in sd.items()}
+
+
+def _write_rows_back(sd: dict, tp_form: dict) -> None:
+    from raylm.parallel.zero.fsdp import write_rows_back
+
+    for key, value in sd.items():
+        if tp_form[key] is not value:
+            write_rows_back(value, tp_form[key])

@@ -37,7 +37,7 @@ class Plan:
     seq_len: int = 0  # tokens per sample (a generic, exported stage is traced at it)
     sequence_parallel: bool = False  # tp > 1: norms and dropouts on sequence shards
     zero_stage: int = 0  # ZeRO over each dp group (raylm.plan.zero)
-    cpu_offload: bool = False  # zero_stage >= 1 on GPUs: optimizer states in host memory
+    cpu_offload: bool = False  # zero_stage 3 on GPUs: shards and optimizer states in host memory
 
     @property
     def world_size(self) -> int:
@@ -93,14 +93,14 @@ def describe_zero(stage: int, dp: int, cpu_offload: bool = False) -> str:
     what = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     text = f"ZeRO-{stage} ({what} partitioned over dp={dp})"
     if cpu_offload:
-        text += ", optimizer states offloaded to host memory"
+        text += ", sharded state offloaded to host memory"
     return text
 
 
 def requested_zero_stage(cfg) -> Optional[int]:
     """The ZeRO stage the flags ask for (None: unset, the planner's choice), after the
     checks that need no model: --zero_optimization True is --zero_stage 1; --cpu_offload
-    needs --use_gpu and a stage >= 1. One-line ConfigError otherwise."""
+    needs --use_gpu and stage 3. One-line ConfigError otherwise."""
     stage = getattr(cfg, "zero_stage", None)
     if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
         raise ConfigError(f"--zero_stage {stage}: choose one of 0, 1, 2, 3")
@@ -113,10 +113,11 @@ def requested_zero_stage(cfg) -> Optional[int]:
         if not cfg.use_gpu:
             raise ConfigError("--cpu_offload needs --use_gpu: on CPU workers the optimizer "
                               "states are in host memory already")
-        if not stage:
-            got = "is unset" if stage is None else "is 0"
-            raise ConfigError(f"--cpu_offload needs --zero_stage 1, 2 or 3 (it offloads the "
-                              f"partitioned optimizer states; --zero_stage {got})")
+        if stage != 3:
+            got = "is unset" if stage is None else f"is {stage}"
+            raise ConfigError(f"--cpu_offload needs --zero_stage 3 (FSDP2's CPU offload of "
+                              f"the sharded parameters, gradients and optimizer states; "
+                              f"stages 1 and 2 do not offload yet; --zero_stage {got})")
     return stage
 
 
@@ -262,9 +263,10 @@ def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
 
 
 def check_zero_layout(plan: Plan) -> None:
-    """ZeRO-3 runs over data parallelism alone for now: one clear error before any actor
-    (`raylm plan` still shows such layouts; the planner may choose them)."""
-    if plan.zero_stage == 3 and (plan.pp > 1 or plan.tp > 1):
-        raise ConfigError(f"--zero_stage 3 with pp={plan.pp} x tp={plan.tp}: ZeRO-3 runs with "
-                          "data parallelism alone so far (--pp 1 --tp 1); stages 1 and 2 "
-                          "compose with pipelines and tensor parallelism")
+    """A ZeRO stage the layout cannot run with (raylm.plan.zero.unsupported): one clear
+    error before any actor."""
+    from raylm.plan.zero import unsupported
+
+    problem = unsupported(plan.zero_stage, plan.pp, plan.schedule)
+    if problem:
+        raise ConfigError(problem)

@@ -41,6 +41,7 @@ from raylm.plan.hardware import Hardware
 from raylm.plan.partition import check_schedule, partition, virtual_stages
 from raylm.plan.report import human_bytes
 from raylm.plan.shape import ModelShape
+from raylm.plan.zero import unsupported
 
 FROM_CONFIG = "config"  # zero_stage argument: the stage the TrainConfig's flags ask for
 log = logging.getLogger("raylm")
@@ -240,6 +241,8 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     if zero is None and not c.fits and dp > 1:  # the lowest ZeRO stage that fits
         tried = {0: c.memory.total}
         for stage in ZERO_STAGES[1:]:
+            if unsupported(stage, pp, schedule):
+                continue
             z = Candidate(dataclasses.replace(layout, zero_stage=stage), c.stage_bounds)
             _estimate(z, shape, part, hw)
             tried[stage] = z.memory.total

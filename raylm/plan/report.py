@@ -464,7 +464,7 @@ def _zero_lines(report: dict) -> list[str]:
     where = "" if report["plan"]["pp"] == 1 else ", the pp rank that needs the most"
     lines = ["", f"ZeRO over each data-parallel group (dp={z['dp']}; per worker{where}; "
              f"stage {z['stage']}: {z['chosen_by']}"
-             + (", optimizer states offloaded to host memory" if z["cpu_offload"] else "")
+             + (", sharded state offloaded to host memory" if z["cpu_offload"] else "")
              + "):"]
     rows = []
     for s in z["stages"]:

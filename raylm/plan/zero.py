@@ -79,3 +79,14 @@ def theory_bytes(elements: int, stage: int, dp: int, param_bytes: int = 4,
         "gradients": elements * param_bytes / (n if "gradients" in parts else 1),
         "optimizer": elements * optimizer_bytes_per_param / (n if "optimizer" in parts else 1),
     }
+
+
+def unsupported(stage: int, pp: int, schedule: str):
+    """Why ``stage`` cannot run with this pipeline (a sentence), or None. ZeRO-3 runs
+    with every schedule but zero_bubble: torch's zero-bubble (V) schedule over FSDP2
+    stage modules (its split weight-gradient pass against FSDP's reduce-scatter) trained
+    off the single-process losses here."""
+    if stage == 3 and pp > 1 and schedule == "zero_bubble":
+        return ("--zero_stage 3 with --pipeline_schedule zero_bubble is not supported yet: "
+                "use gpipe, 1f1b or interleaved_1f1b, or a lower --zero_stage")
+    return None

@@ -570,8 +570,7 @@ class RankWorker:
         # Collective over the tp group (and the dp group under ZeRO-3, whose shards are
         # gathered one tensor at a time: only the saving ranks keep them).
         keep = self.dp_rank == 0 and self.mesh["tp"].get_local_rank() == 0
-        state = self.canonical.hf_state_dict(self.model, keep=keep,
-                                             tp_mesh=self.mesh["tp"] if self.plan.tp > 1 else None)
+        state = self.canonical.hf_state_dict(self.model, keep=keep)
         if not keep:
             return None
         if self.pipeline is not None:

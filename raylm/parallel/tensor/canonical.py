@@ -190,17 +190,16 @@ class CanonicalAdapter:
             _write_back(dest, view)
 
     @torch.no_grad()
-    def hf_state_dict(self, model: nn.Module, keep: bool = True, tp_mesh=None) -> dict:
-        """``keep=False``: take part in the collectives only (a rank that does not save);
-        ``tp_mesh``: under ZeRO-3 with tensor parallelism, the tp mesh that tensors
-        sharded over (dp, tp) are first gathered to (over dp)."""
+    def hf_state_dict(self, model: nn.Module, keep: bool = True) -> dict:
+        """``keep=False``: take part in the collectives only (a rank that does not save).
+        Under ZeRO-3 with tensor parallelism a tensor sharded over (dp, tp) is first
+        gathered over dp into its tp shard."""
+        from raylm.parallel.zero.fsdp import tp_shard_of
+
         out = {}
         for key, value in model.state_dict().items():
-            if isinstance(value, DTensor) and value.device_mesh.ndim > 1 and tp_mesh is not None:
-                pl = value.placements[-1]
-                whole = value.redistribute(placements=[Replicate(), pl])
-                value = DTensor.from_local(whole.to_local(), tp_mesh, [pl], shape=value.shape,
-                                           stride=value.stride(), run_check=False)
+            if isinstance(value, DTensor) and value.device_mesh.ndim > 1:
+                value = tp_shard_of(value)
             rule = self._rule(key, value)
             if rule is not None:
                 value = rule.canonical(value)

@@ -19,8 +19,8 @@ def grad_norm_sq(params) -> torch.Tensor:
     """Sum of squares of the gradients of ``params`` over the whole (tensor-parallel) model,
     as one process holding the full tensors would compute it; a float64 scalar tensor.
 
-    * A DTensor gradient sharded over mesh dims contributes its local shard, summed over
-      those dims' process groups.
+    * A DTensor gradient sharded over mesh dims (tensor parallelism, and ZeRO-3's dp
+      rows) contributes its local shard, summed over those dims' process groups.
     * A replicated gradient (plain tensor, or Replicate DTensor) counts once: every tp rank
       holds the same values, so each adds it locally and nothing is summed.
     * A Partial gradient (torch leaves one when a replicated parameter meets sharded
@@ -42,7 +42,9 @@ def grad_norm_sq(params) -> torch.Tensor:
                                                for pl in g.placements])
             local = g.to_local().detach()
             sq = torch.linalg.vector_norm(local, 2.0).double() ** 2
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # Sharded dims: Shard, and FSDP's _StridedShard (ZeRO-3 over a tp shard split
+            # on the same dim), which is not a Shard (its is_shard() is False).
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             if dims:  # kept on the gradient's device (NCCL reduces device tensors)
                 key = (g.device_mesh, dims)
                 sharded[key] = sharded[key] + sq if key in sharded else sq

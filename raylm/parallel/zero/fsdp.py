@@ -43,12 +43,28 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Which module slots share a parameter (a tied embedding and head): fully_shard
+    # replaces the parameter in the slots of the modules it wraps only, and under a
+    # pipeline the stage module holds one of the two (the last stage's head).
+    slots: dict = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, name, p))
     inside = {id(m) for r in roots for m in r.modules()}
     units = [b for b in transformer_blocks(model) if id(b) in inside]
     for block in units:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
     for root in roots:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
+    for group in slots.values():
+        # Point every slot of a shared parameter at the one FSDP now manages (stale
+        # slots would hold a second, unsharded, never-trained copy).
+        new = {id(m._parameters[n]): m._parameters[n] for m, n, p in group
+               if m._parameters[n] is not p}
+        if len(new) == 1:
+            for m, n, _ in group:
+                m._parameters[n] = next(iter(new.values()))
     modules = units + list(roots)
     for m in modules:
         m.set_gradient_divide_factor(1.0)  # summed: the loss is per global token already
@@ -147,3 +163,47 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
             value = value[a:b]
         dest.copy_(value.to(dest.device, dest.dtype))
 
+
+
+def tp_shard_of(value):
+    """A ZeRO-3 tensor under tensor parallelism (a DTensor over (dp, tp): each rank holds
+    its FSDP rows of its tensor-parallel shard) as the tensor-parallel DTensor alone (on
+    the tp mesh, the rank's whole tp shard): gathered over dp, a transient copy.
+
+    By hand rather than ``redistribute``: FSDP's dim-0 split of a tp shard that is itself
+    split on dim 0 (a vocabulary-parallel embedding, a column-parallel weight) is a
+    ``_StridedShard``, whose redistribute to Replicate gave wrong rows here; FSDP's split
+    is torch.chunk of the tp shard's rows (raylm.plan.zero.owned_rows), so gathering the
+    chunks in dp order is exact."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from raylm.parallel.tensor.canonical import _contiguous_stride
+    from raylm.plan.zero import owned_rows
+
+    mesh = value.device_mesh
+    tp_mesh, pl = mesh[mesh.mesh_dim_names[-1]], value.placements[-1]
+    shape = compute_local_shape_and_global_offset(value.shape, tp_mesh, [pl])[0]
+    local, dp = value.to_local(), mesh.size(0)
+    spans = [owned_rows(shape[0], dp, r) for r in range(dp)]
+    width = max(b - a for a, b in spans)
+    padded = local.new_zeros((width, *shape[1:]))
+    padded[:local.shape[0]].copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(dp)]
+    dist.all_gather(parts, padded, group=mesh.get_group(0))
+    whole = torch.cat([part[:b - a] for part, (a, b) in zip(parts, spans)])
+    return DTensor.from_local(whole, tp_mesh, [pl], shape=value.shape,
+                              stride=_contiguous_stride(tuple(value.shape)), run_check=False)
+
+
+@torch.no_grad()
+def write_rows_back(value, tp_shard) -> None:
+    """The inverse of ``tp_shard_of``: copy this rank's FSDP rows of ``tp_shard`` (the
+    rank's tp shard, as loaded) into ``value``'s local tensor."""
+    from raylm.plan.zero import owned_rows
+
+    mesh = value.device_mesh
+    full = tp_shard.to_local()
+    a, b = owned_rows(full.shape[0], mesh.size(0), mesh.get_local_rank(0))
+    value.to_local().copy_(full[a:b])
