@@ -168,39 +168,23 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
 def tp_shard_of(value):
     """A ZeRO-3 tensor under tensor parallelism (a DTensor over (dp, tp): each rank holds
     its FSDP rows of its tensor-parallel shard) as the tensor-parallel DTensor alone (on
-    the tp mesh, the rank's whole tp shard): gathered over dp, a transient copy.
-
-    By hand rather than ``redistribute``: FSDP's dim-0 split of a tp shard that is itself
-    split on dim 0 (a vocabulary-parallel embedding, a column-parallel weight) is a
-    ``_StridedShard``, whose redistribute to Replicate gave wrong rows here; FSDP's split
-    is torch.chunk of the tp shard's rows (raylm.plan.zero.owned_rows), so gathering the
-    chunks in dp order is exact."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from raylm.parallel.tensor.canonical import _contiguous_stride
-    from raylm.plan.zero import owned_rows
+    the tp mesh, the rank's whole tp shard): gathered over dp, a transient copy. (A tp
+    shard split on dim 0 is FSDP's ``_StridedShard`` over dp; redistribute handles it.)"""
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = value.device_mesh
     tp_mesh, pl = mesh[mesh.mesh_dim_names[-1]], value.placements[-1]
-    shape = compute_local_shape_and_global_offset(value.shape, tp_mesh, [pl])[0]
-    local, dp = value.to_local(), mesh.size(0)
-    spans = [owned_rows(shape[0], dp, r) for r in range(dp)]
-    width = max(b - a for a, b in spans)
-    padded = local.new_zeros((width, *shape[1:]))
-    padded[:local.shape[0]].copy_(local)
-    parts = [torch.empty_like(padded) for _ in range(dp)]
-    dist.all_gather(parts, padded, group=mesh.get_group(0))
-    whole = torch.cat([part[:b - a] for part, (a, b) in zip(parts, spans)])
-    return DTensor.from_local(whole, tp_mesh, [pl], shape=value.shape,
-                              stride=_contiguous_stride(tuple(value.shape)), run_check=False)
+    whole = value.redistribute(placements=[Replicate()] * (mesh.ndim - 1) + [pl])
+    return DTensor.from_local(whole.to_local(), tp_mesh, [pl], shape=value.shape,
+                              stride=value.stride(), run_check=False)
 
 
 @torch.no_grad()
 def write_rows_back(value, tp_shard) -> None:
     """The inverse of ``tp_shard_of``: copy this rank's FSDP rows of ``tp_shard`` (the
-    rank's tp shard, as loaded) into ``value``'s local tensor."""
+    rank's tp shard, as loaded) into ``value``'s local tensor (FSDP splits a tp shard
+    by torch.chunk of its rows: raylm.plan.zero.owned_rows; a local slice, no
+    communication)."""
     from raylm.plan.zero import owned_rows
 
     mesh = value.device_mesh
