@@ -41,24 +41,35 @@ LAYOUTS = (("dp4", 4, 1, 1), ("dp2xtp2", 2, 1, 2), ("tp4", 1, 1, 4),
            ("dp2xpp2", 2, 2, 1), ("pp2xtp2", 1, 2, 2), ("pp4", 1, 4, 1))
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6; quick 3)")
+def add_run_args(ap, names, steps: int) -> None:
+    """The model, batch and step flags this benchmark and bench_zero.py share; ``names``
+    are the runs --only picks from, ``steps`` the default timed steps."""
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"timed steps (default {steps}; quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; quick 1)")
     ap.add_argument("--n_layer", type=int, default=None, help="default 4")
     ap.add_argument("--n_embd", type=int, default=None, help="default 256 (quick 64)")
     ap.add_argument("--block_size", type=int, default=None, help="default 128 (quick 64)")
     ap.add_argument("--global_batch", type=int, default=16)
     ap.add_argument("--micro_batch", type=int, default=2)
-    ap.add_argument("--only", nargs="*", choices=[name for name, *_ in LAYOUTS], default=None)
+    ap.add_argument("--only", nargs="*", choices=list(names), default=None)
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def apply_preset(args, steps: int):
+    """Fill the flags left unset from the --quick or the full preset."""
     preset = (dict(steps=3, warmup=1, n_layer=4, n_embd=64, block_size=64) if args.quick
-              else dict(steps=6, warmup=2, n_layer=4, n_embd=256, block_size=128))
+              else dict(steps=steps, warmup=2, n_layer=4, n_embd=256, block_size=128))
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     return args
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap, [name for name, *_ in LAYOUTS], steps=6)
+    return apply_preset(ap.parse_args(argv), steps=6)
 
 
 def overrides(args) -> str:
@@ -66,18 +77,26 @@ def overrides(args) -> str:
             f"n_positions={args.block_size},resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0")
 
 
-def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
-    from raylm import TrainConfig, train
+def run_config(args, name, dp, cache, work, **layout):
+    """The TrainConfig of one run: the benchmark's model and batch, ``dp`` data-parallel
+    replicas, the rest of the layout (num_workers, pp, tp, zero_stage, ...) in ``layout``."""
+    from raylm import TrainConfig
 
-    cfg = TrainConfig(
+    return TrainConfig(
         model_type="gpt2", config_overrides=overrides(args), block_size=args.block_size,
         cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.global_batch // (dp * args.micro_batch),
         max_steps=args.warmup + args.steps, do_eval=False, disable_tqdm=True,
         validation_split_percentage=0.0, logging_steps=10**6, save_steps=10**6,
-        num_workers=4, cpus_per_worker=0.5, dp=dp, pp=pp, tp=tp,
-        pipeline_schedule="1f1b")
+        cpus_per_worker=0.5, dp=dp, **layout)
+
+
+def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
+    from raylm import train
+
+    cfg = run_config(args, name, dp, cache, work, num_workers=4, pp=pp, tp=tp,
+                     pipeline_schedule="1f1b")
     result = train(cfg)
     hist = sorted(result.history, key=lambda h: h["step"])
     timed = hist[args.warmup:]
