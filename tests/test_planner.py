@@ -340,6 +340,21 @@ def test_layout_rules_are_reasons():
     assert {c.tp for c in fixed.alternatives + [fixed.chosen]} == {2}
 
 
+def test_zero3_pipelines_the_runtime_refuses_are_reasons():
+    """ZeRO-3 pipelines raylm does not run (the generic torch.export split, the zero-bubble
+    schedule) are never chosen: the planner shows them with the reason."""
+    neox = "num_hidden_layers=4,hidden_size=32,num_attention_heads=2,intermediate_size=64"
+    search = search_for_config(_cfg("gpt_neox", neox, zero_stage=3, num_workers=4), 4)
+    assert search.chosen.pp == 1
+    pipelines = [a for a in search.alternatives if a.pp > 1]
+    assert pipelines and all(a.problem for a in pipelines)
+    assert any("generic torch.export split" in a.problem for a in pipelines)
+    zb = search_for_config(_cfg("llama", TINY_LLAMA, zero_stage=3, pp=2, num_workers=4,
+                                pipeline_schedule="zero_bubble"), 4)
+    assert zb.chosen is None and zb.alternatives[0].problem.startswith(
+        "--zero_stage 3 with --pipeline_schedule zero_bubble")
+
+
 def test_nothing_fits_is_one_error():
     cfg = _cfg(num_workers=2, worker_memory_gb=1 / 1024)
     with pytest.raises(ConfigError) as err:

@@ -124,3 +124,14 @@ def test_zero3_with_zero_bubble_is_one_clear_error(ray_cluster, corpus_dir, cach
         train(zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, pp=2,
                           num_workers=4, zero_stage=3, cpus_per_worker=0.5,
                           pipeline_schedule="zero_bubble"))
+
+
+def test_zero3_with_a_generic_pipeline_split_is_one_clear_error(ray_cluster, corpus_dir,
+                                                                 cache_root, tmp_path):
+    from raylm.errors import ConfigError
+    from tests.test_pipeline import pp_config
+
+    with pytest.raises(ConfigError, match="cut by the generic torch.export split"):
+        train(pp_config(tmp_path / "out", corpus_dir, cache_root, "gpt_neox", dp=2, pp=2,
+                        num_workers=4, zero_stage=3, cpus_per_worker=0.5,
+                        gradient_accumulation_steps=2))

@@ -262,11 +262,14 @@ def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
                               "use one of the two, or a model type raylm has stages for")
 
 
-def check_zero_layout(plan: Plan) -> None:
+def check_zero_layout(spec, plan: Plan) -> None:
     """A ZeRO stage the layout cannot run with (raylm.plan.zero.unsupported): one clear
     error before any actor."""
+    from raylm.models.families import family_of
+    from raylm.parallel.pipeline.stages import is_t5
     from raylm.plan.zero import unsupported
 
-    problem = unsupported(plan.zero_stage, plan.pp, plan.schedule)
+    own_stages = family_of(spec.config) is not None or is_t5(spec.config)
+    problem = unsupported(plan.zero_stage, plan.pp, plan.schedule, own_stages)
     if problem:
         raise ConfigError(problem)

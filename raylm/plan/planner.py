@@ -210,6 +210,8 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
                      "takes no tensor-parallel layers")
     elif pp > 1 and not shape.cuttable:
         c.problem = f"pp={pp}: raylm cannot cut {shape.model_type} into stages"
+    elif zero and unsupported(zero, pp, schedule, shape.own_stages):
+        c.problem = unsupported(zero, pp, schedule, shape.own_stages).split(": ", 1)[0]
     elif pp * virtual > shape.num_blocks:
         c.problem = (f"pp={pp}{f' x {virtual} virtual stages' if virtual > 1 else ''} "
                      f"exceeds the model's {shape.num_blocks} blocks")
@@ -241,7 +243,7 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     if zero is None and not c.fits and dp > 1:  # the lowest ZeRO stage that fits
         tried = {0: c.memory.total}
         for stage in ZERO_STAGES[1:]:
-            if unsupported(stage, pp, schedule):
+            if unsupported(stage, pp, schedule, shape.own_stages):
                 continue
             z = Candidate(dataclasses.replace(layout, zero_stage=stage), c.stage_bounds)
             _estimate(z, shape, part, hw)

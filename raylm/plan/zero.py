@@ -81,12 +81,22 @@ def theory_bytes(elements: int, stage: int, dp: int, param_bytes: int = 4,
     }
 
 
-def unsupported(stage: int, pp: int, schedule: str):
+def unsupported(stage: int, pp: int, schedule: str, own_stages: bool = True):
     """Why ``stage`` cannot run with this pipeline (a sentence), or None. ZeRO-3 runs
-    with every schedule but zero_bubble: torch's zero-bubble (V) schedule over FSDP2
-    stage modules (its split weight-gradient pass against FSDP's reduce-scatter) trained
-    off the single-process losses here."""
+    with pipelines cut by raylm's own stages (the model families, T5) under every
+    schedule but zero_bubble:
+
+    * torch's zero-bubble (V) schedule over FSDP2 stage modules (its split
+      weight-gradient pass against FSDP's reduce-scatter) trained off the
+      single-process losses here;
+    * stage modules from the generic torch.export split (``own_stages=False``) are
+      modules of their own, outside the meta-built model that is materialised, and
+      tied weights among them do not checkpoint under FSDP yet."""
     if stage == 3 and pp > 1 and schedule == "zero_bubble":
         return ("--zero_stage 3 with --pipeline_schedule zero_bubble is not supported yet: "
                 "use gpipe, 1f1b or interleaved_1f1b, or a lower --zero_stage")
+    if stage == 3 and pp > 1 and not own_stages:
+        return ("--zero_stage 3 with --pp > 1 needs a model raylm has stages for (a model "
+                "family or T5); this one is cut by the generic torch.export split, which "
+                "ZeRO-3 does not take yet: use --zero_stage 2 or lower, or --pp 1")
     return None

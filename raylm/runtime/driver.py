@@ -91,7 +91,7 @@ class Driver:
                 plan = dataclasses.replace(
                     plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
             check_tensor_layout(inputs.spec, plan, inputs.block_size)
-            check_zero_layout(plan)
+            check_zero_layout(inputs.spec, plan)
             if plan.pp > 1:
                 plan, part = plan_pipeline(cfg, inputs.spec, plan, inputs.block_size)
                 for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):

@@ -164,7 +164,6 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
         dest.copy_(value.to(dest.device, dest.dtype))
 
 
-
 def tp_shard_of(value):
     """A ZeRO-3 tensor under tensor parallelism (a DTensor over (dp, tp): each rank holds
     its FSDP rows of its tensor-parallel shard) as the tensor-parallel DTensor alone (on
