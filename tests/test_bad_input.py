@@ -154,7 +154,14 @@ def test_parquet_without_text_column(tmp_path, capsys, cache_root):
 ])
 def test_pipeline_layout_errors_before_any_actor(kw, message, ray_cluster, tmp_path,
                                                  corpus_dir, cache_root):
-    cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
+    assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, **kw)
+
+
+def assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root,
+                                  model_type="gpt2", config_overrides=TINY_GPT2, **kw):
+    """A run of the tiny model with ``kw`` fails with one line holding ``message``,
+    raised while planning: no rank actor was started."""
+    cfg = TrainConfig(model_type=model_type, config_overrides=config_overrides,
                       train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
                       output_dir=str(tmp_path / "out"), max_steps=2, **kw)
     driver = Driver(cfg)
@@ -178,14 +185,8 @@ def test_pipeline_layout_errors_before_any_actor(kw, message, ray_cluster, tmp_p
 def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_cluster, tmp_path,
                                                corpus_dir, cache_root):
     model_type = "llama" if "key-value" in message else "gpt2"
-    cfg = TrainConfig(model_type=model_type, config_overrides=overrides,
-                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
-                      output_dir=str(tmp_path / "out"), max_steps=2, cpus_per_worker=0.5, **kw)
-    driver = Driver(cfg)
-    with pytest.raises(ConfigError) as err:
-        driver.run()
-    assert message in str(err.value) and "\n" not in str(err.value)
-    assert driver.workers == [] and driver.state == "planning"
+    assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, model_type,
+                                  overrides, cpus_per_worker=0.5, **kw)
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -199,14 +200,8 @@ def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_clust
 ])
 def test_zero_flag_errors_before_any_actor(kw, message, ray_cluster, tmp_path, corpus_dir,
                                            cache_root):
-    cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
-                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
-                      output_dir=str(tmp_path / "out"), max_steps=2, num_workers=2, **kw)
-    driver = Driver(cfg)
-    with pytest.raises(ConfigError) as err:
-        driver.run()
-    assert message in str(err.value) and "\n" not in str(err.value)
-    assert driver.workers == [] and driver.state == "planning"
+    assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, num_workers=2,
+                                  **kw)
 
 
 def test_zero_flag_conflict_is_one_line_from_the_command(tmp_path, capsys, corpus_dir,

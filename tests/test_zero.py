@@ -116,22 +116,19 @@ def test_zero3_tensor_parallel_checkpoint_resumes_without_it(reference, ray_clus
     np.testing.assert_allclose([h["loss"] for h in resumed.history], ref_losses[1:], rtol=1e-5)
 
 
-def test_zero3_with_zero_bubble_is_one_clear_error(ray_cluster, corpus_dir, cache_root,
-                                                   tmp_path):
-    from raylm.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="--zero_stage 3 with --pipeline_schedule zero_bubble"):
-        train(zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, pp=2,
-                          num_workers=4, zero_stage=3, cpus_per_worker=0.5,
-                          pipeline_schedule="zero_bubble"))
+NEOX = "num_hidden_layers=4,hidden_size=32,num_attention_heads=2,intermediate_size=64"
 
 
-def test_zero3_with_a_generic_pipeline_split_is_one_clear_error(ray_cluster, corpus_dir,
-                                                                 cache_root, tmp_path):
-    from raylm.errors import ConfigError
-    from tests.test_pipeline import pp_config
+@pytest.mark.parametrize("kw,message", [
+    (dict(pipeline_schedule="zero_bubble"), "--zero_stage 3 with --pipeline_schedule zero_bubble"),
+    (dict(model_type="gpt_neox", config_overrides=NEOX),
+     "cut by the generic torch.export split"),
+], ids=["zero-bubble", "generic-split"])
+def test_zero3_pipelines_not_supported_yet_are_one_clear_error(kw, message, ray_cluster,
+                                                               corpus_dir, cache_root,
+                                                               tmp_path):
+    from tests.test_bad_input import assert_fails_before_any_actor
 
-    with pytest.raises(ConfigError, match="cut by the generic torch.export split"):
-        train(pp_config(tmp_path / "out", corpus_dir, cache_root, "gpt_neox", dp=2, pp=2,
-                        num_workers=4, zero_stage=3, cpus_per_worker=0.5,
-                        gradient_accumulation_steps=2))
+    assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, dp=2, pp=2,
+                                  num_workers=4, zero_stage=3, cpus_per_worker=0.5,
+                                  gradient_accumulation_steps=2, **kw)

@@ -56,9 +56,9 @@ from raylm.plan.hardware import Hardware
 from raylm.plan.partition import Partition
 from raylm.plan.inflight import peak_in_flight
 from raylm.plan.shape import ModelShape
+from raylm.plan.zero import theory_bytes
 
 FP32 = 4
-ZERO_STAGES = (0, 1, 2, 3)
 BUCKET_BYTES = 4 * 2**20  # raylm.parallel.data's gradient buckets
 
 
@@ -171,8 +171,6 @@ def stage_activation_bytes(shape: ModelShape, part: Partition, layout: Layout,
 def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware) -> list:
     """Memory of each pp rank (every dp/tp replica of a pp rank holds the same)."""
     dp, tp, pp, zero = layout.dp, layout.tp, layout.pp, layout.zero_stage
-    if zero not in ZERO_STAGES:
-        raise ValueError(f"zero_stage {zero}: choose one of {ZERO_STAGES}")
     m = layout.microbatches
     acts = stage_activation_bytes(shape, part, layout, hw)
     if pp == 1:
@@ -188,14 +186,10 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
     for r, (total, split) in enumerate(_rank_stage_params(shape, part, pp)):
         psi = (total - split) + split / tp  # elements this rank holds
         stages = part.stages_of(r)
-        params, grads, opt = FP32 * psi, FP32 * psi, 2 * FP32 * psi
+        states = theory_bytes(psi, zero, dp, param_bytes=FP32)  # (ValueError: no such stage)
+        params, grads, opt = states["parameters"], states["gradients"], states["optimizer"]
         work = logits * (1.5 if pp > 1 else 1.0) if last in stages else widest
-        if zero >= 1:
-            opt /= dp
-        if zero >= 2:
-            grads /= dp
         if zero >= 3:
-            params /= dp
             biggest = max((u.params for u in shape.blocks), default=0)
             work += 3 * FP32 * biggest / tp  # two blocks gathered, one block's gradient
         if pp > 1:  # torch pipelining's receive buffers, one per micro-batch

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError
+from raylm.plan.zero import ZERO_STAGES
 
 # Mesh dimension order: dp outermost, tp innermost (tensor-parallel peers are adjacent
 # ranks, which placement keeps on one node).
 MESH_DIMS = ("dp", "pp", "tp")
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)

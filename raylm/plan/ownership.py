@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from raylm.plan.zero import STAGE_PARTITIONS, owned_rows
+from raylm.plan.zero import STAGE_PARTITIONS, owned_partition, owned_rows
 
 BYTES = {"parameters": 4, "gradients": 4, "optimizer": 8}
 CATEGORIES = ("parameters", "gradients", "optimizer")
@@ -159,20 +159,6 @@ def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
 
 
 # -- the ownership table --------------------------------------------------------------------
-def _numel(shape) -> int:
-    return math.prod(shape) if shape else 1
-
-
-def _owned(shapes: dict, dp: int, dp_rank: int) -> tuple:
-    """(rows {name: (start, stop)}, elements owned) of one dp rank."""
-    rows, owned = {}, 0
-    for n, s in shapes.items():
-        start, stop = owned_rows(s[0] if s else 1, dp, dp_rank)
-        rows[n] = (start, stop)
-        owned += (stop - start) * (math.prod(s[1:]) if len(s) > 1 else 1)
-    return rows, owned
-
-
 def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
     """One entry per global rank (mesh order dp, pp, tp) of ``plan``: what it holds and
     which partition of it it owns under ``plan.zero_stage``, and its state bytes.
@@ -198,12 +184,8 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
         shapes = groups[(p, t)]
         key = (tuple(shapes.items()), d if split else 0)
         if key not in cache:
-            held = sum(_numel(s) for s in shapes.values())
-            if split:
-                rows, owned = _owned(shapes, plan.dp, d)
-            else:
-                rows = {n: (0, s[0] if s else 1) for n, s in shapes.items()}
-                owned = held
+            whole, held = owned_partition(shapes, 1, 0)  # everything, nothing split
+            rows, owned = owned_partition(shapes, plan.dp, d) if split else (whole, held)
             cache[key] = (rows, held, owned)
         rows, held, owned = cache[key]
         elements = {"held": held, "owned": owned}

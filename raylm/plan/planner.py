@@ -35,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.errors import ConfigError
-from raylm.plan.cost import (ZERO_STAGES, Layout, Memory, StepTime, rank_memory,
-                             single_stage, step_time)
+from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
 from raylm.plan.hardware import Hardware
 from raylm.plan.partition import check_schedule, partition, virtual_stages
 from raylm.plan.report import human_bytes
 from raylm.plan.shape import ModelShape
-from raylm.plan.zero import unsupported
+from raylm.plan.zero import ZERO_STAGES, unsupported
 
 FROM_CONFIG = "config"  # zero_stage argument: the stage the TrainConfig's flags ask for
 log = logging.getLogger("raylm")
@@ -210,8 +209,8 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
                      "takes no tensor-parallel layers")
     elif pp > 1 and not shape.cuttable:
         c.problem = f"pp={pp}: raylm cannot cut {shape.model_type} into stages"
-    elif zero and unsupported(zero, pp, schedule, shape.own_stages):
-        c.problem = unsupported(zero, pp, schedule, shape.own_stages).split(": ", 1)[0]
+    elif zero and (why := unsupported(zero, pp, schedule, shape.own_stages)):
+        c.problem = why.split(": ", 1)[0]
     elif pp * virtual > shape.num_blocks:
         c.problem = (f"pp={pp}{f' x {virtual} virtual stages' if virtual > 1 else ''} "
                      f"exceeds the model's {shape.num_blocks} blocks")

@@ -50,18 +50,12 @@ def owned_numel(shape, dp: int, dp_rank: int) -> int:
     return (stop - start) * math.prod(shape[1:])
 
 
-def partition_table(shapes: dict, dp: int) -> list[dict]:
-    """Per data-parallel rank: the rows it owns of each tensor and its element count.
-
-    ``shapes``: {name: shape} of the tensors of one replica (one pipeline stage and
-    tensor-parallel shard: the shapes that rank holds). Returns one dict per dp rank:
-    {"dp_rank", "elements", "rows": {name: (start, stop)}}."""
-    table = []
-    for r in range(dp):
-        rows = {name: owned_rows((tuple(s) or (1,))[0], dp, r) for name, s in shapes.items()}
-        table.append({"dp_rank": r, "rows": rows,
-                      "elements": sum(owned_numel(s, dp, r) for s in shapes.values())})
-    return table
+def owned_partition(shapes: dict, dp: int, dp_rank: int) -> tuple[dict, int]:
+    """What data-parallel rank ``dp_rank`` of ``dp`` owns of the tensors ``shapes``
+    ({name: shape}, one replica's: one pipeline stage's tensor-parallel shard): the rows
+    {name: (start, stop)} of each and their element count (a 0-d tensor is one row)."""
+    rows = {name: owned_rows((tuple(s) or (1,))[0], dp, dp_rank) for name, s in shapes.items()}
+    return rows, sum(owned_numel(s, dp, dp_rank) for s in shapes.values())
 
 
 def theory_bytes(elements: int, stage: int, dp: int, param_bytes: int = 4,

@@ -149,9 +149,9 @@ class RankWorker:
         from raylm.parallel.zero.fsdp import apply_fsdp
 
         # The tensor-parallel placement of each parameter, before FSDP adds the dp dim.
-        self._tp_layout = {n: (p.device_mesh, p.placements, p.shape)
-                           for n, p in self.model.named_parameters(remove_duplicate=False)
-                           if isinstance(p, DTensor)}
+        tp_layout = {n: (p.device_mesh, p.placements, p.shape)
+                     for n, p in self.model.named_parameters(remove_duplicate=False)
+                     if isinstance(p, DTensor)}
         apply_fsdp(self.model, roots, self.mesh["dp"], self.plan.cpu_offload)
         if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
                for p in self.model.parameters()):
@@ -160,7 +160,7 @@ class RankWorker:
             from raylm.parallel.tensor import canonical_adapter
             from raylm.parallel.zero.fsdp import materialize
 
-            materialize(self.model, self.spec, self.cfg["seed"], self.device, self._tp_layout,
+            materialize(self.model, self.spec, self.cfg["seed"], self.device, tp_layout,
                         canonical_adapter(self.model, self.tensor_parallel))
 
     def _make_grad_sync(self, GradientAllReduce):

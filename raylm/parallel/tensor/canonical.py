@@ -132,11 +132,9 @@ def _write_back(dest, value: torch.Tensor) -> None:
         if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             local.copy_(flat.view_as(local))
         return
-    from raylm.plan.zero import owned_rows
+    from raylm.parallel.zero.fsdp import write_rows_back
 
-    mesh = dest.device_mesh
-    a, b = owned_rows(flat.shape[0], mesh.size(0), mesh.get_local_rank(0))
-    local.copy_(flat[a:b].view_as(local))
+    write_rows_back(dest, flat)
 
 
 class CanonicalAdapter:

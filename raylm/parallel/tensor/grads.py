@@ -15,6 +15,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
+def reduce_partial(g: DTensor) -> DTensor:
+    """A DTensor gradient with its Partial mesh dims summed (Replicate there): torch
+    leaves one when a replicated parameter meets sharded activations and no gradient
+    was pre-allocated."""
+    if any(pl.is_partial() for pl in g.placements):
+        g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                       for pl in g.placements])
+    return g
+
+
 def grad_norm_sq(params) -> torch.Tensor:
     """Sum of squares of the gradients of ``params`` over the whole (tensor-parallel) model,
     as one process holding the full tensors would compute it; a float64 scalar tensor.
@@ -37,9 +47,7 @@ def grad_norm_sq(params) -> torch.Tensor:
         if g is None:
             continue
         if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
-                                               for pl in g.placements])
+            g = reduce_partial(g)
             local = g.to_local().detach()
             sq = torch.linalg.vector_norm(local, 2.0).double() ** 2
             # Sharded dims: Shard, and FSDP's _StridedShard (ZeRO-3 over a tp shard split

@@ -155,13 +155,9 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
             value = local
         dest = p.to_local() if isinstance(p, DTensor) else p
         if isinstance(p, DTensor) and dest.shape != value.shape:
-            from raylm.plan.zero import owned_rows
-
-            dp_mesh = p.device_mesh
-            dp_rank = dp_mesh.get_local_rank(0) if dp_mesh.ndim > 1 else dp_mesh.get_local_rank()
-            a, b = owned_rows(value.shape[0], dp_mesh.size(0), dp_rank)
-            value = value[a:b]
-        dest.copy_(value.to(dest.device, dest.dtype))
+            write_rows_back(p, value)  # the rank's FSDP rows (of its tp shard)
+        else:
+            dest.copy_(value)
 
 
 def tp_shard_of(value):
@@ -179,14 +175,17 @@ def tp_shard_of(value):
 
 
 @torch.no_grad()
-def write_rows_back(value, tp_shard) -> None:
-    """The inverse of ``tp_shard_of``: copy this rank's FSDP rows of ``tp_shard`` (the
-    rank's tp shard, as loaded) into ``value``'s local tensor (FSDP splits a tp shard
-    by torch.chunk of its rows: raylm.plan.zero.owned_rows; a local slice, no
-    communication)."""
+def write_rows_back(value, whole) -> None:
+    """The inverse of ``tp_shard_of``: copy this rank's dp rows of ``whole`` (the rank's
+    tp shard as loaded, a DTensor on the tp mesh, or a plain tensor of the rows) into
+    ``value``'s local tensor (the rows split over dp as torch.chunk splits them, as FSDP
+    and Shard(0) do: raylm.plan.zero.owned_rows; a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor
+
     from raylm.plan.zero import owned_rows
 
     mesh = value.device_mesh
-    full = tp_shard.to_local()
+    full = whole.to_local() if isinstance(whole, DTensor) else whole
     a, b = owned_rows(full.shape[0], mesh.size(0), mesh.get_local_rank(0))
-    value.to_local().copy_(full[a:b])
+    local = value.to_local()
+    local.copy_(full[a:b].reshape_as(local))

@@ -38,10 +38,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Shard
 
 from raylm.parallel.data import GradientAllReduce, _local, bucket_params
 from raylm.parallel.tensor.canonical import _contiguous_stride
+from raylm.parallel.tensor.grads import reduce_partial
 from raylm.plan.zero import owned_rows
 
 
@@ -54,12 +55,7 @@ def _full_grad(g):
     """A gradient's local values; a Partial DTensor gradient (a replicated parameter on
     sequence shards, reduced over tp by torch when its gradient was pre-allocated) is
     summed over tp first."""
-    if isinstance(g, DTensor):
-        if any(pl.is_partial() for pl in g.placements):
-            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
-                                           for pl in g.placements])
-        return g.to_local()
-    return g
+    return reduce_partial(g).to_local() if isinstance(g, DTensor) else g
 
 
 class BucketLayout:
@@ -436,7 +432,7 @@ class _CheckpointForm:
         local = _local(p)
         if not isinstance(p, DTensor):
             self.views[key] = (v, p, False)
-            return DTensor.from_local(v, self.dp_mesh, [_shard0()], shape=local.shape,
+            return DTensor.from_local(v, self.dp_mesh, [Shard(0)], shape=local.shape,
                                       stride=_contiguous_stride(local.shape),
                                       run_check=False)
         rows = local.shape[0]
@@ -464,8 +460,3 @@ class _CheckpointForm:
             if src.data_ptr() != v.data_ptr():
                 v.copy_(src)
 
-
-def _shard0():
-    from torch.distributed.tensor import Shard
-
-    return Shard(0)
