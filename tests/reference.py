@@ -7,6 +7,10 @@ and the schedule are built here directly from torch and transformers.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from typing import NamedTuple
+
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
@@ -14,17 +18,58 @@ from raylm.data.reader import BlockReader
 from raylm.data.sampler import GlobalBatchSampler
 
 
-def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: int):
-    """Train ``steps`` optimizer steps; returns (per-step losses, final state_dict).
+class Reference(NamedTuple):
+    """What a layout is held to: the fp32 single-process run's per-step losses and final
+    weights, and the same run's final weights in float64 (see tests/numerics.py)."""
+
+    losses: list
+    state: dict
+    exact: dict
+    lr_sum: float  # the learning rates of the steps, added up
+
+
+# The single-process reference's torch threads (default: torch's own choice). Another
+# number changes the order of its reductions, as another CPU does: the parity tests must
+# pass with any (RAYLM_TEST_REFERENCE_THREADS=1 python -m pytest ...).
+THREADS_ENV = "RAYLM_TEST_REFERENCE_THREADS"
+
+
+def single_process_reference(cfg, spec, dataset, train_ids, global_batch_size: int,
+                             steps: int) -> Reference:
+    """``reference_run`` in fp32 (losses, weights) and in float64 (weights)."""
+    with reference_threads():
+        losses, state, lr_sum = reference_run(cfg, spec, dataset, train_ids,
+                                              global_batch_size, steps)
+        _, exact, _ = reference_run(cfg, spec, dataset, train_ids, global_batch_size, steps,
+                                    dtype=torch.float64)
+    return Reference(losses, state, exact, lr_sum)
+
+
+@contextlib.contextmanager
+def reference_threads():
+    """Inside: torch uses $RAYLM_TEST_REFERENCE_THREADS threads (if set)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: int,
+                  dtype=torch.float32):
+    """Train ``steps`` optimizer steps; returns (per-step losses, final state_dict, the
+    sum of the steps' learning rates).
 
     Each global batch is cut into micro-batches of ``cfg.per_device_train_batch_size``;
     every micro-batch's mean loss is divided by their number (gradient accumulation), so
-    batches must be full (no epoch tail) for this to equal the global token mean.
+    batches must be full (no epoch tail) for this to equal the global token mean. The
+    model is initialised in fp32 whatever ``dtype`` (float64 starts from the same weights).
     """
     torch.manual_seed(cfg.seed)
     seq2seq = bool(getattr(spec.config, "is_encoder_decoder", False))
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    model = auto.from_config(spec.config, dtype=torch.float32)
+    model = auto.from_config(spec.config, dtype=torch.float32).to(dtype)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -38,6 +83,7 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     reader = BlockReader(dataset)
     mb = cfg.per_device_train_batch_size
     losses = []
+    lr_sum = 0.0
     for step in range(steps):
         ids = sampler.global_batch(step)
         assert len(ids) == global_batch_size, "reference needs full batches"
@@ -56,34 +102,35 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
             total += loss.item()
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        lr_sum += opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, lr_sum
 
 
 _CACHE: dict = {}
 
 
-def cached_reference(key, make_config, global_batch_size: int, steps: int):
-    """``reference_run`` for the config ``make_config()`` builds, computed once per ``key``
-    in a test session (several test files compare layouts with the same reference)."""
+def cached_reference(key, make_config, global_batch_size: int, steps: int) -> Reference:
+    """``single_process_reference`` for the config ``make_config()`` builds, computed once
+    per ``key`` in a test session (several test files compare layouts with it)."""
     from raylm.runtime.prepare import check_inputs, prepare_data
 
     if key not in _CACHE:
         cfg = make_config()
         inputs = check_inputs(cfg)
         data = prepare_data(cfg, inputs)
-        _CACHE[key] = reference_run(cfg, inputs.spec, data.train, data.train_ids,
-                                    global_batch_size, steps)
+        _CACHE[key] = single_process_reference(cfg, inputs.spec, data.train, data.train_ids,
+                                               global_batch_size, steps)
     return _CACHE[key]
 
 
 def reference_fixture(key: str, config_fn, global_batch_size: int, steps: int):
     """A pytest fixture ``reference``: ``reference(model)`` gives the single-process
-    (losses, final state) of ``config_fn(out, corpus_dir, cache_root, model)``, computed
-    once per model in a session."""
+    ``Reference`` of ``config_fn(out, corpus_dir, cache_root, model)``, computed once per
+    model in a session."""
     import pytest
 
     @pytest.fixture

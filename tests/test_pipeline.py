@@ -11,10 +11,10 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from raylm import TrainConfig, train
+from tests.numerics import assert_weights_match
 from tests.reference import reference_fixture
 
 STEPS = 3
@@ -55,20 +55,16 @@ reference = reference_fixture("pipeline", pp_config, GLOBAL_BATCH, STEPS)
 
 
 def assert_parity(result, ref, steps=STEPS):
-    ref_losses, ref_state = ref
     losses = [h["loss"] for h in result.history]
     assert [h["step"] for h in result.history] == list(range(1, steps + 1))
-    np.testing.assert_allclose(losses, ref_losses[:steps], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(losses, ref.losses[:steps], rtol=1e-5, atol=0)
     assert losses[-1] != losses[0]  # it trained
     # The output is one ordinary Hugging Face model: load it with transformers (which
     # also undoes the legacy names some models are saved under, e.g. GPT-NeoX's embed_out).
     config = AutoConfig.from_pretrained(result.output_dir)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     saved = auto.from_pretrained(result.output_dir).state_dict()
-    assert set(saved) == set(ref_state)
-    for name, tensor in saved.items():
-        torch.testing.assert_close(tensor, ref_state[name], rtol=1e-4, atol=1e-6,
-                                   msg=f"weights differ: {name}")
+    assert_weights_match(saved, ref.state, ref.exact, ref.lr_sum, label=result.output_dir)
 
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
@@ -128,7 +124,7 @@ def test_checkpoint_moves_between_pipeline_layouts(reference, ray_cluster, corpu
                                                    cache_root, tmp_path):
     """A checkpoint written under pp=2 resumes under pp=1 and under pp=4 with the same
     following losses (keys are the model's own parameter names, whatever the layout)."""
-    ref_losses, _ = reference("gpt2")
+    ref_losses = reference("gpt2").losses
     first = train(pp_config(tmp_path / "pp2", corpus_dir, cache_root, pp=2, num_workers=2,
                             save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")

@@ -92,7 +92,7 @@ def test_checkpoint_moves_between_layouts(reference, ray_cluster, corpus_dir, ca
     """A checkpoint written under dp=2 x tp=2 resumes under pp=2 x tp=2, under tp=4, and
     on a single worker (fewer workers), with the reference's following losses: the
     data position and the optimizer state move with it (DCP reshards on load)."""
-    ref_losses, _ = reference("gpt2")
+    ref_losses = reference("gpt2").losses
     first = train(tp_config(tmp_path / "src", corpus_dir, cache_root, dp=2, tp=2,
                             num_workers=4, save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")

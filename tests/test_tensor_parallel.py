@@ -23,6 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 from raylm.errors import ConfigError
+from tests.numerics import assert_weights_match
+from tests.reference import reference_threads
 
 # dcp in this (test) process, with no process group: a single-process checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -37,9 +39,9 @@ MAX_NORM = 0.5  # small enough that clipping is active
 
 # -- tiny models -------------------------------------------------------------------------
 def configs() -> dict:
-    from transformers import (BertConfig, GPT2Config, GPTNeoConfig, GPTNeoXConfig,
-                              LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config,
-                              RobertaConfig, T5Config)
+    from transformers import (BertConfig, GPT2Config, GPTJConfig, GPTNeoConfig, GPTNeoXConfig,
+                              LlamaConfig, MiniCPM3Config, Olmo2Config, Phi3Config,
+                              Qwen3Config, RobertaConfig, T5Config)
 
     small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
@@ -79,6 +81,14 @@ def configs() -> dict:
         "qwen3": Qwen3Config(head_dim=8, **small),
         "phi3": Phi3Config(**small),
         "olmo2": Olmo2Config(**small),
+        # multi-head latent attention: mla_kv_a_proj
+        "minicpm3": MiniCPM3Config(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4,
+                                   qk_rope_head_dim=4, v_head_dim=8,
+                                   **{**small, "num_key_value_heads": 4}),
+        # embedding_rowwise in transformers' plan (transformers >= 5.24 has one)
+        "gptj": GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=64,
+                           vocab_size=V, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=0, eos_token_id=0),
     }
 
 
@@ -179,30 +189,16 @@ def assert_close_runs(name, got, want, rel=1e-5):
         assert abs(n1 - n2) <= 1e-4 * abs(n2), f"{name} step {step}: grad norm {n1} vs {n2}"
 
 
-def assert_same_weights(name, got: dict, want: dict, max_atol=2e-3, mean_atol=1e-5):
-    """Weights after AdamW steps. Adam divides by sqrt(v) + 1e-8, so a gradient element
-    near 1e-8 turns fp32 rounding (summation order differs between layouts) into up to a
-    fraction of one step's size (LR): hence a loose maximum (a wrong gradient moves whole
-    tensors by ~LR) and a tight mean."""
-    assert set(got) == set(want), f"{name}: keys differ: {set(got) ^ set(want)}"
-    for k, w in want.items():
-        g = got[k]
-        assert g.shape == w.shape, f"{name} {k}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
-        if not g.numel():
-            continue
-        diff = (g - w).abs()
-        assert diff.max().item() <= max_atol and diff.mean().item() <= mean_atol, \
-            f"{name} {k}: weights differ by up to {diff.max().item()}, " \
-            f"{diff.mean().item()} on average"
-
-
 def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
     """tp (x dp) training equals one process on the global batch."""
     from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
 
     ref = build(name)
     data = [batches(ref.config, 2, seed=10 + s) for s in range(STEPS)]
-    want = train(ref, data)
+    exact = build(name).double()  # the same weights, trained in float64 (tests/numerics.py)
+    with reference_threads():
+        want = train(ref, data)
+        train(exact, data)
     model = build(name)
     tps = apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
     assert tps.vocab_size == V and tps.padded_vocab_size % mesh.size() == 0
@@ -218,7 +214,7 @@ def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
     assert not sequence_parallel or (seen and set(seen) == {SEQ // mesh.size()}), seen
     assert_close_runs(label, got, want)
     full = canonical_adapter(model, tps).hf_state_dict(model)
-    assert_same_weights(label, full, ref.state_dict())
+    assert_weights_match(full, ref.state_dict(), exact.state_dict(), LR * STEPS, label)
     return model, tps, full
 
 
@@ -257,16 +253,32 @@ def _child(rank, world, port, out_dir, checks):
         dist.destroy_process_group()
 
 
-def spawn(world: int, out_dir: str, checks: list) -> None:
-    """Run ``checks`` ([(name, job function name, args)]) in order on ``world`` ranks."""
-    try:
-        mp.spawn(_child, args=(world, _free_port(), out_dir, checks), nprocs=world, join=True)
-    except Exception:  # the records say which check failed, and why
-        pass
+def spawn(world: int, out_dir: str, checks: list) -> dict:
+    """Run ``checks`` ([(name, job function name, args)]) in order on ``world`` ranks;
+    returns check -> "ok" or the failure. A failing check ends its group's processes (its
+    peers may be inside a collective with it), so the checks after it run in a new group:
+    one failure does not take the others down with it."""
+    results: dict = {}
+    while checks:
+        try:
+            mp.spawn(_child, args=(world, _free_port(), out_dir, checks), nprocs=world,
+                     join=True)
+        except Exception:  # the records say which check failed, and why
+            pass
+        results.update(outcomes(out_dir, world))
+        failed = next((i for i, (c, _, _) in enumerate(checks) if results.get(c) != "ok"),
+                      None)
+        if failed is None:
+            break
+        results.setdefault(checks[failed][0], "no outcome: a rank process died in this check")
+        checks = checks[failed + 1:]
+    return results
 
 
 def outcomes(out_dir: str, world: int) -> dict:
-    """check -> "ok" if every rank passed it, else the first failure's traceback."""
+    """check -> "ok" if every rank passed it, else the first failure's traceback (a check
+    that failed nowhere but not every rank finished is left out)."""
+    passed: dict = {}
     out: dict = {}
     for rank in range(world):
         path = os.path.join(out_dir, f"rank-{rank}.jsonl")
@@ -274,9 +286,11 @@ def outcomes(out_dir: str, world: int) -> dict:
             continue
         for line in open(path):
             r = json.loads(line)
-            if out.get(r["check"], "ok") == "ok":
-                out[r["check"]] = r["outcome"] if r["outcome"] == "ok" else \
-                    f"rank {rank}: {r['outcome']}"
+            if r["outcome"] == "ok":
+                passed[r["check"]] = passed.get(r["check"], 0) + 1
+            else:
+                out.setdefault(r["check"], f"rank {rank}: {r['outcome']}")
+    out.update({c: "ok" for c, n in passed.items() if n == world and c not in out})
     return out
 
 
@@ -409,6 +423,102 @@ def job_fsdp_tp_grads(rank, world, name):
                                    msg=f"norm of {n} ({g.placements})")
 
 
+def job_styles(rank, world):
+    """Every style raylm translates (plans.STYLES), applied by torch to a toy module over
+    tp, computes what the unsharded module computes: this rank's output, and, after a
+    backward of this rank's share of the loss, the input's and the parameters' gradients
+    (sharded ones gathered, partial ones summed)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from raylm.parallel.tensor.apply import torch_style
+    from raylm.parallel.tensor.plans import STYLES
+
+    tp, _ = tp_mesh(world)
+    n, rope = 4 * world, 2
+
+    def mine(t, dim=-1):  # this rank's slice of ``t`` along ``dim``
+        size = t.shape[dim] // world
+        return t.narrow(dim, rank * size, size)
+
+    class PartialSum(nn.Module):
+        """This rank's share of x @ weight.T (its slice of the features): a partial sum,
+        as row-parallel layers inside a module leave it."""
+
+        def __init__(self, sharded):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n, n))
+            self.sharded = sharded
+
+        def forward(self, x):
+            if not self.sharded:
+                return x @ self.weight.t()
+            return mine(x) @ mine(self.weight).t()
+
+    def make(style, sharded):
+        torch.manual_seed(0)
+        if style.startswith("embedding"):
+            return nn.Embedding(n, n), torch.randint(0, n, (2, 3))
+        if style == "replicated_with_grad_allreduce":  # a norm over head-local features
+            return nn.LayerNorm(n), torch.randn(2, world, n)
+        if style == "all_reduce":
+            return PartialSum(sharded), torch.randn(2, 3, n)
+        return nn.Linear(n, 2 * n), torch.randn(2, 3, n)
+
+    config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(qk_rope_head_dim=rope))
+    for style in STYLES:
+        parallel = torch_style(style, config=config)
+        if parallel is None:  # "replicate": the module stays whole on every rank
+            assert style == "replicate", style
+            continue
+        ref, x = make(style, sharded=False)
+        x_ref = x.clone().requires_grad_() if x.is_floating_point() else x
+        y = ref(x_ref)
+        weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        (y * weights).sum().backward()
+
+        model, _ = make(style, sharded=True)
+        parallelize_module(model, tp, parallel)
+        local_in = {"rowwise": lambda t: mine(t),
+                    "replicated_with_grad_allreduce": lambda t: mine(t, 1)}.get(
+                        style, lambda t: t)
+        local_out = {"colwise": mine, "embedding_colwise_local": mine,
+                     "replicated_with_grad_allreduce": lambda t: mine(t, 1)}.get(
+                         style, lambda t: t)
+        given = local_in(x.clone())
+        if given.is_floating_point():
+            given.requires_grad_()
+        out = model(given)
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        torch.testing.assert_close(out, local_out(y.detach()), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{style} output: {m}")
+        # Every rank sees the whole loss where the output is replicated, its own part where
+        # it is local; the rotary slice of mla_kv_a_proj feeds head-local attention, so
+        # each rank's loss holds a share of it.
+        w = local_out(weights).clone()
+        if style == "mla_kv_a_proj":
+            w[..., -rope:] /= world
+        (out * w).sum().backward()
+
+        def total(g):  # PartialSum's ranks each hold a part of every plain gradient
+            g = g.full_tensor() if isinstance(g, DTensor) else g.clone()
+            if style == "all_reduce":
+                dist.all_reduce(g, group=tp.get_group())
+            return g
+
+        if given.is_floating_point():
+            torch.testing.assert_close(total(given.grad), local_in(x_ref.grad), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m: f"{style} input gradient: {m}")
+        want = dict(ref.named_parameters())
+        for pname, p in model.named_parameters():
+            torch.testing.assert_close(total(p.grad), want[pname].grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{style} gradient of {pname}: {m}")
+
+
 # -- checkpoints across layouts ----------------------------------------------------------
 # As raylm.checkpoint.state does it: get_state_dict (optimizer state flattened to
 # "state.<fqn>.exp_avg" keys) -> canonical form -> dcp.save; to load, the same canonical
@@ -521,8 +631,15 @@ def job_ckpt_load(rank, world, base, name, src):
 
 
 # -- the runs ----------------------------------------------------------------------------
+def _planned(name) -> bool:
+    """GPT-J is tensor-parallel where the installed transformers plans it (5.24 on)."""
+    from raylm.parallel.tensor.plans import plan_for
+
+    return plan_for(configs()[name])[0] is not None
+
+
 FAMILIES = ("gpt2", "llama", "gpt_neo", "bert", "roberta", "t5", "gpt_neox", "qwen3", "phi3",
-            "olmo2")
+            "olmo2", "minicpm3") + (("gptj",) if _planned("gptj") else ())
 SP_FAMILIES = ("gpt2", "llama", "gpt_neo")
 
 
@@ -551,13 +668,13 @@ def runs(tmp_path_factory):
     two += [(f"tp2 sp {n}", "job_parity", (n, True)) for n in SP_FAMILIES]
     two.append(("tp2 sp dropout", "job_sp_dropout", ()))
     two.append(("tp2 masked odd length", "job_masked_odd_length", ()))
+    two.append(("tp2 styles", "job_styles", ()))
     for name in CKPT_MODELS:
         two.append((f"ckpt load tp1->tp2 {name}", "job_ckpt_load", (base, name, "tp1")))
         two.append((f"ckpt save tp2 {name}", "job_ckpt_save", (base, name)))
     out = os.path.join(base, "two")
     os.makedirs(out)
-    spawn(2, out, two)
-    results.update(outcomes(out, 2))
+    results.update(spawn(2, out, two))
 
     four = [("tp4 gpt2", "job_parity", ("gpt2",)), ("tp4 sp gpt2", "job_parity", ("gpt2", True)),
             ("dp2xtp2 gpt2", "job_dp2_tp2", ("gpt2",)),
@@ -572,8 +689,7 @@ def runs(tmp_path_factory):
         four.append((f"ckpt save tp4 {name}", "job_ckpt_save", (base, name)))
     out = os.path.join(base, "four")
     os.makedirs(out)
-    spawn(4, out, four)
-    results.update(outcomes(out, 4))
+    results.update(spawn(4, out, four))
 
     for name in CKPT_MODELS:
         for src in ("tp2", "tp4"):
@@ -603,6 +719,11 @@ def test_sequence_parallel_with_dropout(runs):
 
 def test_padded_batch_of_odd_length(runs):
     expect(runs, "tp2 masked odd length")
+
+
+def test_every_translated_style(runs):
+    """Each style name raylm translates does, in torch, what transformers means by it."""
+    expect(runs, "tp2 styles")
 
 
 def test_tp4(runs):
@@ -648,7 +769,7 @@ def test_canonical_form_without_tp():
 
 
 def test_check_tensor_parallel_errors():
-    from transformers import BertConfig, GPTJConfig, LlamaConfig
+    from transformers import BertConfig, LlamaConfig
 
     from raylm.parallel.tensor import check_tensor_parallel
 
@@ -669,11 +790,40 @@ def test_check_tensor_parallel_errors():
     assert "attention heads (4)" in m and "key-value heads (4)" in m
     m = error(cfg["llama"], 4)  # 4 heads, 2 kv heads
     assert "attention heads (4)" in m and "key-value heads (2)" in m
-    assert "no tensor-parallel plan" in error(GPTJConfig(n_head=4), 2)
+    unplanned = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
+    unplanned.base_model_tp_plan = None
+    assert "no tensor-parallel plan" in error(unplanned, 2)
     odd = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
     odd.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts"}
     m = error(odd, 2)
-    assert "'moe_tp_experts'" in m and "layers.*.mlp.experts" in m
+    assert "'moe_tp_experts'" in m and "layers.*.mlp.experts" in m and "mixture-of-experts" in m
+    odd.base_model_tp_plan = {"layers.*.mlp.up_proj": "colwise_sideways"}  # a style from
+    m = error(odd, 2)                                                    # the future
+    assert "'colwise_sideways'" in m and "raylm translates colwise, rowwise" in m
     m = error(BertConfig(num_attention_heads=4), 2, sp=True)
     assert "--sequence_parallel" in m and "bert" in m
     check_tensor_parallel(cfg["llama"], 1, True)  # tp=1: nothing to split
+
+
+def test_every_style_of_the_installed_transformers_plans_is_known():
+    """Every style in every base_model_tp_plan of the installed transformers (each model
+    type it knows) is one raylm translates (plans.STYLES, each checked in torch by
+    test_every_translated_style) or one it refuses with a reason (plans.NOT_TRANSLATED:
+    mixture-of-experts and local-parameter styles). A style new to raylm fails here,
+    naming the model type, the plan entry and the style."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from raylm.parallel.tensor.plans import NOT_TRANSLATED, RAYLM_PLANS, STYLES
+
+    entries, unknown = 0, []
+    for model_type in CONFIG_MAPPING.keys():
+        plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None) or {}
+        for pattern, style in plan.items():
+            entries += 1
+            if style not in STYLES and style not in NOT_TRANSLATED:
+                unknown.append(f"{model_type}: {pattern} -> '{style}'")
+    for model_type, plan in RAYLM_PLANS.items():
+        unknown += [f"raylm's {model_type}: {p} -> '{s}'" for p, s in plan.layers.items()
+                    if s not in STYLES]
+    assert entries > 500, f"only {entries} plan entries found: is the enumeration broken?"
+    assert not unknown, "styles raylm neither translates nor refuses: " + "; ".join(unknown)

@@ -86,7 +86,7 @@ def test_checkpoint_moves_between_stages(reference, ray_cluster, corpus_dir, cac
     """A checkpoint written under ZeRO-3 with dp=4 resumes under ZeRO-1 with dp=2 (and
     under stage 0 on one worker) with the reference's following losses: the partitions
     are DTensor shards that torch.distributed.checkpoint reshards."""
-    ref_losses, _ = reference("gpt2")
+    ref_losses = reference("gpt2").losses
     first = train(zero_config(tmp_path / "src", corpus_dir, cache_root, dp=4, num_workers=4,
                               zero_stage=3, cpus_per_worker=0.5, save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")
@@ -106,7 +106,7 @@ def test_zero3_tensor_parallel_checkpoint_resumes_without_it(reference, ray_clus
     """ZeRO-3 over tensor-parallel shards (each rank its dp rows of its tp shard of a
     padded vocabulary and fused GPT-2 layers) checkpoints in the model's own shapes: it
     resumes under ZeRO-2 with dp=2 and no tensor parallelism, with the reference's losses."""
-    ref_losses, _ = reference("gpt2")
+    ref_losses = reference("gpt2").losses
     first = train(zero_config(tmp_path / "src", corpus_dir, cache_root, dp=2, tp=2,
                               num_workers=4, zero_stage=3, cpus_per_worker=0.5, save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")

@@ -47,7 +47,7 @@ def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
     from transformers.pytorch_utils import Conv1D
 
     from raylm.parallel.tensor.apply import _base_prefix, match
-    from raylm.parallel.tensor.plans import plan_for
+    from raylm.parallel.tensor.plans import plan_for, shard_dim
 
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():  # GPT-2: Conv1D (W [in, out]) -> nn.Linear (W.T)
@@ -63,12 +63,7 @@ def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
                 module = model.get_submodule(fqn)
                 embedding = isinstance(module, nn.Embedding)
                 for pname, p in module.named_parameters(recurse=False):
-                    if style in ("colwise", "colwise_gather_output", "embedding_colwise"):
-                        dim = 1 if embedding else 0
-                    elif style in ("rowwise", "rowwise_split_input"):
-                        dim = 0 if embedding else (1 if pname == "weight" else None)
-                    else:  # replicated styles
-                        dim = None
+                    dim = shard_dim(style, embedding, pname)
                     if dim is not None:
                         shard[names[id(p)]] = dim
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

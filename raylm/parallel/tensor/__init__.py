@@ -36,8 +36,9 @@ API
     counted once); ``sqrt`` of it is what single-process ``clip_grad_norm_`` computes.
 
 Plans are data (``plans``): transformers' ``base_model_tp_plan`` where the model has one
-(Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, ...), else raylm's for GPT-2,
-GPT-Neo, BERT/RoBERTa (causal LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo,
+(Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, MiniCPM3, GPT-J, ...; its style
+names translated as ``plans.STYLES`` lists, mixture-of-experts styles refused), else
+raylm's for GPT-2, GPT-Neo, BERT/RoBERTa (causal LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo,
 Llama, Mistral, Qwen2.
 """
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 from raylm.errors import ConfigError
 from raylm.parallel.tensor.plans import (
     HF_SEQUENCE_PARALLEL,
+    NOT_TRANSLATED,
     RAYLM_PLANS,
     STYLES,
     plan_for,
@@ -75,9 +76,10 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> N
     bad = unsupported_styles(plan)
     if bad:
         pattern, style = next(iter(bad.items()))
+        why = NOT_TRANSLATED.get(style, f"raylm translates {', '.join(STYLES)}")
         raise ConfigError(
             f"--tp {tp}: the {model_type} tensor-parallel plan shards {pattern} as "
-            f"'{style}', which raylm does not translate (it translates {', '.join(STYLES)})")
+            f"'{style}', which raylm does not translate ({why}); run this model without --tp")
     if sequence_parallel and plan.sequence_parallel is None:
         supported = sorted([t for t, p in RAYLM_PLANS.items() if p.sequence_parallel]
                            + list(HF_SEQUENCE_PARALLEL))
@@ -128,12 +130,14 @@ def _base_prefix(model: nn.Module) -> str:
     return ""
 
 
-def match(model: nn.Module, prefix: str, pattern: str) -> list:
-    """Module fqns matching ``pattern`` (relative to ``prefix``; ``*`` = one atom)."""
+def match(model: nn.Module, prefix: str, pattern: str, parameters: bool = False) -> list:
+    """Module fqns matching ``pattern`` (relative to ``prefix``; ``*`` = one atom); with
+    ``parameters``, parameter fqns instead."""
     full = f"{prefix}.{pattern}" if prefix else pattern
     atoms = full.split(".")
     out = []
-    for name, _ in model.named_modules():
+    named = model.named_parameters() if parameters else model.named_modules()
+    for name, _ in named:
         parts = name.split(".")
         if name and len(parts) == len(atoms) and all(
                 fnmatch.fnmatchcase(a, p) for a, p in zip(parts, atoms)):
@@ -195,22 +199,61 @@ def _reorder_fused(linear: nn.Linear, parts: int, tp: int) -> None:
         linear.bias.copy_(b.reshape(out).clone())
 
 
-def _style(name: str, sp: bool) -> ParallelStyle:
-    """A plan's style name as a torch ParallelStyle. Under sequence parallelism the
-    row-parallel layers reduce-scatter into sequence shards (kept as DTensors, so the
-    residual stream stays one)."""
+def torch_style(name: str, sp: bool = False, config=None):
+    """A plan's style name (plans.STYLES) as a torch ParallelStyle, or None for a module
+    that stays whole on every rank. Under sequence parallelism the row-parallel layers
+    reduce-scatter into sequence shards (kept as DTensors, so the residual stream stays
+    one)."""
     to_seq = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-    if name in ("colwise", "embedding_colwise"):
+    if name in ("colwise", "embedding_colwise_local"):
         return ColwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep", "embedding_colwise"):
+        return ColwiseParallel(output_layouts=Replicate())
     if name == "rowwise":
         return RowwiseParallel(**to_seq)
-    if name == "colwise_gather_output":
-        return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise_split_input":
+    if name in ("rowwise_split_input", "rowwise_rep"):
         return RowwiseParallel(input_layouts=Replicate(), **to_seq)
+    if name == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":
         return ReplicatedOnLocalShards()
+    if name == "all_reduce":
+        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
+    if name == "mla_kv_a_proj":
+        return SumGradientOfRotarySlice(config.get_text_config().qk_rope_head_dim)
+    if name == "replicate":
+        return None
     raise ConfigError(f"raylm does not translate the tensor-parallel style '{name}'")
+
+
+def _sum_gradient_over_tp(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the tp ranks. In DTensor terms: a
+    replicated value whose local gradient is a Partial (each rank's holds only its heads'
+    share), redistributed to Replicate."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
+
+
+class SumGradientOfRotarySlice(ParallelStyle):
+    """transformers' ``mla_kv_a_proj`` (multi-head latent attention, e.g. MiniCPM3,
+    DeepSeek-V2): the replicated kv_a projection's output is [latent, rotary key]. The
+    latent part reaches the heads through the column-parallel kv_b projection, whose input
+    gradient torch already sums; the rotary slice goes straight to head-local attention, so
+    its gradient must be summed here. Written by hand: torch has no style for a slice of an
+    output."""
+
+    src_data_rank = None
+
+    def __init__(self, rope_dim: int):
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def outputs(mod, args, out):
+            head, tail = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([head, _sum_gradient_over_tp(tail, device_mesh)], dim=-1)
+
+        module.register_forward_hook(outputs)
+        return module
 
 
 class ReplicatedOnLocalShards(ParallelStyle):
@@ -323,8 +366,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     # 4. The plan: {module fqn: torch style}.
     styles: dict = {}
     for pattern, name in plan.layers.items():
-        for fqn in match(model, prefix, pattern):
-            styles[fqn] = _style(name, sp is not None)
+        fqns = match(model, prefix, pattern)
+        if not fqns and match(model, prefix, pattern, parameters=True):
+            raise ConfigError(f"--tp {tp}: the {config.model_type} tensor-parallel plan "
+                              f"shards the parameter {pattern} directly, which raylm does "
+                              "not translate; run this model without --tp")
+        style = torch_style(name, sp is not None, config)
+        if style is not None:
+            styles.update((fqn, style) for fqn in fqns)
     names = {id(m): n for n, m in model.named_modules()}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.weight is emb.weight:

@@ -19,20 +19,72 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-# Style names raylm translates into torch ParallelStyles (apply.py ``_style``):
+# Style names raylm translates into torch ParallelStyles (apply.py ``torch_style``), with
+# the dim each shards: (nn.Linear weight, nn.Linear bias, nn.Embedding weight); None =
+# replicated.
+# Semantics follow transformers' own registry (transformers.distributed.tensor_parallel
+# ALL_PARALLEL_STYLES), so a Hugging Face plan means here what it means there.
 #   colwise                         ColwiseParallel: weight rows (output features) sharded,
 #                                   input replicated, output sharded on the last dim (local)
 #   rowwise                         RowwiseParallel: weight columns sharded, input sharded on
 #                                   the last dim, output summed (replicated, or sequence
 #                                   shards under sequence parallelism)
-#   colwise_gather_output           ColwiseParallel with the output all-gathered (HF)
-#   rowwise_split_input             RowwiseParallel taking a replicated input (HF)
+#   colwise_gather_output           ColwiseParallel with the output all-gathered (HF);
+#   colwise_rep                     the same under its other HF name
+#   rowwise_split_input             RowwiseParallel taking a replicated input (HF);
+#   rowwise_rep                     the same under its other HF name
+#   embedding_rowwise               a vocabulary-parallel nn.Embedding: rows sharded, the
+#                                   ranks' partial lookups summed (HF)
+#   embedding_colwise               an nn.Embedding sharded on its embedding dim, the slices
+#                                   gathered into a replicated output (HF)
+#   embedding_colwise_local         raylm's: sharded on the embedding dim, output kept local
+#                                   (T5's relative_attention_bias: one column per head, and
+#                                   each rank computes its own heads)
 #   replicated_with_grad_allreduce  a replicated module applied to head-local activations
 #                                   (Qwen3's q_norm/k_norm): gradient summed over tp (HF)
-#   embedding_colwise               an nn.Embedding sharded on its embedding dim (T5's
-#                                   relative_attention_bias: one column per head)
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-          "replicated_with_grad_allreduce", "embedding_colwise")
+#   all_reduce                      a module whose output is a partial sum over tp ranks
+#                                   (its inner layers row-parallel to a partial result): the
+#                                   output is summed (HF)
+#   mla_kv_a_proj                   multi-head latent attention's replicated kv_a projection:
+#                                   its rotary slice feeds head-local attention, so that
+#                                   slice's gradient is summed over tp (HF)
+#   replicate                       the module stays whole on every rank (HF)
+STYLES = {
+    "colwise": (0, 0, 1),
+    "rowwise": (1, None, 0),
+    "colwise_gather_output": (0, 0, 1),
+    "colwise_rep": (0, 0, 1),
+    "rowwise_split_input": (1, None, 0),
+    "rowwise_rep": (1, None, 0),
+    "embedding_rowwise": (None, None, 0),
+    "embedding_colwise": (None, None, 1),
+    "embedding_colwise_local": (None, None, 1),
+    "replicated_with_grad_allreduce": (None, None, None),
+    "all_reduce": (None, None, None),
+    "mla_kv_a_proj": (None, None, None),
+    "replicate": (None, None, None),
+}
+
+# Styles of transformers' plans that raylm refuses, with the reason the error gives.
+NOT_TRANSLATED = {
+    "moe_tp_experts": "mixture-of-experts layers are not tensor-parallel in raylm yet",
+    "moe_identity_expert": "mixture-of-experts layers are not tensor-parallel in raylm yet",
+    "packed_colwise": "packed expert weights (mixture of experts) are not tensor-parallel in "
+                      "raylm yet",
+    "packed_rowwise": "packed expert weights (mixture of experts) are not tensor-parallel in "
+                      "raylm yet",
+    "local_params": "modules run on local parameter shards (attention sinks) are not "
+                    "tensor-parallel in raylm yet",
+}
+
+
+def shard_dim(style: str, embedding: bool, pname: str):
+    """The dim of parameter ``pname`` ("weight", "bias") of an nn.Linear (or nn.Embedding
+    when ``embedding``) that ``style`` shards, or None when it stays replicated."""
+    linear_weight, linear_bias, embedding_weight = STYLES[style]
+    if embedding:
+        return embedding_weight if pname == "weight" else None
+    return {"weight": linear_weight, "bias": linear_bias}.get(pname)
 
 
 @dataclass(frozen=True)
@@ -86,7 +138,7 @@ for _stack in ("encoder", "decoder"):
     _T5_LAYERS[f"{_stack}.block.*.layer.*.DenseReluDense.wo"] = "rowwise"
     # The relative position bias has one column per head: each rank keeps its heads'.
     _T5_LAYERS[f"{_stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = \
-        "embedding_colwise"
+        "embedding_colwise_local"
 
 # raylm's own plans, for families transformers has no base_model_tp_plan for.
 RAYLM_PLANS = {
