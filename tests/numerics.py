@@ -34,14 +34,37 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
 
+# Gradient norms before clipping, per step: relative. The norm sums squares over every
+# element, so the elements whose updates Adam amplified (above) move it more than they move
+# the loss (a mean over tokens); a gradient scaled by a constant (a dp sum for a mean, a
+# tied weight counted twice), which AdamW hides from losses and weights, moves it by that
+# constant.
+NORM_REL = 1e-4
 MEAN_FACTOR = 2.0
 MAX_FACTOR = 8.0
 REL = 1e-5  # the loss parity tolerance (relative)
 ULPS = 16 * 2.0 ** -24  # 16 fp32 ulps of the tensor's largest element
 # To re-measure FACTOR: every comparison appends its errors (JSON lines) to this file.
 LOG_ENV = "RAYLM_TEST_WEIGHT_LOG"
+
+
+def assert_steps_match(history: list, ref, steps: int, label: str = "") -> None:
+    """A run's per-step records (``TrainResult.history``) against the single-process
+    reference (tests/reference.py): steps 1..``steps``, losses within ``REL`` and gradient
+    norms within ``NORM_REL``."""
+    assert [h["step"] for h in history] == list(range(1, steps + 1)), label
+    np.testing.assert_allclose([h["loss"] for h in history], ref.losses[:steps], rtol=REL,
+                               atol=0, err_msg=f"{label}: losses")
+    norms = [h["grad_norm"] for h in history]
+    if os.environ.get(LOG_ENV):
+        with open(os.environ[LOG_ENV], "a") as f:
+            f.write(json.dumps(dict(label=label, grad_norms=norms,
+                                    ref_grad_norms=ref.grad_norms[:steps])) + "\n")
+    np.testing.assert_allclose(norms, ref.grad_norms[:steps], rtol=NORM_REL, atol=0,
+                               err_msg=f"{label}: gradient norms")
 
 
 def weight_errors(got: torch.Tensor, exact: torch.Tensor) -> tuple:

@@ -23,6 +23,7 @@ class Reference(NamedTuple):
     weights, and the same run's final weights in float64 (see tests/numerics.py)."""
 
     losses: list
+    grad_norms: list  # per step, before clipping
     state: dict
     exact: dict
     lr_sum: float  # the learning rates of the steps, added up
@@ -38,11 +39,11 @@ def single_process_reference(cfg, spec, dataset, train_ids, global_batch_size: i
                              steps: int) -> Reference:
     """``reference_run`` in fp32 (losses, weights) and in float64 (weights)."""
     with reference_threads():
-        losses, state, lr_sum = reference_run(cfg, spec, dataset, train_ids,
-                                              global_batch_size, steps)
-        _, exact, _ = reference_run(cfg, spec, dataset, train_ids, global_batch_size, steps,
-                                    dtype=torch.float64)
-    return Reference(losses, state, exact, lr_sum)
+        losses, norms, state, lr_sum = reference_run(cfg, spec, dataset, train_ids,
+                                                     global_batch_size, steps)
+        exact = reference_run(cfg, spec, dataset, train_ids, global_batch_size, steps,
+                              dtype=torch.float64)[2]
+    return Reference(losses, norms, state, exact, lr_sum)
 
 
 @contextlib.contextmanager
@@ -58,8 +59,8 @@ def reference_threads():
 
 def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: int,
                   dtype=torch.float32):
-    """Train ``steps`` optimizer steps; returns (per-step losses, final state_dict, the
-    sum of the steps' learning rates).
+    """Train ``steps`` optimizer steps; returns (per-step losses, per-step gradient norms
+    before clipping, final state_dict, the sum of the steps' learning rates).
 
     Each global batch is cut into micro-batches of ``cfg.per_device_train_batch_size``;
     every micro-batch's mean loss is divided by their number (gradient accumulation), so
@@ -82,7 +83,7 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     sampler = GlobalBatchSampler(train_ids, global_batch_size, cfg.seed)
     reader = BlockReader(dataset)
     mb = cfg.per_device_train_batch_size
-    losses = []
+    losses, norms = [], []
     lr_sum = 0.0
     for step in range(steps):
         ids = sampler.global_batch(step)
@@ -100,14 +101,21 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
             loss = out.loss / len(chunks)
             loss.backward()
             total += loss.item()
+        # The norm is asserted as well as the loss: AdamW hides a gradient scaled by a
+        # constant (a dp sum for a mean, a tied weight counted twice), the norm does not.
         if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])
+        norms.append(norm.item())
         lr_sum += opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, lr_sum
+    return (losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()},
+            lr_sum)
 
 
 _CACHE: dict = {}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from raylm import TrainConfig, train
 from raylm.runtime.prepare import check_inputs, prepare_data
 from tests.conftest import TINY_GPT2
-from tests.numerics import assert_weights_match
+from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import single_process_reference
 
 STEPS = 6
@@ -50,9 +50,8 @@ def test_data_parallel_matches_single_process(workers, accum, reference, ray_clu
                       gradient_accumulation_steps=accum)
     result = train(cfg)
 
+    assert_steps_match(result.history, reference, STEPS, label=f"{workers}x{accum}")
     losses = [h["loss"] for h in result.history]
-    assert [h["step"] for h in result.history] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
     # The losses actually moved: parity of a constant would prove nothing.
     assert losses[-1] < losses[0] - 0.05
 
