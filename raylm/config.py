@@ -45,6 +45,10 @@ class TrainConfig:
     config_overrides: Optional[str] = _f(
         None, "Override config values when training from scratch, e.g. "
         "\"n_layer=2,n_embd=64,resid_pdrop=0.0\".", "model")
+    objective: Optional[str] = _f(
+        None, "Training objective: causal (next token) or seq2seq (an encoder-decoder "
+        "model continues the first half of each block). Default: the model's own "
+        "(raylm.models.objectives).", "model")
     tokenizer_name: Optional[str] = _f(
         None, "Tokenizer directory, if not the model's. Default for a model trained from "
         "scratch: the tokenizer shipped with the built-in sample corpus.", "model")
@@ -214,7 +218,7 @@ class TrainConfig:
     # --overwrite_output_dir). Logging, saving and cluster settings are free to change;
     # the layout in particular may change on resume.
     RUN_DEFINING = (
-        "model_name_or_path", "config_name", "model_type", "config_overrides",
+        "model_name_or_path", "config_name", "model_type", "config_overrides", "objective",
         "tokenizer_name", "train_file", "validation_file", "validation_split_percentage",
         "text_column", "block_size", "line_by_line", "learning_rate", "weight_decay",
         "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",

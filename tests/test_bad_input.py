@@ -91,6 +91,19 @@ def test_config_override_unknown_key(tmp_path, capsys, corpus_dir, cache_root):
     assert errors == ["raylm: error: --config_overrides: GPT2Config has no key 'n_wings'"]
 
 
+@pytest.mark.parametrize("objective,message", [
+    ("mlm", "--objective mlm: choose one of causal, seq2seq"),
+    ("seq2seq", "--objective seq2seq does not train a decoder-only model ('gpt2'); its "
+     "objective is causal (leave --objective unset)"),
+])
+def test_objective_the_model_cannot_train(objective, message, tmp_path, capsys, corpus_dir,
+                                          cache_root):
+    rc, errors, _ = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root),
+                            "--objective", objective)
+    assert rc == 2
+    assert errors == [f"raylm: error: {message}"]
+
+
 def test_output_dir_of_a_different_run(tmp_path, capsys, corpus_dir, cache_root):
     out = tmp_path / "out"
     out.mkdir()

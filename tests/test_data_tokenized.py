@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from raylm.data.reader import BlockReader, Prefetcher
+from raylm.data.reader import IGNORE_INDEX, PAD_ID, BlockReader, Prefetcher
 from raylm.data.sources import builtin_tokenizer_dir, resolve_files
 from raylm.data.tokenized import (
     CACHE_PREFIX,
@@ -323,9 +323,14 @@ def test_reader_returns_rows_in_the_order_asked_across_shards(ray_local, tok, tm
         got = reader.read(ids)
         assert got["input_ids"].dtype == torch.long
         assert torch.equal(got["input_ids"], torch.from_numpy(want[np.asarray(ids)]))
+        assert got["sample_ids"].tolist() == list(ids)  # for objectives that draw per sample
+    filler = reader.read([PAD_ID, 1])
+    assert filler["sample_ids"].tolist() == [PAD_ID, 1]
+    assert (filler["labels"][0] == IGNORE_INDEX).all()
     empty = reader.read([])
     assert {k: tuple(v.shape) for k, v in empty.items()} == {
-        "input_ids": (0, BLOCK), "labels": (0, BLOCK), "attention_mask": (0, BLOCK)}
+        "input_ids": (0, BLOCK), "labels": (0, BLOCK), "attention_mask": (0, BLOCK),
+        "sample_ids": (0,)}
     with pytest.raises(IndexError, match="out of range"):
         reader.read([ds.num_samples])
 

@@ -291,3 +291,66 @@ def test_zero_flag_errors_are_one_line(capsys, extra, words):
     assert line.startswith("raylm: error: ")
     for w in words:
         assert w in line, line
+
+
+# The same flags through `raylm plan` and through the driver of `raylm train` (its
+# planning step, no actor): the same layout, micro-batching, schedule, ZeRO stage and stage
+# cuts. Worker memory and node size are flags, so neither reads a cluster.
+AGREE = [
+    ("--num_workers", "4"),  # the planner's choice
+    ("--dp", "2", "--pp", "2", "--num_workers", "4", "--gradient_accumulation_steps", "2"),
+    ("--pp", "2", "--pp_split", "1", "--num_workers", "2", "--gradient_accumulation_steps",
+     "2"),
+    ("--pp", "2", "--pipeline_schedule", "interleaved_1f1b", "--num_workers", "2",
+     "--gradient_accumulation_steps", "4"),
+    ("--pp", "2", "--pipeline_schedule", "zero_bubble", "--num_workers", "4",
+     "--gradient_accumulation_steps", "2"),
+    ("--tp", "2", "--sequence_parallel", "True", "--num_workers", "4"),
+    ("--num_workers", "2", "--zero_stage", "2"),
+    # short of memory: the planner's ZeRO-1, and with --dp given the lowest fitting stage
+    ("--num_workers", "4", "--per_device_train_batch_size", "1", "--worker_memory_gb",
+     "0.0063"),
+    ("--dp", "4", "--num_workers", "4", "--per_device_train_batch_size", "1",
+     "--worker_memory_gb", "0.0063"),
+]
+PINNED = ("--workers_per_node", "8")
+
+
+@pytest.mark.parametrize("flags", AGREE, ids=lambda f: " ".join(f))
+def test_plan_prints_the_plan_train_runs(capsys, tmp_path, flags):
+    from raylm.cli.args import config_from_namespace
+    from raylm.cli.main import build_parser
+    from raylm.runtime.driver import Driver
+    from raylm.runtime.prepare import check_inputs
+
+    args = (*GPT2_4, *flags, *PINNED)
+    if "--worker_memory_gb" not in flags:
+        args += ("--worker_memory_gb", "16")
+    printed = plan_json(capsys, *args)["plan"]
+    cfg = config_from_namespace(build_parser().parse_args(
+        ["train", *args, "--output_dir", str(tmp_path / "out")]), {})
+    run = Driver(cfg).plan(check_inputs(cfg), capacity=cfg.num_workers)
+    assert {k: printed[k] for k in ("dp", "pp", "tp")} == run.dims.to_dict()
+    for key in ("micro_batch_size", "global_batch_size", "micro_batches_per_rank", "schedule",
+                "virtual", "sequence_parallel", "zero_stage"):
+        assert printed[key] == getattr(run, key), key
+    assert printed["stage_bounds"] == [list(b) for b in run.stage_bounds]
+    if "0.0063" in flags:  # the memory-short sets really exercise the ZeRO choice
+        assert run.zero_stage == 1
+
+
+def test_pp_split_without_pp_is_one_error_for_plan_and_train(capsys, tmp_path):
+    from raylm.cli.args import config_from_namespace
+    from raylm.cli.main import build_parser
+    from raylm.errors import ConfigError
+    from raylm.runtime.driver import Driver
+    from raylm.runtime.prepare import check_inputs
+
+    rc, out, err = plan(capsys, *GPT2_4, "--pp_split", "2", "--num_workers", "2")
+    assert rc == 2 and out == ""
+    assert "--pp_split 2 cuts the model into 2 stages: give --pp 2 with it" in err
+    cfg = config_from_namespace(build_parser().parse_args(
+        ["train", *GPT2_4, "--pp_split", "2", "--num_workers", "2", "--output_dir",
+         str(tmp_path / "out")]), {})
+    with pytest.raises(ConfigError, match="give --pp 2 with it"):
+        Driver(cfg).plan(check_inputs(cfg), capacity=2)

@@ -21,12 +21,13 @@ from raylm.cli.main import main
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError
 from raylm.plan.cost import Layout, rank_memory, single_stage, step_time
+from raylm.plan.dims import ParallelDims
 from raylm.plan.hardware import GIB, hardware_for
 from raylm.plan.layout import make_plan
 from raylm.plan.partition import partition
 from raylm.plan.planner import search_for_config
-from raylm.plan.report import human_bytes
 from raylm.plan.shape import model_shape
+from raylm.plan.text import human_bytes
 from raylm.runtime.memory import ActivationMeter, state_bytes
 
 SEQ, BATCH, VOCAB = 64, 4, 500
@@ -90,7 +91,8 @@ def _predicted(name, part_bounds=None, microbatches=2):
         pp = len(part_bounds)
         part = partition(shape.embed, list(shape.blocks), shape.head, pp, "1f1b", 1,
                          [b[0] for b in part_bounds[1:]])
-    layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=BATCH, microbatches=microbatches)
+    layout = Layout(dims=ParallelDims(pp=pp), micro_batch_size=BATCH,
+                    microbatches=microbatches)
     return rank_memory(shape, part, layout, hw)
 
 
@@ -245,7 +247,7 @@ def test_zero_stages_shard_states_over_dp():
     psi = shape.total_params
 
     def mem(zero):
-        layout = Layout(dp=4, tp=1, pp=1, micro_batch_size=BATCH, microbatches=1,
+        layout = Layout(dims=ParallelDims(dp=4), micro_batch_size=BATCH, microbatches=1,
                         zero_stage=zero)
         return rank_memory(shape, part, layout, hw)[0]
 
@@ -262,7 +264,7 @@ def test_tensor_parallel_shards_matrices_and_activations():
     shape = model_shape(_model("llama", "meta"), SEQ)
     hw = hardware_for(TrainConfig())
     part = single_stage(shape)
-    one, two = (rank_memory(shape, part, Layout(dp=1, tp=t, pp=1, micro_batch_size=BATCH,
+    one, two = (rank_memory(shape, part, Layout(dims=ParallelDims(tp=t), micro_batch_size=BATCH,
                                                 microbatches=1), hw)[0] for t in (1, 2))
     norms = 2 * 64 * 2 + 64  # two RMSNorm weights per block, the final norm: replicated
     assert two.param_count == pytest.approx((shape.total_params - norms) / 2 + norms)
@@ -277,8 +279,8 @@ def test_step_time_bubble_and_communication():
         virtual = 2 if schedule == "interleaved_1f1b" else 1
         part = (partition(shape.embed, list(shape.blocks), shape.head, pp, schedule, virtual)
                 if pp > 1 else single_stage(shape))
-        layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=BATCH, microbatches=m,
-                        schedule=schedule, virtual=virtual)
+        layout = Layout(dims=ParallelDims(dp=dp, pp=pp, tp=tp), micro_batch_size=BATCH,
+                        microbatches=m, schedule=schedule, virtual=virtual)
         return step_time(shape, part, layout, hw, rank_memory(shape, part, layout, hw))
 
     one, piped = timed(1), timed(2)
@@ -505,7 +507,7 @@ def _spec(cfg):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ownership_splits_every_tensor_over_dp(stage):
-    from raylm.plan.ownership import ownership_lines, zero_ownership
+    from raylm.report.ownership import ownership_lines, zero_ownership
 
     cfg = _zero_cfg(dp=4, zero_stage=stage)
     spec, seq = _spec(cfg)
@@ -539,7 +541,7 @@ def test_ownership_splits_every_tensor_over_dp(stage):
 
 
 def _meta(spec):
-    from raylm.parallel.pipeline.stages import meta_model
+    from raylm.models.units import meta_model
 
     return meta_model(spec)
 
@@ -549,8 +551,8 @@ def test_ownership_of_a_3d_layout_agrees_with_the_cost_model():
     model counts), and its dp group splits that; GPT-2's tied table sits on both pp
     ranks."""
     from raylm.plan.layout import plan_pipeline
-    from raylm.plan.ownership import ownership_lines, zero_ownership
-    from raylm.plan.report import build_plan_report
+    from raylm.report.ownership import ownership_lines, zero_ownership
+    from raylm.report.plan_report import build_plan_report
 
     cfg = _cfg("gpt2", TINY_GPT2, dp=2, tp=2, pp=2, zero_stage=3,
                gradient_accumulation_steps=2)
@@ -612,7 +614,7 @@ def test_ownership_shapes_are_the_runtimes_tensor_parallel_shards():
     """The shapes ownership derives for tp=2 (GPT-2's Conv1D as nn.Linear, the vocabulary
     of 101 padded to 102, colwise and rowwise splits, replicated norms) are those
     apply_tensor_parallel gives each parameter on two real gloo ranks."""
-    from raylm.plan.ownership import tensor_parallel_shapes
+    from raylm.report.ownership import tensor_parallel_shapes
 
     results, procs = _two_gloo_ranks(_tp_shapes_rank)
     for name in MODELS:

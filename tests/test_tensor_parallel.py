@@ -395,7 +395,8 @@ def job_fsdp_tp_grads(rank, world, name):
 
     from raylm.models.objectives import objective_for
     from raylm.parallel.tensor import apply_tensor_parallel, grad_norm_sq
-    from raylm.parallel.zero.fsdp import apply_fsdp, tp_shard_of
+    from raylm.parallel.shards import tp_shard_of
+    from raylm.parallel.zero.fsdp import apply_fsdp
 
     def backward(model, micro, total, tps=None):
         objective = objective_for(model.config)
@@ -436,7 +437,7 @@ def job_styles(rank, world):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from raylm.parallel.tensor.apply import torch_style
-    from raylm.parallel.tensor.plans import STYLES
+    from raylm.models.tensor_plans import STYLES
 
     tp, _ = tp_mesh(world)
     n, rope = 4 * world, 2
@@ -633,7 +634,7 @@ def job_ckpt_load(rank, world, base, name, src):
 # -- the runs ----------------------------------------------------------------------------
 def _planned(name) -> bool:
     """GPT-J is tensor-parallel where the installed transformers plans it (5.24 on)."""
-    from raylm.parallel.tensor.plans import plan_for
+    from raylm.models.tensor_plans import plan_for
 
     return plan_for(configs()[name])[0] is not None
 
@@ -771,7 +772,7 @@ def test_canonical_form_without_tp():
 def test_check_tensor_parallel_errors():
     from transformers import BertConfig, LlamaConfig
 
-    from raylm.parallel.tensor import check_tensor_parallel
+    from raylm.models.tensor_plans import check_tensor_parallel
 
     cfg = configs()
     for name in FAMILIES:  # every test model with a plan here splits 2 ways
@@ -813,7 +814,7 @@ def test_every_style_of_the_installed_transformers_plans_is_known():
     naming the model type, the plan entry and the style."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from raylm.parallel.tensor.plans import NOT_TRANSLATED, RAYLM_PLANS, STYLES
+    from raylm.models.tensor_plans import NOT_TRANSLATED, RAYLM_PLANS, STYLES
 
     entries, unknown = 0, []
     for model_type in CONFIG_MAPPING.keys():

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from raylm.parallel.shards import tp_shard_of, write_rows_back
+
 
 def _rng_path(path: str, rank: int) -> str:
     return os.path.join(path, "rng", f"rank-{rank:05d}.safetensors")
@@ -119,15 +121,11 @@ def _tp_only(sd: dict) -> dict:
     rank's tp share of the states; ``_write_rows_back`` returns loaded values by rows)."""
     from torch.distributed.tensor import DTensor
 
-    from raylm.parallel.zero.fsdp import tp_shard_of
-
     return {k: tp_shard_of(v) if isinstance(v, DTensor) and v.device_mesh.ndim > 1 else v
             for k, v in sd.items()}
 
 
 def _write_rows_back(sd: dict, tp_form: dict) -> None:
-    from raylm.parallel.zero.fsdp import write_rows_back
-
     for key, value in sd.items():
         if tp_form[key] is not value:
             write_rows_back(value, tp_form[key])

@@ -106,7 +106,7 @@ def cmd_train(ns) -> int:
 def cmd_plan(ns) -> int:
     import json
 
-    from raylm.plan.report import build_plan_report, format_plan_report
+    from raylm.report.plan_report import build_plan_report, format_plan_report
 
     cfg = _config(ns)
     if cfg.address:

@@ -40,9 +40,11 @@ class BlockReader:
         self._lock = threading.Lock()  # the Prefetcher's thread and the caller may both read
 
     def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
-        """Rows for ``ids``; an id of PAD_ID gives a filler row (token 0, attended to like
-        any row so attention stays finite, every label IGNORE_INDEX). Pipeline schedules
-        need equal micro-batches; fillers make an epoch's short last step one."""
+        """Rows for ``ids``: input_ids, labels, attention_mask, and the ids themselves
+        (``sample_ids``, for objectives that draw per sample). An id of PAD_ID gives a
+        filler row (token 0, attended to like any row so attention stays finite, every
+        label IGNORE_INDEX). Pipeline schedules need equal micro-batches; fillers make an
+        epoch's short last step one."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         pad = ids == PAD_ID
         real = ids[~pad]
@@ -67,7 +69,8 @@ class BlockReader:
         if pad.any():
             labels[torch.from_numpy(pad)] = IGNORE_INDEX
         return {"input_ids": input_ids_t, "labels": labels,
-                "attention_mask": attention_mask.long()}
+                "attention_mask": attention_mask.long(),
+                "sample_ids": torch.from_numpy(ids)}  # PAD_ID for filler rows
 
     def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         shard = self._shards.get(index)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError
+from raylm.models.auto import model_class
 
 log = logging.getLogger("raylm")
 
@@ -163,16 +164,6 @@ def resolve_block_size(cfg, spec: ModelSpec) -> int:
         raise ConfigError(f"--block_size {cfg.block_size} is larger than the model's maximum "
                           f"positions ({limit})")
     return cfg.block_size
-
-
-def model_class(config):
-    """The transformers Auto class raylm builds a config with: causal LMs, and
-    encoder-decoder models (T5) for the seq2seq objective (raylm.models.objectives)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    if getattr(config, "is_encoder_decoder", False):
-        return AutoModelForSeq2SeqLM
-    return AutoModelForCausalLM
 
 
 def build_model(spec: ModelSpec, seed: int, device=None):

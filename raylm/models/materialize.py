@@ -68,6 +68,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from raylm.models.auto import model_class
+
 __all__ = ["initial_state", "meta_skeleton", "MaterializeError"]
 
 _META = torch.device("meta")
@@ -247,8 +249,6 @@ def trace_from_config(config):
     meta tensors; tied weights are tied. Leaves the caller's CPU generator untouched and
     raises MaterializeError if the construction drew from it (the replay could not be
     exact)."""
-    from raylm.models.loading import model_class
-
     trace = _Trace()
     before = torch.get_rng_state()
     try:

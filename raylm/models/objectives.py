@@ -1,5 +1,12 @@
 """Training objectives: which tensors a model is fed from a packed block, and its loss.
 
+An objective is chosen by name (``--objective``, ``OBJECTIVES``); unset, the model decides
+(``default_objective``: seq2seq for encoder-decoder models, causal otherwise). Its
+``split(batch, step)`` sees the batch's tokens and the ids of its samples
+(``batch["sample_ids"]``, raylm.data.reader) and the optimizer step (None when
+evaluating), so an objective that draws something per sample (dynamic masking) can make it
+a deterministic function of (seed, step, sample id), the same on every layout.
+
 raylm's data is packed token blocks (raylm.data). A decoder-only model learns the next
 token of each block (run_clm). An encoder-decoder model (T5) learns the continuation: the
 encoder reads the first half of a block and the decoder predicts the second half, which
@@ -17,13 +24,15 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from raylm.errors import ConfigError
+
 IGNORE_INDEX = -100
 
 
 class CausalLM:
     name = "causal"
 
-    def split(self, batch: dict) -> dict:
+    def split(self, batch: dict, step=None) -> dict:
         return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
 
     def loss_sum(self, logits, labels):
@@ -47,7 +56,7 @@ class Seq2Seq:
         self.pad = pad_token_id
         self.start = decoder_start_token_id
 
-    def split(self, batch: dict) -> dict:
+    def split(self, batch: dict, step=None) -> dict:
         ids, labels = batch["input_ids"], batch["labels"]
         half = ids.shape[1] // 2
         target = labels[:, half:].contiguous()
@@ -75,15 +84,41 @@ def _local(loss):
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def objective_for(config):
-    if getattr(config, "is_encoder_decoder", False):
-        start = config.decoder_start_token_id
-        pad = config.pad_token_id if config.pad_token_id is not None else 0
-        return Seq2Seq(pad, start if start is not None else pad)
-    return CausalLM()
-
-
 def is_seq2seq(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False))
 
 
+def _seq2seq(config) -> Seq2Seq:
+    start = config.decoder_start_token_id
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    return Seq2Seq(pad, start if start is not None else pad)
+
+
+# name -> (builds the objective for a model config, which models it trains)
+OBJECTIVES = {
+    "causal": (lambda config: CausalLM(), lambda config: not is_seq2seq(config)),
+    "seq2seq": (_seq2seq, is_seq2seq),
+}
+
+
+def default_objective(config) -> str:
+    return "seq2seq" if is_seq2seq(config) else "causal"
+
+
+def check_objective(config, name=None) -> str:
+    """The objective a run uses: ``name`` (--objective), else the model's default. A
+    one-line ConfigError for a name raylm does not know or a model it cannot train."""
+    name = name or default_objective(config)
+    if name not in OBJECTIVES:
+        raise ConfigError(f"--objective {name}: choose one of {', '.join(OBJECTIVES)}")
+    if not OBJECTIVES[name][1](config):
+        kind = "an encoder-decoder" if is_seq2seq(config) else "a decoder-only"
+        raise ConfigError(f"--objective {name} does not train {kind} model "
+                          f"('{config.model_type}'); its objective is "
+                          f"{default_objective(config)} (leave --objective unset)")
+    return name
+
+
+def objective_for(config, name=None):
+    """The objective object for ``config`` (``name``: --objective; None: the model's)."""
+    return OBJECTIVES[check_objective(config, name)][0](config)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
     if isinstance(p, DTensor):
         with torch.no_grad():
@@ -46,7 +46,7 @@ def bucket_params(params: list, bucket_bytes: int) -> list:
     order: backward produces the last layers' gradients first."""
     buckets, current, size = [], [], 0
     for p in reversed(params):
-        nbytes = _local(p).numel() * p.element_size()
+        nbytes = local_tensor(p).numel() * p.element_size()
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -68,11 +68,11 @@ class GradientAllReduce:
         self.bucket_of: dict[int, int] = {}
         for i, bucket in enumerate(buckets):
             extra = 1 if loss_slot and i == len(buckets) - 1 else 0  # the loss slot
-            flat = torch.zeros(sum(_local(p).numel() for p in bucket) + extra,
-                               dtype=bucket[0].dtype, device=_local(bucket[0]).device)
+            flat = torch.zeros(sum(local_tensor(p).numel() for p in bucket) + extra,
+                               dtype=bucket[0].dtype, device=local_tensor(bucket[0]).device)
             offset = 0
             for p in bucket:
-                local = _local(p)
+                local = local_tensor(p)
                 n = local.numel()
                 view = flat[offset:offset + n].view_as(local)
                 if isinstance(p, DTensor):

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from raylm.plan.dims import ParallelDims
 from raylm.plan.hardware import Hardware
 from raylm.plan.partition import Partition
 from raylm.plan.inflight import peak_in_flight
@@ -64,9 +65,7 @@ BUCKET_BYTES = 4 * 2**20  # raylm.parallel.data's gradient buckets
 
 @dataclass(frozen=True)
 class Layout:
-    dp: int
-    tp: int
-    pp: int
+    dims: ParallelDims  # ranks along each axis
     micro_batch_size: int
     microbatches: int  # per data-parallel replica and step
     schedule: str = "1f1b"
@@ -74,9 +73,10 @@ class Layout:
     sequence_parallel: bool = False
     zero_stage: int = 0
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+    dp = property(lambda self: self.dims.dp)
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    world_size = property(lambda self: self.dims.world_size)
 
 
 @dataclass

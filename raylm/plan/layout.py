@@ -14,18 +14,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError
-from raylm.plan.zero import ZERO_STAGES
-
-# Mesh dimension order: dp outermost, tp innermost (tensor-parallel peers are adjacent
-# ranks, which placement keeps on one node).
-MESH_DIMS = ("dp", "pp", "tp")
-
+from raylm.models.families import family_of
+from raylm.models.tensor_plans import check_tensor_parallel
+from raylm.models.units import has_own_stages, meta_model, model_units
+from raylm.plan.constraints import sequence_parallel_problem, tensor_pipeline_problem
+from raylm.plan.dims import ParallelDims
+from raylm.plan.partition import (check_schedule, parse_pp_split, partition,
+                                  virtual_stages)
+from raylm.plan.planner import choose_for_config, evaluate_layout
+from raylm.plan.zero import STAGE_PARTITIONS, requested_zero_stage, unsupported
 
 @dataclass(frozen=True)
 class Plan:
-    dp: int
-    pp: int
-    tp: int
+    dims: ParallelDims  # ranks along each axis (dp, pp, tp): rank <-> coordinates
     micro_batch_size: int
     global_batch_size: int
     cpus_per_worker: float
@@ -39,21 +40,15 @@ class Plan:
     zero_stage: int = 0  # ZeRO over each dp group (raylm.plan.zero)
     cpu_offload: bool = False  # zero_stage 3 on GPUs: shards and optimizer states in host memory
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
+    # The degrees, read from dims (the one place that knows the axes).
+    dp = property(lambda self: self.dims.dp)
+    pp = property(lambda self: self.dims.pp)
+    tp = property(lambda self: self.dims.tp)
+    world_size = property(lambda self: self.dims.world_size)
 
     @property
     def micro_batches_per_rank(self) -> int:
         return math.ceil(self.global_batch_size / (self.dp * self.micro_batch_size))
-
-    def dp_index(self, rank: int) -> int:
-        """The data-parallel replica of a global rank (mesh order dp, pp, tp)."""
-        return rank // (self.pp * self.tp)
 
     @property
     def torch_threads(self) -> int:
@@ -75,18 +70,14 @@ class Plan:
 
     def resized(self, num_workers: int) -> "Plan":
         """The plan for ``num_workers`` ranks, same global batch (elastic re-plan)."""
-        group = self.pp * self.tp
-        dp = num_workers // group
-        if dp < 1:
-            raise ConfigError(f"{num_workers} worker(s) cannot hold one pp={self.pp} x "
-                              f"tp={self.tp} replica")
-        return dataclasses.replace(self, dp=dp)
+        try:
+            return dataclasses.replace(self, dims=self.dims.resized(num_workers))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def describe_zero(stage: int, dp: int, cpu_offload: bool = False) -> str:
     """"ZeRO-2 (optimizer states and gradients partitioned over dp=4)"."""
-    from raylm.plan.zero import STAGE_PARTITIONS
-
     names = {"optimizer": "optimizer states", "gradients": "gradients",
              "parameters": "parameters"}
     parts = [names[p] for p in STAGE_PARTITIONS[stage]]
@@ -95,30 +86,6 @@ def describe_zero(stage: int, dp: int, cpu_offload: bool = False) -> str:
     if cpu_offload:
         text += ", sharded state offloaded to host memory"
     return text
-
-
-def requested_zero_stage(cfg) -> Optional[int]:
-    """The ZeRO stage the flags ask for (None: unset, the planner's choice), after the
-    checks that need no model: --zero_optimization True is --zero_stage 1; --cpu_offload
-    needs --use_gpu and stage 3. One-line ConfigError otherwise."""
-    stage = getattr(cfg, "zero_stage", None)
-    if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
-        raise ConfigError(f"--zero_stage {stage}: choose one of 0, 1, 2, 3")
-    if getattr(cfg, "zero_optimization", False):
-        if stage is not None and stage != 1:
-            raise ConfigError(f"--zero_optimization True means --zero_stage 1, which "
-                              f"conflicts with --zero_stage {stage}: give one of the two")
-        stage = 1
-    if getattr(cfg, "cpu_offload", False):
-        if not cfg.use_gpu:
-            raise ConfigError("--cpu_offload needs --use_gpu: on CPU workers the optimizer "
-                              "states are in host memory already")
-        if stage != 3:
-            got = "is unset" if stage is None else f"is {stage}"
-            raise ConfigError(f"--cpu_offload needs --zero_stage 3 (FSDP2's CPU offload of "
-                              f"the sharded parameters, gradients and optimizer states; "
-                              f"stages 1 and 2 do not offload yet; --zero_stage {got})")
-    return stage
 
 
 def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
@@ -165,8 +132,6 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
     accum, schedule = cfg.gradient_accumulation_steps, cfg.pipeline_schedule
     searched = not (cfg.dp or cfg.tp or cfg.pp)
     if searched:  # the planner's layout (and, when unset, ZeRO stage)
-        from raylm.plan.planner import choose_for_config
-
         chosen = choose_for_config(cfg, num_workers, spec, seq_len, search, hw=hw)
         tp, pp, accum = chosen.tp, chosen.pp, chosen.microbatches
         schedule = chosen.schedule if pp > 1 else schedule
@@ -181,12 +146,38 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
                           f"--num_workers {num_workers}")
     if zero is None:
         zero = 0 if dp <= 1 else lowest_fitting_stage(cfg, dp, tp, pp, spec, seq_len, hw)
-    return Plan(dp=dp, pp=pp, tp=tp, micro_batch_size=cfg.per_device_train_batch_size,
+    return Plan(dims=ParallelDims(dp=dp, pp=pp, tp=tp),
+                micro_batch_size=cfg.per_device_train_batch_size,
                 global_batch_size=cfg.per_device_train_batch_size * accum * dp,
                 cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
                 schedule=schedule,
                 sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
                 zero_stage=zero, cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
+
+
+def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
+             global_batch_size: Optional[int] = None) -> tuple:
+    """The layout a run uses: the one planning function. ``raylm train`` (the driver) and
+    ``raylm plan`` (raylm.report.plan_report) both call it, so the plan printed is the
+    plan run for the same flags. Returns (Plan, the pipeline Partition or None).
+
+    In order: the flags (make_plan: dp x tp x pp, or the planner's choice, the batch
+    geometry, the ZeRO stage), the run's global batch when resuming
+    (``global_batch_size``), the tensor-parallel and ZeRO constraints, then for pp > 1
+    the stage cut and the schedule's checks. Every problem is one ConfigError line, raised
+    before any actor starts."""
+    if cfg.pp_split and not cfg.pp:
+        stages = len(parse_pp_split(cfg.pp_split)) + 1
+        raise ConfigError(f"--pp_split {cfg.pp_split} cuts the model into {stages} stages: "
+                          f"give --pp {stages} with it")
+    plan = make_plan(cfg, capacity, spec, seq_len, search=search, hw=hw)
+    if global_batch_size:
+        plan = dataclasses.replace(plan, global_batch_size=int(global_batch_size))
+    check_tensor_layout(spec, plan, seq_len)
+    check_zero_layout(spec, plan)
+    if plan.pp == 1:
+        return plan, None
+    return plan_pipeline(cfg, spec, plan, seq_len)
 
 
 def lowest_fitting_stage(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None,
@@ -195,8 +186,6 @@ def lowest_fitting_stage(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None
     fits the worker memory, else the lowest stage that fits, else 0 (the layout's own
     errors, or the run, tell what does not fit). The cost model's prediction, as the
     planner makes it (raylm.plan.planner.evaluate_layout)."""
-    from raylm.plan.planner import evaluate_layout
-
     try:
         c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
                             zero_stage=None)
@@ -210,20 +199,10 @@ def lowest_fitting_stage(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None
 def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
     """For pp > 1: cut the model into stages and check the schedule (driver side, no
     weights: the model is built on the meta device). Returns (plan, Partition)."""
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import meta_model, model_units
-    from raylm.plan.partition import check_schedule, partition, virtual_stages
-
     schedule = plan.schedule  # the user's --pipeline_schedule, or the planner's choice
     virtual = virtual_stages(schedule, cfg.pp_virtual_stages)
     check_schedule(schedule, plan.pp, virtual, plan.micro_batches_per_rank)
-    split = None
-    if cfg.pp_split:
-        try:
-            split = [int(x) for x in str(cfg.pp_split).split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--pp_split {cfg.pp_split}: expected comma-separated block "
-                              "indices, e.g. 3,6,9") from None
+    split = parse_pp_split(cfg.pp_split)
     model = meta_model(spec)
     if cfg.line_by_line and family_of(spec.config) is None:
         raise ConfigError(f"--line_by_line with --pp {plan.pp}: padded samples need an "
@@ -240,36 +219,20 @@ def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):
 def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
     """For tp > 1: the one-line errors a tensor-parallel layout can hit, before any actor
     starts (driver side, no weights)."""
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import is_t5
-    from raylm.parallel.tensor import check_tensor_parallel
-
     if plan.tp <= 1:
         return
     check_tensor_parallel(spec.config, plan.tp, plan.sequence_parallel)
-    if plan.sequence_parallel and seq_len % plan.tp:
-        raise ConfigError(f"--sequence_parallel with --tp {plan.tp}: the block size "
-                          f"{seq_len} must be a multiple of tp (each rank holds an equal "
-                          "slice of the sequence)")
-    if plan.pp > 1:
-        if plan.sequence_parallel:
-            raise ConfigError("--sequence_parallel with --pp > 1 is not supported yet: "
-                              "stages exchange whole sequences; drop one of the two")
-        if family_of(spec.config) is None and not is_t5(spec.config):
-            raise ConfigError(f"--tp {plan.tp} with --pp {plan.pp}: raylm cuts "
-                              f"'{spec.config.model_type}' into stages by tracing it with "
-                              "torch.export, which does not take tensor-parallel layers; "
-                              "use one of the two, or a model type raylm has stages for")
+    problem = (sequence_parallel_problem(plan.tp, plan.pp, plan.sequence_parallel, seq_len)
+               or tensor_pipeline_problem(plan.tp, plan.pp, has_own_stages(spec.config),
+                                          spec.config.model_type))
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_zero_layout(spec, plan: Plan) -> None:
     """A ZeRO stage the layout cannot run with (raylm.plan.zero.unsupported): one clear
     error before any actor."""
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import is_t5
-    from raylm.plan.zero import unsupported
-
-    own_stages = family_of(spec.config) is not None or is_t5(spec.config)
-    problem = unsupported(plan.zero_stage, plan.pp, plan.schedule, own_stages)
+    problem = unsupported(plan.zero_stage, plan.pp, plan.schedule,
+                          has_own_stages(spec.config))
     if problem:
         raise ConfigError(problem)

@@ -19,17 +19,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.errors import ConfigError
+from raylm.models.units import Unit
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-
-
-@dataclass
-class Unit:
-    """One block (or the embeddings, or the head) and what it costs."""
-
-    name: str
-    params: int  # distinct parameters held
-    flops: float  # forward FLOPs per token (estimate)
 
 
 @dataclass
@@ -140,6 +132,18 @@ def balance(costs: list, num_stages: int, first_extra: tuple, last_extra: tuple)
         b = a
     bounds.append((0, b))
     return list(reversed(bounds))
+
+
+def parse_pp_split(text) -> Optional[list]:
+    """``--pp_split "3,6,9"`` -> [3, 6, 9] (None when unset); one-line ConfigError when it
+    is not a list of block indices."""
+    if not text:
+        return None
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--pp_split {text}: expected comma-separated block indices, "
+                          "e.g. 3,6,9") from None
 
 
 def manual_bounds(split: list, num_blocks: int, num_stages: int) -> list:

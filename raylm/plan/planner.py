@@ -35,12 +35,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.errors import ConfigError
+from raylm.models.loading import resolve_block_size, resolve_model
+from raylm.models.tensor_plans import check_tensor_parallel
+from raylm.models.units import meta_model
+from raylm.plan.constraints import sequence_parallel_problem, tensor_pipeline_problem
 from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
-from raylm.plan.hardware import Hardware
-from raylm.plan.partition import check_schedule, partition, virtual_stages
-from raylm.plan.report import human_bytes
-from raylm.plan.shape import ModelShape
-from raylm.plan.zero import ZERO_STAGES, unsupported
+from raylm.plan.dims import ParallelDims
+from raylm.plan.hardware import Hardware, hardware_for
+from raylm.plan.partition import check_schedule, parse_pp_split, partition, virtual_stages
+from raylm.plan.shape import ModelShape, model_shape
+from raylm.plan.text import human_bytes
+from raylm.plan.zero import ZERO_STAGES, requested_zero_stage, unsupported
 
 FROM_CONFIG = "config"  # zero_stage argument: the stage the TrainConfig's flags ask for
 log = logging.getLogger("raylm")
@@ -188,9 +193,9 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
                split, sp, zero) -> Candidate:
     virtual = virtual_stages(schedule, pp_virtual) if pp > 1 else 1
     m = global_batch // (dp * mbs)
-    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, microbatches=max(1, m),
-                    schedule=schedule, virtual=virtual, sequence_parallel=sp and tp > 1,
-                    zero_stage=zero or 0)
+    layout = Layout(dims=ParallelDims(dp=dp, pp=pp, tp=tp), micro_batch_size=mbs,
+                    microbatches=max(1, m), schedule=schedule, virtual=virtual,
+                    sequence_parallel=sp and tp > 1, zero_stage=zero or 0)
     c = Candidate(layout)
     if tp > 1:  # the model's own limits first: the most useful reason to show
         c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
@@ -202,11 +207,10 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
         c.problem = f"tp={tp} does not divide the {hw.workers_per_node} workers of a node"
     if c.problem:
         return c
-    if pp > 1 and tp > 1 and layout.sequence_parallel:
-        c.problem = "sequence parallelism with pp > 1 is not supported"
-    elif pp > 1 and tp > 1 and not shape.own_stages:
-        c.problem = (f"tp with pp: raylm cuts {shape.model_type} by torch.export, which "
-                     "takes no tensor-parallel layers")
+    sp_or_tp = (sequence_parallel_problem(tp, pp, layout.sequence_parallel, shape.seq_len)
+                or tensor_pipeline_problem(tp, pp, shape.own_stages, shape.model_type))
+    if sp_or_tp:
+        c.problem = sp_or_tp
     elif pp > 1 and not shape.cuttable:
         c.problem = f"pp={pp}: raylm cannot cut {shape.model_type} into stages"
     elif zero and (why := unsupported(zero, pp, schedule, shape.own_stages)):
@@ -264,10 +268,8 @@ def _estimate(c: Candidate, shape: ModelShape, part, hw: Hardware) -> None:
 
 def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
     """Why tensor parallelism of degree ``tp`` cannot shard this model ("" if it can):
-    the runtime's own check (raylm.parallel.tensor) where the config is known, else the
-    heads."""
-    from raylm.parallel.tensor import check_tensor_parallel
-
+    the runtime's own check (raylm.models.tensor_plans) where the config is known, else
+    the heads."""
     key = ("tp", tp, sp)
     if key in cache:
         return cache[key]
@@ -283,9 +285,6 @@ def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
         problem = (f"tp={tp} does not divide the {shape.heads} attention heads"
                    + (f" and {shape.kv_heads} key-value heads"
                       if shape.kv_heads != shape.heads else ""))
-    if not problem and sp and shape.seq_len % tp:
-        problem = (f"sequence parallelism: tp={tp} does not divide the block size "
-                   f"{shape.seq_len}")
     cache[key] = problem
     return problem
 
@@ -335,9 +334,6 @@ def _largest_part(mem: Memory) -> str:
 # -- from a TrainConfig --------------------------------------------------------------------
 def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
     """The ModelShape of a resolved model (built once, on the meta device)."""
-    from raylm.parallel.pipeline.stages import meta_model
-    from raylm.plan.shape import model_shape
-
     try:
         model = meta_model(spec)
     except (ValueError, TypeError, AttributeError, AssertionError) as e:
@@ -355,15 +351,10 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
     (``spec``/``seq_len`` are resolved from ``cfg`` when not given). ``zero_stage``: by
     default the stage the flags ask for (raylm.plan.layout.requested_zero_stage; unset:
     the planner's per-layout choice); an int fixes it, None leaves it to the planner."""
-    from raylm.plan.hardware import hardware_for
-    from raylm.plan.layout import requested_zero_stage
-
     if zero_stage == FROM_CONFIG:
         zero_stage = requested_zero_stage(cfg)
 
     if spec is None or seq_len is None:
-        from raylm.models.loading import resolve_block_size, resolve_model
-
         spec = spec or resolve_model(cfg)
         seq_len = seq_len or resolve_block_size(cfg, spec)
     hw = hw or hardware_for(cfg)
@@ -371,12 +362,7 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
     mbs = cfg.per_device_train_batch_size
     if global_batch is None:
         global_batch = mbs * cfg.gradient_accumulation_steps * num_workers
-    split = None
-    if cfg.pp and cfg.pp_split:
-        try:
-            split = [int(x) for x in str(cfg.pp_split).split(",") if x.strip()]
-        except ValueError:
-            split = None  # plan_pipeline reports it
+    split = parse_pp_split(cfg.pp_split) if cfg.pp else None
     schedules = (cfg.pipeline_schedule,) if cfg.pp else AUTO_SCHEDULES
     if not cfg.pp and cfg.pipeline_schedule not in schedules:
         schedules = schedules + (cfg.pipeline_schedule,)
@@ -429,8 +415,6 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
     presents it itself), its ``zero_stage`` the flags' or the planner's; ConfigError when
     no layout fits; pure data parallelism at stage 0 (or the flags' stage), as before
     the planner, for a model whose shape it cannot read."""
-    from raylm.plan.layout import requested_zero_stage
-
     if search is not None and search.num_workers != num_workers:
         search = None  # made for another cluster size
     searched_here = search is None
@@ -439,7 +423,7 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
             search = search_for_config(cfg, num_workers, spec, seq_len, hw=hw)
         except ValueError as e:
             log.warning("planner: %s; data parallelism over the %d workers", e, num_workers)
-            return Layout(dp=num_workers, tp=1, pp=1,
+            return Layout(dims=ParallelDims(dp=num_workers, pp=1, tp=1),
                           micro_batch_size=cfg.per_device_train_batch_size,
                           microbatches=cfg.gradient_accumulation_steps,
                           zero_stage=requested_zero_stage(cfg) or 0)

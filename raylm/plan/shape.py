@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raylm.models.units import Unit, has_own_stages, model_units
 from raylm.plan.activations import ActivationRecipe, recipe_for
-from raylm.plan.partition import Unit
 
 HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model")
 HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")
@@ -89,11 +89,6 @@ def tensor_parallel_supported(config) -> bool:
 def model_shape(model, seq_len: int, use_gpu: bool = False) -> ModelShape:
     """Read a (meta-device) model once. Raises ValueError when the config names no hidden
     size (the cost model needs it)."""
-    from raylm.parallel.pipeline.stages import model_units
-
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import is_t5
-
     config = model.config
     hidden = first_int(config, HIDDEN_ATTRS)
     if not hidden:
@@ -133,4 +128,4 @@ def model_shape(model, seq_len: int, use_gpu: bool = False) -> ModelShape:
         head_split=min(out_n, head.params), tied=tied,
         recipe=recipe_for(config, hidden, heads, kv, head_dim, inter, vocab, use_gpu),
         tensor_parallel=tensor_parallel_supported(config), cuttable=cuttable,
-        own_stages=family_of(config) is not None or is_t5(config), config=config)
+        own_stages=has_own_stages(config), config=config)

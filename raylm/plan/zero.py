@@ -20,6 +20,9 @@ The driver's Plan names the stage; this module says what that means per rank.
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+from raylm.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -94,3 +97,27 @@ def unsupported(stage: int, pp: int, schedule: str, own_stages: bool = True):
                 "family or T5); this one is cut by the generic torch.export split, which "
                 "ZeRO-3 does not take yet: use --zero_stage 2 or lower, or --pp 1")
     return None
+
+
+def requested_zero_stage(cfg) -> Optional[int]:
+    """The ZeRO stage the flags ask for (None: unset, the planner's choice), after the
+    checks that need no model: --zero_optimization True is --zero_stage 1; --cpu_offload
+    needs --use_gpu and stage 3. One-line ConfigError otherwise."""
+    stage = getattr(cfg, "zero_stage", None)
+    if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
+        raise ConfigError(f"--zero_stage {stage}: choose one of 0, 1, 2, 3")
+    if getattr(cfg, "zero_optimization", False):
+        if stage is not None and stage != 1:
+            raise ConfigError(f"--zero_optimization True means --zero_stage 1, which "
+                              f"conflicts with --zero_stage {stage}: give one of the two")
+        stage = 1
+    if getattr(cfg, "cpu_offload", False):
+        if not cfg.use_gpu:
+            raise ConfigError("--cpu_offload needs --use_gpu: on CPU workers the optimizer "
+                              "states are in host memory already")
+        if stage != 3:
+            got = "is unset" if stage is None else f"is {stage}"
+            raise ConfigError(f"--cpu_offload needs --zero_stage 3 (FSDP2's CPU offload of "
+                              f"the sharded parameters, gradients and optimizer states; "
+                              f"stages 1 and 2 do not offload yet; --zero_stage {got})")
+    return stage

@@ -55,8 +55,9 @@ def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float, g
 
     One bundle per group of ``group`` consecutive ranks (a tensor-parallel group): a
     bundle always lies on one node, so a tp group does too, and its collectives stay on
-    the node's fast links. Rank r runs in bundle r // group. PACK keeps the bundles
-    together (fewer nodes) but spreads them when it must.
+    the node's fast links. Rank r runs in bundle ``dims.node_group(r)``
+    (raylm.plan.dims). PACK keeps the bundles together (fewer nodes) but spreads them
+    when it must.
     """
     bundle = {"CPU": cpus_per_worker * group}
     if use_gpu:

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -32,9 +32,8 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
-from raylm.plan.layout import (Plan, check_tensor_layout, check_zero_layout, make_plan,
-                                plan_pipeline)
-from raylm.plan.report import describe_partition
+from raylm.plan.layout import Plan, plan_run
+from raylm.plan.text import describe_partition
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
@@ -85,23 +84,13 @@ class Driver:
         owns_ray = cluster.connect(cfg.address)
         try:
             cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, cfg.tp or 1)
-            plan = make_plan(cfg, cap, inputs.spec, inputs.block_size)
-            if inputs.run_record and inputs.run_record.get("global_batch_size"):
-                # Resuming: the global batch is the run's, whatever the layout now.
-                plan = dataclasses.replace(
-                    plan, global_batch_size=int(inputs.run_record["global_batch_size"]))
-            check_tensor_layout(inputs.spec, plan, inputs.block_size)
-            check_zero_layout(inputs.spec, plan)
-            if plan.pp > 1:
-                plan, part = plan_pipeline(cfg, inputs.spec, plan, inputs.block_size)
-                for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):
-                    log.info("%s", line)
+            plan = self.plan(inputs, cap)
             data = prepare_data(cfg, inputs)
             self.target_workers = plan.world_size
             log.info("plan: %s", plan.describe())
             if plan.zero_stage and plan.dp > 1:
                 try:
-                    from raylm.plan.ownership import ownership_lines, zero_ownership
+                    from raylm.report.ownership import ownership_lines, zero_ownership
 
                     for line in ownership_lines(zero_ownership(inputs.spec, plan,
                                                                inputs.block_size), plan.dp):
@@ -116,6 +105,18 @@ class Driver:
             if owns_ray:
                 ray.shutdown()
 
+    def plan(self, inputs: Inputs, capacity: int) -> Plan:
+        """The run's layout on a cluster that can hold ``capacity`` ranks: raylm's one
+        planning function (what `raylm plan` prints for the same flags); a resumed run
+        keeps its global batch, whatever the layout now."""
+        record = inputs.run_record or {}
+        plan, part = plan_run(self.cfg, capacity, inputs.spec, inputs.block_size,
+                              global_batch_size=record.get("global_batch_size"))
+        if part is not None:
+            for line in describe_partition(part, plan.schedule, plan.micro_batches_per_rank):
+                log.info("%s", line)
+        return plan
+
     # -- group lifecycle -------------------------------------------------------------------
     def _start_group(self, plan: Plan, inputs: Inputs, data: Data, steps: int,
                      restore: Optional[str], restore_step: int) -> Plan:
@@ -124,12 +125,12 @@ class Driver:
         n = plan.world_size
         while True:
             self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu, timeout_s=30,
-                                     group=plan.tp)
+                                     group=plan.dims.node_group_size)
             if self.pg is not None:
                 break
             if n <= 1:
                 raise TrainingFailed("could not place a single rank actor on the cluster")
-            fewer = max(1, n - plan.pp * plan.tp)
+            fewer = max(1, n - plan.dims.replica_size)
             log.warning("could not place %d rank(s) within 30 s; trying %d", n, fewer)
             n = fewer
         if n != plan.world_size:
@@ -141,7 +142,7 @@ class Driver:
             actor.options(
                 num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=rank // plan.tp),
+                    self.pg, placement_group_bundle_index=plan.dims.node_group(rank)),
             ).remote(rank, n, plan.torch_threads)
             for rank in range(n)
         ]
@@ -278,8 +279,8 @@ class Driver:
             # Each rank gets its replica's micro-batches for `step` and, to prefetch, for
             # step + 1 (every stage of a pipeline gets the same ids).
             cur, nxt = schedule(step), schedule(step + 1)
-            return [w.train_step.remote(step, cur[plan.dp_index(r)],
-                                        nxt[plan.dp_index(r)] if nxt else None)
+            return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
+                                        nxt[plan.dims.index(r, "dp")] if nxt else None)
                     for r, w in enumerate(self.workers)]
 
         def saves_after(step):
@@ -342,7 +343,7 @@ class Driver:
         """Log each rank's measured memory next to the planner's prediction, and keep both
         in output_dir/memory.json (the first step after each start of the group)."""
         from raylm.plan.planner import evaluate_layout
-        from raylm.plan.report import human_bytes
+        from raylm.plan.text import human_bytes
         from raylm.plan.zero import theory_bytes
 
         plan, cfg = self.plan, self.cfg
@@ -380,8 +381,7 @@ class Driver:
                      f" (predicted {human_bytes(pred['states'] + pred['activations'])})"
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
-            json.dump({"layout": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp,
-                                  "zero_stage": plan.zero_stage},
+            json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage},
                        "step": self.step, "ranks": ranks}, f, indent=2)
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:
@@ -391,7 +391,7 @@ class Driver:
             "step": self.step, "epoch": sampler.epoch_of(self.step),
             "global_batch_size": self.plan.global_batch_size,
             "world_size": self.plan.world_size,
-            "layout": {"dp": self.plan.dp, "pp": self.plan.pp, "tp": self.plan.tp},
+            "layout": self.plan.dims.to_dict(),
             "run": record,
         })
         self.ckpt.rotate(self.cfg.save_total_limit)
@@ -400,7 +400,8 @@ class Driver:
     def _eval(self, data: Data) -> dict:
         plan = self.plan
         eval_ds = data.eval if data.eval is not data.train else None
-        refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dp_index(r)), eval_ds)
+        refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dims.index(r, "dp")),
+                                  eval_ds)
                 for r, w in enumerate(self.workers)]
         out = _loss_result(self._wait(refs))
         step = getattr(self, "step", 0)
@@ -436,7 +437,7 @@ class Driver:
         log.warning("restoring %s: %d step(s) will be redone",
                     restore or "the initial model (no checkpoint yet)", self.step - restore_step)
         n = cluster.wait_for_capacity(self.target_workers, self.plan.cpus_per_worker,
-                                      self.plan.use_gpu, group=self.plan.tp)
+                                      self.plan.use_gpu, group=self.plan.dims.node_group_size)
         plan = self.plan.resized(n) if n != self.plan.world_size else self.plan
         self.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
         self.step = restore_step

@@ -24,13 +24,7 @@ from typing import Iterable, Optional
 
 import torch
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return t
-    return t.to_local() if isinstance(t, DTensor) else t
+from raylm.parallel.data import local_tensor
 
 
 def _storage_key(t: torch.Tensor):
@@ -48,7 +42,7 @@ def _sum_storages(tensors: Iterable[torch.Tensor], seen: set) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        t = _local(t)
+        t = local_tensor(t)
         if t.device.type == "meta":
             total += t.numel() * t.element_size()
             continue
@@ -121,8 +115,8 @@ class ActivationMeter:
         tensors = list(params) if params is not None else []
         if model is not None:
             tensors += list(model.parameters())
-        self._param_keys = {_storage_key(_local(p))[0] for p in tensors
-                            if _local(p).device.type != "meta"}
+        self._param_keys = {_storage_key(local_tensor(p))[0] for p in tensors
+                            if local_tensor(p).device.type != "meta"}
         self._refs: dict = {}  # storage key -> [handles alive, nbytes]
         self.live = 0
         self.peak = 0
@@ -137,7 +131,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         self.saved_calls += 1
-        local = _local(t)
+        local = local_tensor(t)
         if local.device.type == "meta":
             return t
         key, nbytes = _storage_key(local)

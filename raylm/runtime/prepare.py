@@ -46,6 +46,7 @@ class Data:
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
     from raylm.models.loading import resolve_block_size, resolve_model
+    from raylm.models.objectives import check_objective
 
     _check_numbers(cfg)
     if not cfg.should_train and not cfg.should_eval:
@@ -70,6 +71,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
                           "--model_name_or_path")
 
     spec = resolve_model(cfg)
+    check_objective(spec.config, cfg.objective)
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
                     eval_files=eval_files)

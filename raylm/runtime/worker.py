@@ -15,6 +15,8 @@ import socket
 import time
 from datetime import timedelta
 
+from raylm.parallel.mesh import build_mesh, sharded_axes
+
 log = logging.getLogger("raylm")
 
 
@@ -45,13 +47,11 @@ class RankWorker:
         """Join the process groups, build model and optimizer, open the data."""
         import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         from raylm.data.reader import BlockReader, Prefetcher
         from raylm.models.loading import build_model
         from raylm.models.objectives import objective_for
         from raylm.parallel.data import GradientAllReduce
-        from raylm.plan.layout import MESH_DIMS
 
         t0 = time.time()
         self.plan = plan
@@ -62,7 +62,7 @@ class RankWorker:
                                 world_size=self.world_size,
                                 timeout=timedelta(seconds=train_cfg["collective_timeout_s"]))
         # One mesh, named dims; later parallelisms take their groups from it.
-        self.mesh = init_device_mesh(self.device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+        self.mesh = build_mesh(plan.dims, self.device.type)
         self.dp_group = self.mesh["dp"].get_group()
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
@@ -75,7 +75,8 @@ class RankWorker:
         else:
             self.model = build_model(spec, train_cfg["seed"]).to(self.device)
         self.spec = spec
-        self.objective = objective_for(spec.config)
+        self.objective = objective_for(spec.config, train_cfg.get("objective"))
+        self.step = None  # the optimizer step being run (objectives may draw per step)
         # The parallelisms, in a fixed order: tensor parallelism shards the whole model's
         # layers first (every rank holds the same weights, so each takes its shard), then
         # the pipeline cut keeps this rank's stages of the sharded model.
@@ -128,14 +129,13 @@ class RankWorker:
         modules, holders, self.eval_stage_modules = cut(self.model, part, stage_ids, example)
         if self.zero_stage == 3:  # before the runtime takes references to the parameters
             self._shard_parameters(list(modules))
-        grid = self.mesh.mesh  # global rank of each (dp, pp, tp) coordinate
-        tp_rank = self.mesh["tp"].get_local_rank()
+        dims, me = plan.dims, plan.dims.coords(self.rank)
         tied_groups = {}
         for ranks in sorted({tuple(r) for r in holders.values() if len(r) > 1}):
             for d in range(plan.dp):
                 for t in range(plan.tp):
-                    group = dist.new_group([int(grid[d, r, t]) for r in ranks])
-                    if (d, t) == (self.dp_rank, tp_rank):
+                    group = dist.new_group([dims.rank(dp=d, pp=r, tp=t) for r in ranks])
+                    if (d, t) == (me["dp"], me["tp"]):
                         tied_groups[ranks] = group
         self.global_tokens = 1.0
         return PipelineRuntime(self.model, modules, stage_ids, part, holders, plan.schedule,
@@ -183,7 +183,7 @@ class RankWorker:
 
     @property
     def _seed_rank(self) -> int:
-        return self.rank // self.plan.tp
+        return self.plan.dims.seed_index(self.rank)
 
     def _loss_context(self):
         """Forward, loss and backward run inside this: the parallel cross-entropy over
@@ -268,6 +268,7 @@ class RankWorker:
         from raylm.parallel.data import all_reduce_sum_async
 
         t0 = time.time()
+        self.step = step
         # A middle pipeline stage reads nothing: its input arrives from the previous stage.
         reads = self.pipeline is None or self.pipeline.needs_data or self.line_by_line
         batches = self.prefetcher.get(step, micro_batch_ids) if reads else []
@@ -405,26 +406,18 @@ class RankWorker:
         out["memory"] = {**state_bytes(self.model, self.optimizer, grads),
                          "replica_elements": self._replica_elements(),
                          "activations": meter.peak,
-                         "coords": {d: self.mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}}
+                         "coords": self.plan.dims.coords(self.rank)}
 
     def _replica_elements(self) -> int:
         """Parameters this rank's data-parallel replica holds of what this rank holds
         (its stage, its tensor-parallel shard; before any ZeRO partition): the Psi of
         the ZeRO formulas for this rank."""
-        from torch.distributed.tensor import DTensor
-
         total, seen = 0, set()
         for p in self.model.parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            n = p.numel()
-            if isinstance(p, DTensor):
-                names = p.device_mesh.mesh_dim_names or ()
-                for dim, pl in enumerate(p.placements):
-                    if pl.is_shard() and (names[dim] if dim < len(names) else "") == "tp":
-                        n //= p.device_mesh.size(dim)
-            total += n
+            total += p.numel() // sharded_axes(p).get("tp", 1)
         return total
 
     def _stack(self, batches: list):
@@ -434,7 +427,7 @@ class RankWorker:
         import torch
 
         pipe = self.pipeline
-        parts = [self.objective.split(b) for b in batches]
+        parts = [self.objective.split(b, self.step) for b in batches]
 
         def stacked(key):
             return torch.cat([p[key] for p in parts]).to(self.device)
@@ -457,11 +450,11 @@ class RankWorker:
 
     def _count(self, batch: dict) -> int:
         """Label tokens of a micro-batch under the objective."""
-        return self.objective.count(self.objective.split(batch)["labels"])
+        return self.objective.count(self.objective.split(batch, self.step)["labels"])
 
     def _loss_sum(self, batch: dict):
         """Forward one micro-batch; its summed token loss and its labels."""
-        parts = {k: v.to(self.device) for k, v in self.objective.split(batch).items()}
+        parts = {k: v.to(self.device) for k, v in self.objective.split(batch, self.step).items()}
         labels = parts.pop("labels")
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
         if bool((batch["attention_mask"] == 0).any()):
@@ -478,6 +471,7 @@ class RankWorker:
         from raylm.parallel.data import all_reduce_max, all_reduce_sum
 
         reader = self.reader
+        self.step = None  # evaluating: objectives draw nothing per step
         if eval_dataset is not None:
             if self.eval_reader is None:
                 self.eval_reader = BlockReader(eval_dataset)

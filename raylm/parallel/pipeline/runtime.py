@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
 from raylm.parallel.clip import clip_grad_norm
+from raylm.parallel.data import local_tensor
 from raylm.plan.partition import Partition
 
 SCHEDULE_CLASSES = {
@@ -138,14 +138,9 @@ class PipelineRuntime:
         for p, group in self.tied:
             g = p.grad if grad_of is None else grad_of(p)
             if g is not None:
-                dist.all_reduce(_local(g), op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(local_tensor(g), op=dist.ReduceOp.SUM, group=group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """torch's clip_grad_norm_, over the whole pipeline's parameters."""
         return clip_grad_norm(self.norm_params, self.model.parameters(), max_norm,
                               self.pp_group)
-
-
-def _local(t):
-    """A tensor's local part (a DTensor's shard under tensor parallelism)."""
-    return t.to_local() if isinstance(t, DTensor) else t

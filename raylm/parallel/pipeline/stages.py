@@ -22,9 +22,9 @@ import copy
 import torch
 from torch import nn
 
-from raylm.errors import ConfigError
 from raylm.models.families import Family, family_of
-from raylm.plan.partition import Partition, Unit
+from raylm.models.units import distinct_params, is_t5
+from raylm.plan.partition import Partition
 
 
 # -- stand-ins ---------------------------------------------------------------------------
@@ -149,84 +149,6 @@ class FamilyStage(nn.Module):
         return self.head(hidden) if self.last else hidden
 
 
-def _distinct_params(modules) -> dict:
-    out = {}
-    for m in modules:
-        if m is not None:
-            for p in m.parameters():
-                out[id(p)] = p
-    return out
-
-
-def _matmul_flops(params) -> float:
-    # Forward multiply-adds of the weight matrices: 2 FLOPs per weight element per token.
-    return float(sum(2 * p.numel() for p in params if p.ndim >= 2))
-
-
-def family_units(model: nn.Module, family: Family, seq_len: int) -> tuple:
-    """(embed, blocks, head) Units of a model of a known family (meta device is fine)."""
-    cfg = model.config
-    hidden = getattr(cfg, family.hidden_size_attr)
-    embed = _distinct_params(model.get_submodule(p) for p in family.embed)
-    blocks = []
-    for i, blk in enumerate(model.get_submodule(family.layers)):
-        ps = list(_distinct_params([blk]).values())
-        # attention scores and their weighted sum: 2 x 2 x seq_len x hidden per token
-        blocks.append(Unit(f"{family.layers}.{i}", sum(p.numel() for p in ps),
-                           _matmul_flops(ps) + 4.0 * seq_len * hidden))
-    head_modules = [model.get_submodule(p) for p in family.final] + \
-        [model.get_submodule(family.head)]
-    head = _distinct_params(head_modules)
-    return (Unit("embeddings (" + ", ".join(family.embed) + ")",
-                 sum(p.numel() for p in embed.values()), 0.0),
-            blocks,
-            Unit(", ".join(family.final + (family.head,)),
-                 sum(p.numel() for p in head.values()), _matmul_flops(head.values())))
-
-
-def meta_model(spec) -> nn.Module:
-    """The model's structure with no weights (for planning; any size is instant)."""
-    from raylm.models.loading import model_class
-
-    with torch.device("meta"):
-        return model_class(spec.config).from_config(spec.config)
-
-
-def model_units(model: nn.Module, seq_len: int) -> tuple:
-    """(embeddings, blocks, head) Units of any model raylm can cut: a known family, T5,
-    or any other model through the generic export path's block list."""
-    family = family_of(model.config)
-    if family is not None:
-        return family_units(model, family, seq_len)
-    if is_t5(model.config):
-        from raylm.models.t5_stages import t5_units
-        names = t5_units(model)
-    else:
-        from raylm.models.export_split import layer_units
-        names = layer_units(model)
-    cfg = model.config
-    hidden = next((getattr(cfg, a) for a in ("hidden_size", "d_model", "n_embd")
-                   if isinstance(getattr(cfg, a, None), int)), 0)
-    blocks = []
-    for name in names:
-        ps = list(_distinct_params([model.get_submodule(name)]).values())
-        blocks.append(Unit(name, sum(p.numel() for p in ps),
-                           _matmul_flops(ps) + 4.0 * seq_len * hidden))
-    head = _distinct_params([model.get_output_embeddings()])
-    in_blocks = _distinct_params(model.get_submodule(n) for n in names)
-    # Everything outside the blocks and the head (embeddings, position tables, final
-    # norms) is counted with the first stage: an estimate, close for these models.
-    embed = {i: p for i, p in _distinct_params([model]).items()
-             if i not in in_blocks and i not in head}
-    return (Unit("input embeddings", sum(p.numel() for p in embed.values()), 0.0), blocks,
-            Unit("output head", sum(p.numel() for p in head.values()),
-                 _matmul_flops(head.values())))
-
-
-def is_t5(config) -> bool:
-    return getattr(config, "model_type", None) == "t5"
-
-
 class _Sendable(nn.Module):
     """Wraps a stage so that what it returns can go over the wire as is: gloo sends only
     contiguous tensors, and zero-bubble schedules detach outputs in place, which a view
@@ -294,6 +216,6 @@ def cut(model: nn.Module, part: Partition, stages: list[int], example_ids=None) 
         for p in mod.parameters():
             holders.setdefault(names[id(p)], set()).add(part.stage_rank[s])
     local = [mods[s] for s in stages]
-    prune(model, set(_distinct_params(local)))
+    prune(model, set(distinct_params(local)))
     local_eval = [eval_mods[s] for s in stages] if eval_mods is not None else None
     return local, {n: sorted(r) for n, r in holders.items()}, local_eval

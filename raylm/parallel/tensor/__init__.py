@@ -2,12 +2,13 @@
 
 API
 ---
-``check_tensor_parallel(config, tp, sequence_parallel=False) -> None``
-    Driver side, no weights. Raises raylm.errors.ConfigError (one line) when tp does not
-    divide the attention heads or the key-value heads (both numbers named), when the model
-    type has no plan (neither transformers' ``config.base_model_tp_plan`` nor a raylm
-    plan), when its HF plan uses a style raylm does not translate, or when
-    ``sequence_parallel`` is asked for a family without it. tp <= 1: nothing to check.
+``raylm.models.tensor_plans.check_tensor_parallel(config, tp, sequence_parallel=False)``
+    Driver and planner side, no weights (it lives with the plans). Raises
+    raylm.errors.ConfigError (one line) when tp does not divide the attention heads or
+    the key-value heads (both numbers named), when the model type has no plan (neither
+    transformers' ``config.base_model_tp_plan`` nor a raylm plan), when its HF plan uses
+    a style raylm does not translate, or when ``sequence_parallel`` is asked for a
+    family without it. tp <= 1: nothing to check.
 
 ``apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, src_data_rank=None)``
     -> ``TPState``. In place, on the whole model (built with the same weights on every tp
@@ -35,16 +36,16 @@ API
     Squared global gradient norm with tp-sharded and replicated gradients (replicated
     counted once); ``sqrt`` of it is what single-process ``clip_grad_norm_`` computes.
 
-Plans are data (``plans``): transformers' ``base_model_tp_plan`` where the model has one
-(Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, MiniCPM3, GPT-J, ...; its style
-names translated as ``plans.STYLES`` lists, mixture-of-experts styles refused), else
-raylm's for GPT-2, GPT-Neo, BERT/RoBERTa (causal LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo,
-Llama, Mistral, Qwen2.
+Plans are data (``raylm.models.tensor_plans``): transformers' ``base_model_tp_plan``
+where the model has one (Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, MiniCPM3,
+GPT-J, ...; its style names translated as ``tensor_plans.STYLES`` lists,
+mixture-of-experts styles refused), else raylm's for GPT-2, GPT-Neo, BERT/RoBERTa (causal
+LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo, Llama, Mistral, Qwen2.
 """
 
-from raylm.parallel.tensor.apply import TPState, apply_tensor_parallel, check_tensor_parallel
+from raylm.parallel.tensor.apply import TPState, apply_tensor_parallel
 from raylm.parallel.tensor.canonical import CanonicalAdapter, canonical_adapter
 from raylm.parallel.tensor.grads import grad_norm_sq
 
-__all__ = ["TPState", "apply_tensor_parallel", "check_tensor_parallel", "CanonicalAdapter",
-           "canonical_adapter", "grad_norm_sq"]
+__all__ = ["TPState", "apply_tensor_parallel", "CanonicalAdapter", "canonical_adapter",
+           "grad_norm_sq"]

@@ -23,7 +23,6 @@ and fills in what torch has no notion of:
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,48 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from raylm.errors import ConfigError
-from raylm.parallel.tensor.plans import (
-    HF_SEQUENCE_PARALLEL,
-    NOT_TRANSLATED,
-    RAYLM_PLANS,
-    STYLES,
-    plan_for,
-    unsupported_styles,
-)
-
-
-# -- driver side ---------------------------------------------------------------------------
-def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise ConfigError (one line) when ``config`` cannot be split ``tp`` ways."""
-    if tp <= 1:
-        return
-    model_type = getattr(config, "model_type", None) or type(config).__name__
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not heads:
-        raise ConfigError(f"--tp {tp}: cannot tell the attention heads of model type "
-                          f"'{model_type}'")
-    if heads % tp or kv_heads % tp:
-        raise ConfigError(f"--tp {tp} must divide the attention heads ({heads}) and the "
-                          f"key-value heads ({kv_heads}) of this {model_type} model")
-    plan, _ = plan_for(config)
-    if plan is None:
-        raise ConfigError(
-            f"--tp {tp}: model type '{model_type}' has no tensor-parallel plan (raylm plans: "
-            f"{', '.join(sorted(RAYLM_PLANS))}; or any model whose config has transformers' "
-            "base_model_tp_plan)")
-    bad = unsupported_styles(plan)
-    if bad:
-        pattern, style = next(iter(bad.items()))
-        why = NOT_TRANSLATED.get(style, f"raylm translates {', '.join(STYLES)}")
-        raise ConfigError(
-            f"--tp {tp}: the {model_type} tensor-parallel plan shards {pattern} as "
-            f"'{style}', which raylm does not translate ({why}); run this model without --tp")
-    if sequence_parallel and plan.sequence_parallel is None:
-        supported = sorted([t for t, p in RAYLM_PLANS.items() if p.sequence_parallel]
-                           + list(HF_SEQUENCE_PARALLEL))
-        raise ConfigError(f"--sequence_parallel is not supported for model type "
-                          f"'{model_type}' (supported: {', '.join(supported)})")
+from raylm.models.tensor_plans import base_prefix, check_tensor_parallel, match, plan_for
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -119,32 +77,6 @@ class TPState:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _base_prefix(model: nn.Module) -> str:
-    """Path of the HF base model inside ``model`` (plan keys are relative to it)."""
-    base = getattr(model, "base_model", model)
-    if base is model:
-        return ""
-    for name, module in model.named_modules():
-        if module is base:
-            return name
-    return ""
-
-
-def match(model: nn.Module, prefix: str, pattern: str, parameters: bool = False) -> list:
-    """Module fqns matching ``pattern`` (relative to ``prefix``; ``*`` = one atom); with
-    ``parameters``, parameter fqns instead."""
-    full = f"{prefix}.{pattern}" if prefix else pattern
-    atoms = full.split(".")
-    out = []
-    named = model.named_parameters() if parameters else model.named_modules()
-    for name, _ in named:
-        parts = name.split(".")
-        if name and len(parts) == len(atoms) and all(
-                fnmatch.fnmatchcase(a, p) for a, p in zip(parts, atoms)):
-            out.append(name)
-    return out
-
-
 def _holders(model: nn.Module) -> dict:
     """id(param) -> (param, [(module, attribute, fqn)]) over every path to every module."""
     out: dict = {}
@@ -318,7 +250,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     if plan is None:  # only reachable with tp == 1, which check_tensor_parallel passes
         raise ConfigError(f"model type '{config.model_type}' has no tensor-parallel plan")
     sp = plan.sequence_parallel if sequence_parallel else None
-    prefix = _base_prefix(model)
+    prefix = base_prefix(model)
 
     # 1-2. Layers torch can shard; fused rows per rank; local sizes.
     converted = _convert_conv1d(model)

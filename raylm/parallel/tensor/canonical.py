@@ -25,19 +25,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))
+from raylm.models.tensor_plans import RAYLM_PLANS, base_prefix, match
+from raylm.parallel.shards import contiguous_stride, tp_shard_of, write_rows_back
 
 
 def _make(local: torch.Tensor, like: DTensor, placement, shape) -> DTensor:
     shape = tuple(int(n) for n in shape)
     return DTensor.from_local(local, like.device_mesh, [placement], shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape), run_check=False)
+                              stride=contiguous_stride(shape), run_check=False)
 
 
 def _one_dim(t: DTensor):
@@ -132,8 +127,6 @@ def _write_back(dest, value: torch.Tensor) -> None:
         if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             local.copy_(flat.view_as(local))
         return
-    from raylm.parallel.zero.fsdp import write_rows_back
-
     write_rows_back(dest, flat)
 
 
@@ -155,7 +148,7 @@ class CanonicalAdapter:
     def identity(self) -> bool:
         return not self.rules
 
-    def _rule(self, key: str, value):
+    def rule(self, key: str, value):
         fqn = key[len("state."):].rpartition(".")[0] if key.startswith("state.") else key
         rule = self.rules.get(fqn)
         if rule is None or not isinstance(value, torch.Tensor):
@@ -167,14 +160,14 @@ class CanonicalAdapter:
     def to_canonical(self, sd: dict) -> dict:
         out = {}
         for key, value in sd.items():
-            rule = self._rule(key, value)
+            rule = self.rule(key, value)
             out[key] = rule.canonical(value) if rule is not None else value
         return out
 
     @torch.no_grad()
     def from_canonical(self, canon: dict, sd: dict) -> None:
         for key, dest in sd.items():
-            rule = self._rule(key, dest)
+            rule = self.rule(key, dest)
             if rule is None or key not in canon:
                 continue
             view, src = rule.canonical(dest), canon[key]
@@ -192,13 +185,11 @@ class CanonicalAdapter:
         """``keep=False``: take part in the collectives only (a rank that does not save).
         Under ZeRO-3 with tensor parallelism a tensor sharded over (dp, tp) is first
         gathered over dp into its tp shard."""
-        from raylm.parallel.zero.fsdp import tp_shard_of
-
         out = {}
         for key, value in model.state_dict().items():
             if isinstance(value, DTensor) and value.device_mesh.ndim > 1:
                 value = tp_shard_of(value)
-            rule = self._rule(key, value)
+            rule = self.rule(key, value)
             if rule is not None:
                 value = rule.canonical(value)
             full = value.full_tensor() if isinstance(value, DTensor) else value
@@ -214,15 +205,13 @@ def canonical_adapter(model: nn.Module, tps=None) -> CanonicalAdapter:
     after any pipeline cut: rules for parameters the rank does not hold never match)."""
     from transformers.pytorch_utils import Conv1D
 
-    from raylm.parallel.tensor.apply import _base_prefix, match
-    from raylm.parallel.tensor.plans import RAYLM_PLANS
 
     shapes = {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
     rules: dict = {}
     if tps is None:
         plan = RAYLM_PLANS.get(getattr(model.config, "model_type", None))
         if plan is not None:
-            prefix = _base_prefix(model)
+            prefix = base_prefix(model)
             for pattern, parts in plan.fused.items():
                 for fqn in match(model, prefix, pattern):
                     if isinstance(model.get_submodule(fqn), Conv1D):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.parallel.shards import contiguous_stride, write_rows_back
+
 
 def transformer_blocks(model: nn.Module) -> list:
     """The repeated blocks of a model: the elements of its outermost ModuleLists of
@@ -118,7 +120,6 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from raylm.models.materialize import initial_state
-    from raylm.parallel.tensor.canonical import _contiguous_stride
 
     buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
     # to_empty gives each module its own new tensor: note which (module, name) slots
@@ -145,8 +146,8 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
             local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
             local = torch.zeros(local_shape, dtype=full.dtype)
             tmp = DTensor.from_local(local, mesh, placements, shape=shape,
-                                     stride=_contiguous_stride(shape), run_check=False)
-            rule = adapter._rule(name, tmp) if adapter is not None else None
+                                     stride=contiguous_stride(shape), run_check=False)
+            rule = adapter.rule(name, tmp) if adapter is not None else None
             view = rule.canonical(tmp) if rule is not None else tmp
             # (the canonical form may be a view of the HF tensor: GPT-2's c_attn [H, 3, H])
             src = distribute_tensor(full.reshape(view.shape), mesh, view.placements,
@@ -158,34 +159,3 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
             write_rows_back(p, value)  # the rank's FSDP rows (of its tp shard)
         else:
             dest.copy_(value)
-
-
-def tp_shard_of(value):
-    """A ZeRO-3 tensor under tensor parallelism (a DTensor over (dp, tp): each rank holds
-    its FSDP rows of its tensor-parallel shard) as the tensor-parallel DTensor alone (on
-    the tp mesh, the rank's whole tp shard): gathered over dp, a transient copy. (A tp
-    shard split on dim 0 is FSDP's ``_StridedShard`` over dp; redistribute handles it.)"""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = value.device_mesh
-    tp_mesh, pl = mesh[mesh.mesh_dim_names[-1]], value.placements[-1]
-    whole = value.redistribute(placements=[Replicate()] * (mesh.ndim - 1) + [pl])
-    return DTensor.from_local(whole.to_local(), tp_mesh, [pl], shape=value.shape,
-                              stride=value.stride(), run_check=False)
-
-
-@torch.no_grad()
-def write_rows_back(value, whole) -> None:
-    """The inverse of ``tp_shard_of``: copy this rank's dp rows of ``whole`` (the rank's
-    tp shard as loaded, a DTensor on the tp mesh, or a plain tensor of the rows) into
-    ``value``'s local tensor (the rows split over dp as torch.chunk splits them, as FSDP
-    and Shard(0) do: raylm.plan.zero.owned_rows; a local slice, no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    from raylm.plan.zero import owned_rows
-
-    mesh = value.device_mesh
-    full = whole.to_local() if isinstance(whole, DTensor) else whole
-    a, b = owned_rows(full.shape[0], mesh.size(0), mesh.get_local_rank(0))
-    local = value.to_local()
-    local.copy_(full[a:b].reshape_as(local))

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from raylm.parallel.data import GradientAllReduce, _local, bucket_params
-from raylm.parallel.tensor.canonical import _contiguous_stride
+from raylm.parallel.data import GradientAllReduce, bucket_params, local_tensor
+from raylm.parallel.shards import contiguous_stride
 from raylm.parallel.tensor.grads import reduce_partial
 from raylm.plan.zero import owned_rows
 
@@ -131,7 +131,7 @@ class _Partitioned:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
-        self.layouts = [BucketLayout([_local(p).shape for p in b], self.size, self.dp_rank)
+        self.layouts = [BucketLayout([local_tensor(p).shape for p in b], self.size, self.dp_rank)
                         for b in self.buckets]
         self.loss = None
 
@@ -146,7 +146,7 @@ class _Partitioned:
     def _launch_reduce_scatter(self, i: int, grads: list):
         layout = self.layouts[i]
         dtype = self.buckets[i][0].dtype
-        device = _local(self.buckets[i][0]).device
+        device = local_tensor(self.buckets[i][0]).device
         staging = layout.pack(grads, torch.empty(layout.section * self.size, dtype=dtype,
                                                  device=device))
         out = torch.empty(layout.section, dtype=dtype, device=device)
@@ -168,7 +168,7 @@ class ReduceScatterGradients(GradientAllReduce, _Partitioned):
         self.shard_grad = {}
         for i, bucket in enumerate(self.buckets):
             for j, p in enumerate(bucket):
-                self.shard_grad[id(p)] = self.layouts[i].own_view(_local(p.grad), j)
+                self.shard_grad[id(p)] = self.layouts[i].own_view(local_tensor(p.grad), j)
         self.inflight: list = []
 
     def arm(self, loss_sum: torch.Tensor) -> None:
@@ -179,7 +179,7 @@ class ReduceScatterGradients(GradientAllReduce, _Partitioned):
 
     def _launch(self) -> None:
         i = self.launched
-        grads = [_local(p.grad) for p in self.buckets[i]]
+        grads = [local_tensor(p.grad) for p in self.buckets[i]]
         self.inflight.append((i,) + self._launch_reduce_scatter(i, grads))
         self.launched += 1
 
@@ -218,7 +218,7 @@ class ShardedGradients(_Partitioned):
         for i, bucket in enumerate(self.buckets):
             layout = self.layouts[i]
             flat = torch.zeros(layout.section, dtype=bucket[0].dtype,
-                               device=_local(bucket[0]).device)
+                               device=local_tensor(bucket[0]).device)
             for j, p in enumerate(bucket):
                 self.bucket_of[id(p)] = i
                 self.shard_grad[id(p)] = layout.section_view(flat, self.dp_rank, j,
@@ -293,7 +293,7 @@ class PartitionedOptimizer:
         self.pieces = []
         for b, bucket in enumerate(grads.buckets):
             for j, p in enumerate(bucket):
-                piece = grads.layouts[b].own_view(_local(p).detach(), j)
+                piece = grads.layouts[b].own_view(local_tensor(p).detach(), j)
                 piece.grad = grads.shard_grad[id(p)]
                 self.pieces.append((index[id(p)], piece))
         self.pieces = [piece for _, piece in sorted(self.pieces, key=lambda x: x[0])]
@@ -321,7 +321,7 @@ class PartitionedOptimizer:
         inflight = []
         for i, bucket in enumerate(g.buckets):
             layout = g.layouts[i]
-            locals_ = [_local(p).detach() for p in bucket]
+            locals_ = [local_tensor(p).detach() for p in bucket]
             full = torch.empty(layout.section * g.size, dtype=bucket[0].dtype,
                                device=locals_[0].device)
             own = full[g.dp_rank * layout.section:(g.dp_rank + 1) * layout.section]
@@ -369,7 +369,7 @@ def clip_partitioned(grads: _Partitioned, norm_params, max_norm: float,
             tp_group = p.device_mesh.get_group(0)
         else:
             replicated += sq
-    both = torch.stack([replicated, sharded]).to(_local(grads.params[0]).device)
+    both = torch.stack([replicated, sharded]).to(local_tensor(grads.params[0]).device)
     if grads.size > 1:
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=grads.group)
     total = both[0]
@@ -429,11 +429,11 @@ class _CheckpointForm:
 
     def _global(self, key: str, v: torch.Tensor, p) -> DTensor:
         g = self.popt.grads
-        local = _local(p)
+        local = local_tensor(p)
         if not isinstance(p, DTensor):
             self.views[key] = (v, p, False)
             return DTensor.from_local(v, self.dp_mesh, [Shard(0)], shape=local.shape,
-                                      stride=_contiguous_stride(local.shape),
+                                      stride=contiguous_stride(local.shape),
                                       run_check=False)
         rows = local.shape[0]
         per = math.ceil(rows / g.size)
@@ -455,7 +455,7 @@ class _CheckpointForm:
             src = loaded[key]
             src = src.to_local() if isinstance(src, DTensor) else src
             if gathered is not False:
-                a, b = owned_rows(_local(p).shape[0], g.size, g.dp_rank)
+                a, b = owned_rows(local_tensor(p).shape[0], g.size, g.dp_rank)
                 src = src[a:b]
             if src.data_ptr() != v.data_ptr():
                 v.copy_(src)

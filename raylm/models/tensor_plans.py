@@ -16,11 +16,17 @@ them from ``model.get_input_embeddings()`` / ``model.get_output_embeddings()``.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-# Style names raylm translates into torch ParallelStyles (apply.py ``torch_style``), with
-# the dim each shards: (nn.Linear weight, nn.Linear bias, nn.Embedding weight); None =
+from raylm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# Style names raylm translates into torch ParallelStyles
+# (raylm.parallel.tensor.apply ``torch_style``), with the dim each shards: (nn.Linear weight, nn.Linear bias, nn.Embedding weight); None =
 # replicated.
 # Semantics follow transformers' own registry (transformers.distributed.tensor_parallel
 # ALL_PARALLEL_STYLES), so a Hugging Face plan means here what it means there.
@@ -191,3 +197,62 @@ def unsupported_styles(plan: Plan) -> dict:
     """pattern -> style for the plan entries raylm does not translate."""
     return {k: v for k, v in plan.layers.items() if v not in STYLES}
 
+
+# -- checks and matching (no torch.distributed: the driver and the planner use them) ------
+def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError (one line) when ``config`` cannot be split ``tp`` ways."""
+    if tp <= 1:
+        return
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads:
+        raise ConfigError(f"--tp {tp}: cannot tell the attention heads of model type "
+                          f"'{model_type}'")
+    if heads % tp or kv_heads % tp:
+        raise ConfigError(f"--tp {tp} must divide the attention heads ({heads}) and the "
+                          f"key-value heads ({kv_heads}) of this {model_type} model")
+    plan, _ = plan_for(config)
+    if plan is None:
+        raise ConfigError(
+            f"--tp {tp}: model type '{model_type}' has no tensor-parallel plan (raylm plans: "
+            f"{', '.join(sorted(RAYLM_PLANS))}; or any model whose config has transformers' "
+            "base_model_tp_plan)")
+    bad = unsupported_styles(plan)
+    if bad:
+        pattern, style = next(iter(bad.items()))
+        why = NOT_TRANSLATED.get(style, f"raylm translates {', '.join(STYLES)}")
+        raise ConfigError(
+            f"--tp {tp}: the {model_type} tensor-parallel plan shards {pattern} as "
+            f"'{style}', which raylm does not translate ({why}); run this model without --tp")
+    if sequence_parallel and plan.sequence_parallel is None:
+        supported = sorted([t for t, p in RAYLM_PLANS.items() if p.sequence_parallel]
+                           + list(HF_SEQUENCE_PARALLEL))
+        raise ConfigError(f"--sequence_parallel is not supported for model type "
+                          f"'{model_type}' (supported: {', '.join(supported)})")
+
+
+def base_prefix(model: nn.Module) -> str:
+    """Path of the HF base model inside ``model`` (plan keys are relative to it)."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return ""
+    for name, module in model.named_modules():
+        if module is base:
+            return name
+    return ""
+
+
+def match(model: nn.Module, prefix: str, pattern: str, parameters: bool = False) -> list:
+    """Module fqns matching ``pattern`` (relative to ``prefix``; ``*`` = one atom); with
+    ``parameters``, parameter fqns instead."""
+    full = f"{prefix}.{pattern}" if prefix else pattern
+    atoms = full.split(".")
+    out = []
+    named = model.named_parameters() if parameters else model.named_modules()
+    for name, _ in named:
+        parts = name.split(".")
+        if name and len(parts) == len(atoms) and all(
+                fnmatch.fnmatchcase(a, p) for a, p in zip(parts, atoms)):
+            out.append(name)
+    return out

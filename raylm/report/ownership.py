@@ -28,6 +28,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from raylm.models.families import family_of
+from raylm.models.tensor_plans import base_prefix, match, plan_for, shard_dim
+from raylm.models.units import is_t5, meta_model, model_units
+from raylm.parallel.pipeline.stages import cut
+from raylm.plan.partition import Partition, partition, stage_ranks
+from raylm.plan.text import human_bytes
 from raylm.plan.zero import STAGE_PARTITIONS, owned_partition, owned_rows
 
 BYTES = {"parameters": 4, "gradients": 4, "optimizer": 8}
@@ -46,9 +52,6 @@ def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
-    from raylm.parallel.tensor.apply import _base_prefix, match
-    from raylm.parallel.tensor.plans import plan_for, shard_dim
-
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():  # GPT-2: Conv1D (W [in, out]) -> nn.Linear (W.T)
         if isinstance(module, Conv1D):
@@ -57,7 +60,7 @@ def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
     shard: dict = {}  # name -> the dim tensor parallelism splits
     plan, _ = plan_for(model.config)
     if plan is not None:
-        prefix = _base_prefix(model)
+        prefix = base_prefix(model)
         for pattern, style in plan.layers.items():
             for fqn in match(model, prefix, pattern):
                 module = model.get_submodule(fqn)
@@ -85,9 +88,6 @@ def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
 
 def _partition(model, plan, seq_len: int):
     """The plan's Partition (pp > 1): its stage bounds, or balanced ones."""
-    from raylm.parallel.pipeline.stages import model_units
-    from raylm.plan.partition import Partition, partition, stage_ranks
-
     embed, blocks, head = model_units(model, seq_len)
     if plan.stage_bounds:
         return Partition(bounds=[tuple(b) for b in plan.stage_bounds],
@@ -99,9 +99,6 @@ def _partition(model, plan, seq_len: int):
 def pipeline_holders(spec, part) -> dict:
     """{parameter name: [pp ranks holding it]} for a pipeline Partition (a fresh meta
     model is cut: the cut prunes it)."""
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import cut, is_t5, meta_model
-
     model = meta_model(spec)
     if family_of(model.config) is not None or is_t5(model.config):
         try:
@@ -137,8 +134,6 @@ def pipeline_holders(spec, part) -> dict:
 def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
     """{(pp_rank, tp_rank): {parameter name: local shape}}: what each rank of one
     data-parallel replica holds (every dp replica holds the same)."""
-    from raylm.parallel.pipeline.stages import meta_model
-
     model = model if model is not None else meta_model(spec)
     if plan.pp > 1:
         holders = pipeline_holders(spec, _partition(model, plan, seq_len))
@@ -155,7 +150,7 @@ def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
 
 # -- the ownership table --------------------------------------------------------------------
 def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
-    """One entry per global rank (mesh order dp, pp, tp) of ``plan``: what it holds and
+    """One entry per global rank of ``plan`` (``plan.dims`` order): what it holds and
     which partition of it it owns under ``plan.zero_stage``, and its state bytes.
 
     Each entry: ``rank``; ``coords`` {"dp", "pp", "tp"}; ``stage``; ``partitioned``
@@ -174,9 +169,9 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
     cache: dict = {}
     entries = []
     for rank in range(plan.world_size):
-        d, rest = divmod(rank, plan.pp * plan.tp)
-        p, t = divmod(rest, plan.tp)
-        shapes = groups[(p, t)]
+        coords = plan.dims.coords(rank)
+        d = coords["dp"]
+        shapes = groups[(coords["pp"], coords["tp"])]
         key = (tuple(shapes.items()), d if split else 0)
         if key not in cache:
             whole, held = owned_partition(shapes, 1, 0)  # everything, nothing split
@@ -188,7 +183,7 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
             elements[c] = owned if (split and c in parts) else held
         nbytes = {c: BYTES[c] * elements[c] for c in CATEGORIES}
         nbytes["total"] = sum(nbytes.values())
-        entries.append({"rank": rank, "coords": {"dp": d, "pp": p, "tp": t},
+        entries.append({"rank": rank, "coords": coords,
                         "stage": stage, "partitioned": list(parts) if split else [],
                         "tensors": len(shapes), "elements": elements, "bytes": nbytes,
                         "rows": rows})
@@ -217,8 +212,6 @@ def _count_range(values: list) -> str:
 def ownership_lines(entries: list[dict], dp: Optional[int] = None) -> list[str]:
     """The ownership table as a few log lines: a header, then one line per (pp rank,
     tp ranks) group whose ranks hold the same (tp ranks of equal shards merged)."""
-    from raylm.plan.report import human_bytes
-
     if not entries:
         return []
     dp = dp or (max(e["coords"]["dp"] for e in entries) + 1)

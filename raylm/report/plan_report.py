@@ -10,56 +10,32 @@ rank, blocks (module names), parameters and memory. The figures are the cost mod
 
 ZeRO: for the layout, a table of the predicted per-worker parameter, gradient and
 optimizer-state bytes (and the peak with activations and workspace) at each stage 0-3,
-the plan's stage marked, and which rank owns which partition (raylm.plan.ownership).
+the plan's stage marked, and which rank owns which partition (raylm.report.ownership).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from raylm.errors import ConfigError
+from raylm.models.families import family_of
+from raylm.models.loading import resolve_block_size, resolve_model
+from raylm.models.units import meta_model
+from raylm.parallel.pipeline.stages import cut
+from raylm.plan.cost import rank_memory, single_stage, stage_activation_bytes
+from raylm.plan.hardware import hardware_for
 from raylm.plan.inflight import peak_in_flight
-from raylm.plan.partition import Partition
+from raylm.plan.layout import plan_run
+from raylm.plan.planner import search_for_config
+from raylm.plan.shape import model_shape
+from raylm.plan.text import BYTES_PER_PARAM, human_bytes
+from raylm.plan.zero import STAGE_PARTITIONS, ZERO_STAGES, requested_zero_stage
+from raylm.report.ownership import ownership_lines, zero_ownership
 
-BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weights, gradients, AdamW moments
 ALTERNATIVES_SHOWN = 5
 # `raylm plan --json` lists each rank's rows of every tensor up to this many (rank,
 # tensor) pairs in all; past it (thousands of ranks) only the counts and bytes.
 OWNERSHIP_ROWS_LIMIT = 50_000
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def describe_partition(part: Partition, schedule: str = "1f1b",
-                       microbatches: int = 1) -> list[str]:
-    """One line per stage: rank, blocks, parameters, estimated weight and optimizer memory
-    (the driver's log; `raylm plan` adds activations, see build_plan_report)."""
-    last = part.num_stages - 1
-    lines = [f"pipeline: {part.num_stages} stage(s) on {max(part.stage_rank) + 1} rank(s), "
-             f"schedule {schedule}, {microbatches} micro-batch(es) per step"]
-    for s, (a, b) in enumerate(part.bounds):
-        names = [u.name for u in part.blocks[a:b]] if part.blocks else []
-        what = []
-        if s == 0 and part.embed is not None:
-            what.append(part.embed.name)
-        what.append(f"blocks {a}-{b - 1}" + (f" ({names[0]} .. {names[-1]})"
-                                             if len(names) > 1 else
-                                             f" ({names[0]})" if names else ""))
-        if s == last and part.head is not None:
-            what.append(part.head.name)
-        line = f"  stage {s} on pp rank {part.stage_rank[s]}: {'; '.join(what)}"
-        if part.blocks:
-            params = part.stage_params(s)
-            mem = params * BYTES_PER_PARAM
-            line += f"; {params:,} parameters; ~{human_bytes(mem)} weights+grads+AdamW"
-        lines.append(line)
-    return lines
 
 
 def _block_range(names: list) -> str:
@@ -76,15 +52,6 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     ``from_cluster``: take worker memory and workers per node from the connected Ray
     cluster (`raylm plan --address`); otherwise flags and defaults only."""
     import dataclasses
-
-    from raylm.errors import ConfigError
-    from raylm.models.loading import resolve_block_size, resolve_model
-    from raylm.parallel.pipeline.stages import meta_model
-    from raylm.plan.cost import stage_activation_bytes
-    from raylm.plan.hardware import hardware_for
-    from raylm.plan.layout import make_plan, plan_pipeline, requested_zero_stage
-    from raylm.plan.planner import search_for_config
-    from raylm.plan.shape import model_shape
 
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
@@ -105,18 +72,14 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         raise ConfigError(f"cannot build the model ({spec.config.model_type}) from its "
                           f"config: {msg}") from None
 
-    part = None
+    # The plan itself is raylm train's (raylm.plan.layout.plan_run: the same function,
+    # the same flags); the search around it supplies the alternatives and the figures.
     if searched:
         search = search_for_config(cfg, workers, spec, seq_len, hw=hw, shape=shape)
-        plan = make_plan(cfg, max(workers, capacity or 0), spec, seq_len, search=search)
-        if plan.pp > 1:  # the chosen schedule, balanced stages
-            chosen_cfg = dataclasses.replace(cfg, pipeline_schedule=plan.schedule,
-                                             pp_split=None)
-            plan, part = plan_pipeline(chosen_cfg, spec, plan, seq_len)
+        plan, part = plan_run(cfg, max(workers, capacity or 0), spec, seq_len, hw=hw,
+                              search=search)
     else:
-        plan = make_plan(cfg, workers, spec, seq_len, hw=hw)
-        if plan.pp > 1:
-            plan, part = plan_pipeline(cfg, spec, plan, seq_len)
+        plan, part = plan_run(cfg, workers, spec, seq_len, hw=hw)
         search = search_for_config(cfg, plan.world_size, spec, seq_len, hw=hw, shape=shape,
                                    global_batch=plan.global_batch_size,
                                    prefer=(plan.dp, plan.tp, plan.pp, plan.schedule),
@@ -126,7 +89,6 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         raise ConfigError(f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp}: "
                           f"{chosen.problem if chosen else 'not a layout of the workers'}")
     if part is None:
-        from raylm.plan.cost import single_stage
         part = single_stage(shape)
 
     config = spec.config
@@ -139,8 +101,9 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     total_params = shape.total_params
     report = {
         "layout": plan.describe(),
-        "plan": {**{k: v for k, v in dataclasses.asdict(plan).items()
-                    if k not in ("stage_bounds", "cpus_per_worker", "use_gpu")},
+        "plan": {**plan.dims.to_dict(),
+                 **{k: v for k, v in dataclasses.asdict(plan).items()
+                    if k not in ("dims", "stage_bounds", "cpus_per_worker", "use_gpu")},
                  "world_size": plan.world_size,
                  "micro_batches_per_rank": m,
                  "stage_bounds": [list(b) for b in plan.stage_bounds]},
@@ -221,12 +184,8 @@ def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, se
                 model=None) -> dict:
     """The ZeRO part of the report: the plan's stage and how it was chosen, the
     predicted per-worker states at each stage 0-3 for the layout (the pp rank that
-    needs the most), and which rank owns which partition (raylm.plan.ownership)."""
+    needs the most), and which rank owns which partition (raylm.report.ownership)."""
     import dataclasses
-
-    from raylm.plan.cost import rank_memory
-    from raylm.plan.ownership import ownership_lines, zero_ownership
-    from raylm.plan.zero import STAGE_PARTITIONS, ZERO_STAGES
 
     if requested is not None:
         how = "flag"
@@ -298,9 +257,6 @@ def _assumptions(hw) -> list[str]:
 def _rank_params(model, part, numel: dict, pp: int) -> tuple[list, dict]:
     """(distinct parameters each pp rank holds, {weight name: ranks} for weights held by
     more than one rank)."""
-    from raylm.models.families import family_of
-    from raylm.parallel.pipeline.stages import cut
-
     if family_of(model.config) is not None:
         # The runtime's own cut (views of the meta model: instant) says who holds what.
         try:

@@ -1,0 +1,117 @@
+"""What a model is made of, for planning and cutting it: its units (the embeddings, each
+block, the head) with their parameters and estimated forward FLOPs per token.
+
+Works on a model built on the meta device (``meta_model``: no weights, any size is
+instant). The planner balances pipeline stages over these units (raylm.plan.partition);
+the pipeline cut keeps a rank's units (raylm.parallel.pipeline.stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from raylm.models.auto import model_class
+from raylm.models.families import Family, family_of
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch (and torch.export, for the generic split) are imported where a model is built or
+# split, not here: the planner imports Unit, and plain planning stays light.
+
+
+@dataclass
+class Unit:
+    """One block (or the embeddings, or the head) and what it costs."""
+
+    name: str
+    params: int  # distinct parameters held
+    flops: float  # forward FLOPs per token (estimate)
+
+
+def distinct_params(modules) -> dict:
+    """{id: parameter} of ``modules`` (None skipped), each shared parameter once."""
+    out = {}
+    for m in modules:
+        if m is not None:
+            for p in m.parameters():
+                out[id(p)] = p
+    return out
+
+
+def matmul_flops(params) -> float:
+    # Forward multiply-adds of the weight matrices: 2 FLOPs per weight element per token.
+    return float(sum(2 * p.numel() for p in params if p.ndim >= 2))
+
+
+def family_units(model: nn.Module, family: Family, seq_len: int) -> tuple:
+    """(embed, blocks, head) Units of a model of a known family (meta device is fine)."""
+    cfg = model.config
+    hidden = getattr(cfg, family.hidden_size_attr)
+    embed = distinct_params(model.get_submodule(p) for p in family.embed)
+    blocks = []
+    for i, blk in enumerate(model.get_submodule(family.layers)):
+        ps = list(distinct_params([blk]).values())
+        # attention scores and their weighted sum: 2 x 2 x seq_len x hidden per token
+        blocks.append(Unit(f"{family.layers}.{i}", sum(p.numel() for p in ps),
+                           matmul_flops(ps) + 4.0 * seq_len * hidden))
+    head_modules = [model.get_submodule(p) for p in family.final] + \
+        [model.get_submodule(family.head)]
+    head = distinct_params(head_modules)
+    return (Unit("embeddings (" + ", ".join(family.embed) + ")",
+                 sum(p.numel() for p in embed.values()), 0.0),
+            blocks,
+            Unit(", ".join(family.final + (family.head,)),
+                 sum(p.numel() for p in head.values()), matmul_flops(head.values())))
+
+
+def meta_model(spec) -> nn.Module:
+    """The model's structure with no weights (for planning; any size is instant)."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(spec.config).from_config(spec.config)
+
+
+def model_units(model: nn.Module, seq_len: int) -> tuple:
+    """(embeddings, blocks, head) Units of any model raylm can cut: a known family, T5,
+    or any other model through the generic export path's block list."""
+    family = family_of(model.config)
+    if family is not None:
+        return family_units(model, family, seq_len)
+    if is_t5(model.config):
+        from raylm.models.t5_stages import t5_units
+
+        names = t5_units(model)
+    else:
+        from raylm.models.export_split import layer_units
+
+        names = layer_units(model)
+    cfg = model.config
+    hidden = next((getattr(cfg, a) for a in ("hidden_size", "d_model", "n_embd")
+                   if isinstance(getattr(cfg, a, None), int)), 0)
+    blocks = []
+    for name in names:
+        ps = list(distinct_params([model.get_submodule(name)]).values())
+        blocks.append(Unit(name, sum(p.numel() for p in ps),
+                           matmul_flops(ps) + 4.0 * seq_len * hidden))
+    head = distinct_params([model.get_output_embeddings()])
+    in_blocks = distinct_params(model.get_submodule(n) for n in names)
+    # Everything outside the blocks and the head (embeddings, position tables, final
+    # norms) is counted with the first stage: an estimate, close for these models.
+    embed = {i: p for i, p in distinct_params([model]).items()
+             if i not in in_blocks and i not in head}
+    return (Unit("input embeddings", sum(p.numel() for p in embed.values()), 0.0), blocks,
+            Unit("output head", sum(p.numel() for p in head.values()),
+                 matmul_flops(head.values())))
+
+
+def is_t5(config) -> bool:
+    return getattr(config, "model_type", None) == "t5"
+
+
+def has_own_stages(config) -> bool:
+    """raylm cuts this model with its own stage modules (a known family, or T5), not the
+    generic torch.export split."""
+    return family_of(config) is not None or is_t5(config)

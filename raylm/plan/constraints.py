@@ -1,0 +1,35 @@
+"""Layout constraints, each written once: a function that returns the problem, "" when
+there is none. The planner shows a problem as the reason a layout cannot run
+(raylm.plan.planner); ``plan_run`` raises it as the one-line error before any actor
+starts (raylm.plan.layout). ZeRO's are in raylm.plan.zero (``unsupported``), a model's
+tensor-parallel limits with its plans (raylm.models.tensor_plans.check_tensor_parallel),
+a schedule's in raylm.plan.partition (``check_schedule``).
+"""
+
+from __future__ import annotations
+
+
+def sequence_parallel_problem(tp: int, pp: int, sequence_parallel: bool,
+                              seq_len: int) -> str:
+    """Sequence parallelism cuts each block's input into tp equal slices of the
+    sequence; pipeline stages exchange whole sequences."""
+    if not sequence_parallel or tp <= 1:
+        return ""
+    if pp > 1:
+        return ("--sequence_parallel with --pp > 1 is not supported yet: stages exchange "
+                "whole sequences; drop one of the two")
+    if seq_len % tp:
+        return (f"--sequence_parallel with --tp {tp}: the block size {seq_len} must be a "
+                "multiple of tp (each rank holds an equal slice of the sequence)")
+    return ""
+
+
+def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str) -> str:
+    """Tensor parallelism inside pipeline stages needs raylm's own stage modules (a
+    family, T5): the generic split traces the model with torch.export, which takes no
+    tensor-parallel layers."""
+    if tp <= 1 or pp <= 1 or own_stages:
+        return ""
+    return (f"--tp {tp} with --pp {pp}: raylm cuts '{model_type}' into stages by tracing it "
+            "with torch.export, which does not take tensor-parallel layers; use one of the "
+            "two, or a model type raylm has stages for")
