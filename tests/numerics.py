@@ -24,9 +24,12 @@ The tolerance therefore has two parts, per tensor:
   (the loss tolerance) allow 2 * REL * (sum of the learning rates of the steps), plus a few
   fp32 ulps of the tensor's scale (fp32 cannot get closer than rounding ``exact``).
 
-Measured here (RAYLM_TEST_WEIGHT_LOG below), over every weight comparison of the suite,
-where a layout's error was above the floor: the mean within 1.6x the reference's, the
-largest within 4.1x.
+Measured here (RAYLM_TEST_WEIGHT_LOG below), over every weight comparison of the suite
+(4,118 tensors; 643 with an error above the floor), the factor each needed after its
+floor: the mean 0.74x the reference's, the largest 6.6x (Qwen3's MLP under tp=2 in
+process: one element of 2.3e-5 where the fp32 reference is 3.4e-6 off; an earlier run
+measured 4.1x). Gradient norms over 135 steps of 42 Ray-level runs: within 4.1e-6
+relative of the reference's.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from raylm.parallel.clip import clip_grad_norm
+
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
@@ -57,7 +59,64 @@ def bucket_params(params: list, bucket_bytes: int) -> list:
     return buckets
 
 
-class GradientAllReduce:
+class GradientSync:
+    """How a rank's gradients meet over its data-parallel group, whatever the ZeRO stage:
+    the worker calls these and nothing else (stage 0: ``GradientAllReduce``; 1 and 2:
+    raylm.parallel.zero.partitioned; 3: raylm.parallel.zero.fsdp; built by
+    raylm.parallel.zero.gradient_sync).
+
+    Per step: ``arm(loss_sum)`` before the last micro-batch's backward, ``end_round()``
+    after each micro-batch's backward, ``finish()`` (the gradients and the step's loss
+    summed over dp; returns the loss), ``clip(norm_params, max_norm, pp_group)`` (the one
+    global gradient norm, clipping), the optimizer's step, ``zero_grad()``. Subclasses
+    keep ``params`` (the parameters it syncs)."""
+
+    params: list
+
+    def arm(self, loss_sum: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def end_round(self, force: bool = False) -> None:
+        """A micro-batch's backward is done (``force``: a round a rank without samples
+        runs to keep pace). Only ZeRO-2 sends per round."""
+
+    def finish(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def grad_of(self, p: torch.Tensor):
+        """The gradient this rank keeps of ``p`` after ``finish`` (ZeRO 1/2: its rows)."""
+        return p.grad
+
+    def clip(self, norm_params: list, max_norm: float, pp_group=None) -> float:
+        """Scale the gradients so the global norm (of ``norm_params``, over tp and the
+        pipeline's ``pp_group``; raylm.parallel.clip) is at most ``max_norm``; returns
+        the norm before clipping. A model that nothing shards gets torch's own
+        ``clip_grad_norm_``, to the last bit."""
+        if pp_group is None and not any(isinstance(p, DTensor) for p in norm_params):
+            return float(torch.nn.utils.clip_grad_norm_(norm_params, max_norm))
+        return clip_grad_norm(norm_params, self.params, max_norm, pp_group)
+
+    def make_optimizer(self, param_groups: list, **adamw):
+        """(the torch optimizer that schedulers and checkpoints see, the object whose
+        ``step()`` the worker calls)."""
+        optimizer = torch.optim.AdamW(param_groups, **adamw)
+        return optimizer, optimizer
+
+    def checkpoint_form(self, model, dp_mesh):
+        """The optimizer state in checkpoint form when it is not the torch optimizer's own
+        (ZeRO 1/2's partitions); None otherwise."""
+        return None
+
+    def held_gradients(self):
+        """The gradient buffers to count for the memory report when they are not the
+        parameters' ``.grad`` (ZeRO-2's partitions); None otherwise."""
+        return None
+
+
+class GradientAllReduce(GradientSync):
     def __init__(self, params, group, bucket_bytes: int = 4 * 2**20, loss_slot: bool = True):
         self.params = [p for p in params if p.requires_grad]
         self.group = group

@@ -7,9 +7,11 @@ States (logged on every change, so a failure's path reads straight from the log)
                     +- recovering <- (a rank or its node died)
 
 The driver never touches tensors: it sends each rank the sample ids of its micro-batches
-and gets scalars back. Failure policy: on any rank failure, tear the whole group down,
-re-plan on the live nodes (same global batch), restore the latest checkpoint and go on,
-up to ``max_failures`` times.
+and gets scalars back. Where the run is lives in one ``RunRecord`` (step, plan, latest
+checkpoint, group generation, failures, history); what a failure means is decided by
+policy objects (raylm.runtime.policy): on a rank failure the group is torn down, and
+either the run gives up (past ``max_failures``) or the group is restarted on the live
+nodes (same global batch) from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
+from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
 from raylm.runtime.worker import RankWorker
@@ -65,8 +68,15 @@ class Driver:
         self.workers: list = []
         self.worker_info: list[dict] = []
         self.pg = None
-        self.failures = 0
-        self.history: list[dict] = []
+        # Where the run is (step, plan, latest checkpoint, group generation, failures,
+        # history), and the policies that decide what a failure or a smaller cluster means.
+        self.record = RunRecord()
+        self.failure_policy = FailurePolicy(cfg.max_failures)
+        self.scaling: Optional[ScalingPolicy] = None  # from the first plan's size
+        self.ckpt: Optional[CheckpointManager] = None
+        self.metrics: Optional[MetricsLog] = None
+        self.progress: Optional[Progress] = None
+        self.spec, self.block_size = None, None
 
     # -- state machine ---------------------------------------------------------------------
     def _enter(self, state: str, detail: str = "") -> None:
@@ -86,7 +96,7 @@ class Driver:
             cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, cfg.tp or 1)
             plan = self.plan(inputs, cap)
             data = prepare_data(cfg, inputs)
-            self.target_workers = plan.world_size
+            self.scaling = ScalingPolicy(target=plan.world_size)
             log.info("plan: %s", plan.describe())
             if plan.zero_stage and plan.dp > 1:
                 try:
@@ -128,9 +138,9 @@ class Driver:
                                      group=plan.dims.node_group_size)
             if self.pg is not None:
                 break
-            if n <= 1:
+            fewer = self.scaling.fewer(plan, n)
+            if fewer is None:
                 raise TrainingFailed("could not place a single rank actor on the cluster")
-            fewer = max(1, n - plan.dims.replica_size)
             log.warning("could not place %d rank(s) within 30 s; trying %d", n, fewer)
             n = fewer
         if n != plan.world_size:
@@ -158,6 +168,7 @@ class Driver:
         if restore:
             self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
             log.info("restored %s (step %d)", restore, restore_step)
+        self.record.generation += 1
         return plan
 
     def _teardown(self) -> None:
@@ -211,7 +222,7 @@ class Driver:
         self.metrics = MetricsLog(cfg.output_dir)
         restore = inputs.resume_from
         start_step = read_trainer_state(restore)["step"] if restore else 0
-        record = start_output_dir(cfg, plan.global_batch_size)
+        fingerprint = start_output_dir(cfg, plan.global_batch_size)
         self.ckpt.clear_partial()
         self.metrics.truncate_after(start_step)
         if restore:
@@ -220,19 +231,20 @@ class Driver:
                  sampler.num_samples, sampler.steps_per_epoch)
 
         self.spec, self.block_size = inputs.spec, inputs.block_size
-        plan = self._start_group(plan, inputs, data, steps, restore, start_step)
-        self.plan = plan
-        self.step = start_step
+        run = self.record
+        run.total_steps, run.checkpoint = steps, restore
+        run.plan = self._start_group(plan, inputs, data, steps, restore, start_step)
+        run.step = start_step
         self.progress = Progress(steps, start_step, cfg.disable_tqdm)
         t_start = time.time()
-        if self.step >= steps:
-            log.info("the run is already complete (step %d of %d)", self.step, steps)
+        if run.step >= steps:
+            log.info("the run is already complete (step %d of %d)", run.step, steps)
         final, train_runtime = {}, 0.0
         while True:
             try:
-                if self.step < steps:
-                    self._enter("running", f"step {self.step + 1} of {steps}")
-                    self._run_steps(sampler, steps, data, record)
+                if run.step < steps:
+                    self._enter("running", f"step {run.step + 1} of {steps}")
+                    self._run_steps(sampler, steps, data, fingerprint)
                 train_runtime = time.time() - t_start
                 # The end of the run: evaluate and save; a failure here recovers too
                 # (from the final checkpoint, so nothing is redone).
@@ -245,26 +257,27 @@ class Driver:
                 self._recover(failure, inputs, data, steps)
         self.progress.close()
         self._save_tokenizer(inputs)
-        trained = [h for h in self.history]
+        trained = [h for h in run.history]
         tokens = sum(h["tokens"] for h in trained)
         final.update({
-            "global_step": self.step,
+            "global_step": run.step,
             "train_loss": (sum(h["loss"] for h in trained) / len(trained)) if trained else None,
             "final_loss": trained[-1]["loss"] if trained else None,
             "train_runtime": train_runtime,
             "train_tokens_per_second": tokens / train_runtime if train_runtime > 0 else 0.0,
-            "failures": self.failures,
-            "world_size": self.plan.world_size,
+            "failures": run.failures,
+            "world_size": run.plan.world_size,
         })
         with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
             json.dump(final, f, indent=2)
-        self._enter("finished", f"step {self.step}, output in {cfg.output_dir}")
+        self._enter("finished", f"step {run.step}, output in {cfg.output_dir}")
         return TrainResult(output_dir=os.path.abspath(cfg.output_dir), metrics=final,
-                           history=self.history, failures=self.failures)
+                           history=run.history, failures=run.failures)
 
     def _run_steps(self, sampler: GlobalBatchSampler, steps: int, data: Data,
-                   record: dict) -> None:
-        cfg, plan = self.cfg, self.plan
+                   fingerprint: dict) -> None:
+        cfg, run = self.cfg, self.record
+        plan = run.plan
         window_tokens, window_start = 0, time.time()
 
         def schedule(step):
@@ -290,52 +303,52 @@ class Driver:
             return bool(cfg.eval_steps and step % cfg.eval_steps == 0 and step < steps
                         and cfg.should_eval and data.eval is not None)
 
-        inflight = submit(self.step)
+        inflight = submit(run.step)
         t_last = time.time()
-        while self.step < steps:
+        while run.step < steps:
             # Keep the ranks busy: queue the next step before waiting on this one (an
             # actor runs its calls in order), unless the driver must act in between.
             ahead = None
-            nxt = self.step + 1
+            nxt = run.step + 1
             if nxt < steps and not (saves_after(nxt) or evaluates_after(nxt)):
                 ahead = submit(nxt)
             results = self._wait(inflight)
-            self.step += 1
+            run.step += 1
             out = _loss_result(results)
             now = time.time()
             wall, t_last = now - t_last, now
-            rec = {"step": self.step, "epoch": round(sampler.epoch_of(self.step), 4),
+            rec = {"step": run.step, "epoch": round(sampler.epoch_of(run.step), 4),
                    "loss": out["loss"], "learning_rate": out["learning_rate"],
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
                    "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
                    "data_wait_s": max(r["data_wait_s"] for r in results),
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results]}
-            self.history = [h for h in self.history if h["step"] < self.step] + [rec]
+            run.history = [h for h in run.history if h["step"] < run.step] + [rec]
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": self.step, "ranks": [
+                    f.write(json.dumps({"step": run.step, "ranks": [
                         r["sample_ids"] for r in results if "sample_ids" in r]}) + "\n")
             if "memory" in results[0]:
                 self._memory_report(results)
             window_tokens += out["tokens"]
-            self.progress.update(self.step, rec["loss"], rec["tokens_per_second"])
-            if self.step % cfg.logging_steps == 0 or self.step == steps:
+            self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
+            if run.step % cfg.logging_steps == 0 or run.step == steps:
                 tps = window_tokens / max(time.time() - window_start, 1e-9)
-                self.metrics.append({"step": self.step, "epoch": rec["epoch"],
+                self.metrics.append({"step": run.step, "epoch": rec["epoch"],
                                      "loss": rec["loss"], "learning_rate": rec["learning_rate"],
                                      "tokens_per_second": tps})
-                self.progress.write(f"step {self.step}/{steps}  loss {rec['loss']:.4f}  "
+                self.progress.write(f"step {run.step}/{steps}  loss {rec['loss']:.4f}  "
                                     f"lr {rec['learning_rate']:.3g}  {tps:,.0f} tokens/s")
                 window_tokens, window_start = 0, time.time()
-            if evaluates_after(self.step):
+            if evaluates_after(run.step):
                 self._eval(data)
-            if saves_after(self.step):
-                self._save_checkpoint(sampler, record)
+            if saves_after(run.step):
+                self._save_checkpoint(sampler, fingerprint)
             for cb in self.callbacks:
                 if hasattr(cb, "on_step_end"):
-                    cb.on_step_end(self, self.step, rec)
-            if ahead is None and self.step < steps:
-                ahead = submit(self.step)
+                    cb.on_step_end(self, run.step, rec)
+            if ahead is None and run.step < steps:
+                ahead = submit(run.step)
                 t_last = time.time()
             inflight = ahead
 
@@ -346,7 +359,7 @@ class Driver:
         from raylm.plan.text import human_bytes
         from raylm.plan.zero import theory_bytes
 
-        plan, cfg = self.plan, self.cfg
+        plan, cfg = self.record.plan, self.cfg
         try:
             fixed = dataclasses.replace(cfg, gradient_accumulation_steps=plan.micro_batches_per_rank,
                                         pipeline_schedule=plan.schedule,
@@ -382,29 +395,31 @@ class Driver:
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
             json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage},
-                       "step": self.step, "ranks": ranks}, f, indent=2)
+                       "step": self.record.step, "ranks": ranks}, f, indent=2)
 
-    def _save_checkpoint(self, sampler: GlobalBatchSampler, record: dict) -> None:
-        tmp = self.ckpt.begin(self.step)
+    def _save_checkpoint(self, sampler: GlobalBatchSampler, fingerprint: dict) -> None:
+        run = self.record
+        tmp = self.ckpt.begin(run.step)
         self._wait([w.save_checkpoint.remote(tmp) for w in self.workers])
-        path = self.ckpt.commit(tmp, self.step, {
-            "step": self.step, "epoch": sampler.epoch_of(self.step),
-            "global_batch_size": self.plan.global_batch_size,
-            "world_size": self.plan.world_size,
-            "layout": self.plan.dims.to_dict(),
-            "run": record,
+        path = self.ckpt.commit(tmp, run.step, {
+            "step": run.step, "epoch": sampler.epoch_of(run.step),
+            "global_batch_size": run.plan.global_batch_size,
+            "world_size": run.plan.world_size,
+            "layout": run.plan.dims.to_dict(),
+            "run": fingerprint,
         })
+        run.checkpoint = path
         self.ckpt.rotate(self.cfg.save_total_limit)
         log.info("checkpoint saved: %s", path)
 
     def _eval(self, data: Data) -> dict:
-        plan = self.plan
+        plan = self.record.plan
         eval_ds = data.eval if data.eval is not data.train else None
         refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dims.index(r, "dp")),
                                   eval_ds)
                 for r, w in enumerate(self.workers)]
         out = _loss_result(self._wait(refs))
-        step = getattr(self, "step", 0)
+        step = self.record.step
         self.metrics.append({"step": step, "eval_loss": out["eval_loss"],
                              "perplexity": out["perplexity"]})
         self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
@@ -412,7 +427,7 @@ class Driver:
         return {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
 
     def _eval_batches(self, eval_ids, dp_index: int) -> list:
-        plan = self.plan
+        plan = self.record.plan
         share = rank_share(eval_ids, dp_index, plan.dp)
         if plan.pp == 1:
             return micro_batches(share, self.cfg.per_device_eval_batch_size)
@@ -423,25 +438,28 @@ class Driver:
                 for i in range(0, len(share), chunk)]
 
     def _recover(self, failure: WorkerFailure, inputs: Inputs, data: Data, steps: int) -> None:
-        self.failures += 1
-        self._enter("recovering", f"failure {self.failures} of at most {self.cfg.max_failures}")
+        """Carry out the policies' decisions on a rank failure: tear the group down, give
+        up or restart it on what the cluster holds now, from the latest checkpoint."""
+        run = self.record
+        run.failures += 1
+        decision = self.failure_policy.decide(run.failures, str(failure))
+        self._enter("recovering", decision.reason)
         dead = self._dead_ranks()
-        log.warning("rank failure at step %d: %s%s", self.step + 1, failure,
+        log.warning("rank failure at step %d: %s%s", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")
         self._teardown()
-        if self.failures > self.cfg.max_failures:
-            raise TrainingFailed(f"{self.failures} failure(s), more than --max_failures "
-                                 f"{self.cfg.max_failures}; last: {failure}") from failure
+        if not decision.restart:
+            raise TrainingFailed(decision.reason) from failure
         restore = self.ckpt.latest()
         restore_step = read_trainer_state(restore)["step"] if restore else 0
         log.warning("restoring %s: %d step(s) will be redone",
-                    restore or "the initial model (no checkpoint yet)", self.step - restore_step)
-        n = cluster.wait_for_capacity(self.target_workers, self.plan.cpus_per_worker,
-                                      self.plan.use_gpu, group=self.plan.dims.node_group_size)
-        plan = self.plan.resized(n) if n != self.plan.world_size else self.plan
-        self.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
-        self.step = restore_step
-        self.history = [h for h in self.history if h["step"] <= restore_step]
+                    restore or "the initial model (no checkpoint yet)", run.step - restore_step)
+        live = cluster.wait_for_capacity(self.scaling.target, run.plan.cpus_per_worker,
+                                         run.plan.use_gpu, group=run.plan.dims.node_group_size)
+        plan = self.scaling.after_failure(run.plan, live)
+        run.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
+        run.step, run.checkpoint = restore_step, restore
+        run.history = [h for h in run.history if h["step"] <= restore_step]
         self.metrics.truncate_after(restore_step)
         self.progress.reset_to(restore_step)
 
@@ -450,8 +468,8 @@ class Driver:
         os.makedirs(self.cfg.output_dir, exist_ok=True)
         self.metrics = MetricsLog(self.cfg.output_dir)
         self.progress = Progress(0, 0, True)
-        self.plan = self._start_group(plan, inputs, data, 1, None, 0)
-        self.step = 0
+        self.record.plan = self._start_group(plan, inputs, data, 1, None, 0)
+        self.record.step = 0
         self._enter("running", "evaluation")
         out = self._eval(data)
         with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:

@@ -51,7 +51,7 @@ class RankWorker:
         from raylm.data.reader import BlockReader, Prefetcher
         from raylm.models.loading import build_model
         from raylm.models.objectives import objective_for
-        from raylm.parallel.data import GradientAllReduce
+        from raylm.parallel.zero import gradient_sync
 
         t0 = time.time()
         self.plan = plan
@@ -96,8 +96,9 @@ class RankWorker:
 
         # Checkpoints and the saved model in the model's own (layout-free) shapes.
         self.canonical = canonical_adapter(self.model, self.tensor_parallel)
-        self.grad_sync = self._make_grad_sync(GradientAllReduce)
-        self.optimizer = self._make_optimizer()
+        # How gradients meet over dp (by ZeRO stage; one interface for all of them).
+        self.grad_sync = gradient_sync(self.zero_stage, self.model, self.dp_group)
+        self.optimizer, self.stepper = self._make_optimizer()
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(total_steps)
         # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
@@ -163,24 +164,6 @@ class RankWorker:
             materialize(self.model, self.spec, self.cfg["seed"], self.device, tp_layout,
                         canonical_adapter(self.model, self.tensor_parallel))
 
-    def _make_grad_sync(self, GradientAllReduce):
-        """How gradients meet over dp: stage 0 all-reduce, 1 reduce-scatter of full
-        gradients, 2 per micro-batch reduce-scatter into partitions, 3 FSDP."""
-        params = list(self.model.parameters())
-        if self.zero_stage == 1:
-            from raylm.parallel.zero.partitioned import ReduceScatterGradients
-
-            return ReduceScatterGradients(params, self.dp_group)
-        if self.zero_stage == 2:
-            from raylm.parallel.zero.partitioned import ShardedGradients
-
-            return ShardedGradients(params, self.dp_group)
-        if self.zero_stage == 3:
-            from raylm.parallel.zero.fsdp import FSDPGradients
-
-            return FSDPGradients(self.model, self.dp_group)
-        return GradientAllReduce(params, self.dp_group)
-
     @property
     def _seed_rank(self) -> int:
         return self.plan.dims.seed_index(self.rank)
@@ -196,23 +179,10 @@ class RankWorker:
 
     def _clip(self, max_norm: float) -> float:
         """Clip to ``max_norm`` over the whole model; the norm before clipping."""
-        import torch
-
-        if self.zero_stage in (1, 2):
-            from raylm.parallel.zero.partitioned import clip_partitioned
-
-            pipe = self.pipeline
-            norm_params = pipe.norm_params if pipe is not None else self.grad_sync.params
-            return clip_partitioned(self.grad_sync, norm_params, max_norm,
-                                    pipe.pp_group if pipe is not None else None)
-        if self.pipeline is not None:
-            return self.pipeline.clip_grad_norm(max_norm)
-        if self.tensor_parallel is not None or self.zero_stage == 3:
-            from raylm.parallel.clip import clip_grad_norm
-
-            params = list(self.model.parameters())
-            return clip_grad_norm(params, params, max_norm)
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        pipe = self.pipeline
+        if pipe is None:
+            return self.grad_sync.clip(self.grad_sync.params, max_norm)
+        return self.grad_sync.clip(pipe.norm_params, max_norm, pipe.pp_group)
 
     def _pipeline_loss(self, logits, labels):
         # The last stage's loss per micro-batch: summed token loss over the step's global
@@ -220,8 +190,6 @@ class RankWorker:
         return self.objective.loss_sum(logits, labels) / self.global_tokens
 
     def _make_optimizer(self):
-        import torch
-
         # Decay matrices only, not biases or norm weights (as HF's Trainer does).
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
@@ -230,14 +198,7 @@ class RankWorker:
                   {"params": no_decay, "weight_decay": 0.0}]
         hyper = dict(lr=c["learning_rate"], betas=(c["adam_beta1"], c["adam_beta2"]),
                      eps=c["adam_epsilon"])
-        self.zero_optimizer = None
-        if self.zero_stage in (1, 2):
-            # AdamW over this rank's rows only; its step all-gathers the parameters.
-            from raylm.parallel.zero.partitioned import PartitionedOptimizer
-
-            self.zero_optimizer = PartitionedOptimizer(self.grad_sync, groups, **hyper)
-            return self.zero_optimizer.optimizer
-        return torch.optim.AdamW(groups, **hyper)
+        return self.grad_sync.make_optimizer(groups, **hyper)
 
     def _make_scheduler(self, total_steps: int):
         from transformers import get_scheduler
@@ -302,13 +263,13 @@ class RankWorker:
                 if i == len(batches) - 1:
                     self.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
                 (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
-                self._end_round()
+                self.grad_sync.end_round()
         if not batches:  # no samples for this rank in an epoch's short last step
             if count_work is not None:
                 count_work.wait()
             self.grad_sync.arm(loss_sum)
         for _ in range(self.plan.micro_batches_per_rank - len(batches)):
-            self._end_round(force=True)  # ZeRO-2: as many rounds as the other ranks
+            self.grad_sync.end_round(force=True)  # as many rounds as the other ranks
 
         global_loss = self.grad_sync.finish()  # gradients (and the loss) summed over dp
         out = self._apply(self._clip)
@@ -321,12 +282,6 @@ class RankWorker:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids]
         return out
 
-    def _end_round(self, force: bool = False) -> None:
-        """ZeRO-2: a micro-batch's gradients are done; send what its round left."""
-        end = getattr(self.grad_sync, "end_round", None)
-        if end is not None:
-            end(force)
-
     def _apply(self, clip) -> dict:
         """Clip (``clip(max_norm)`` returns the norm before clipping), optimizer step,
         schedule step, zero the gradients."""
@@ -336,7 +291,7 @@ class RankWorker:
         if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
             grad_norm = clip(self.cfg["max_grad_norm"])
         lr = self.optimizer.param_groups[0]["lr"]
-        (self.zero_optimizer or self.optimizer).step()
+        self.stepper.step()
         self.scheduler.step()
         self.grad_sync.zero_grad()
         # Peak resident memory of this rank's process so far (Linux reports KiB).
@@ -370,10 +325,7 @@ class RankWorker:
             loss_sum += mb_loss.detach().double() * self.global_tokens
         self.grad_sync.arm(loss_sum)
         global_loss = self.grad_sync.finish()  # dp sum (each stage over its own dp group)
-        if self.zero_stage in (1, 2):  # the rows this rank owns of each tied copy
-            pipe.sync_tied_grads(lambda p: self.grad_sync.shard_grad[id(p)])
-        else:
-            pipe.sync_tied_grads()
+        pipe.sync_tied_grads(self.grad_sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
         out = self._apply(self._clip)  # the norm over the whole pipeline
         self._report_memory(out, meter)
         tokens = float(global_tokens[0].item())
@@ -402,8 +354,8 @@ class RankWorker:
         from raylm.runtime.memory import state_bytes
 
         self.measure_next = False
-        grads = getattr(self.grad_sync, "flats", None) if self.zero_stage == 2 else None
-        out["memory"] = {**state_bytes(self.model, self.optimizer, grads),
+        out["memory"] = {**state_bytes(self.model, self.optimizer,
+                                       self.grad_sync.held_gradients()),
                          "replica_elements": self._replica_elements(),
                          "activations": meter.peak,
                          "coords": self.plan.dims.coords(self.rank)}
@@ -528,9 +480,7 @@ class RankWorker:
 
     def _zero_form(self):
         """ZeRO 1/2: the partitioned optimizer's state in checkpoint form; else None."""
-        if self.zero_optimizer is None:
-            return None
-        return self.zero_optimizer.checkpoint_form(self.model, self.mesh["dp"])
+        return self.grad_sync.checkpoint_form(self.model, self.mesh["dp"])
 
     def save_pretrained(self, output_dir: str) -> bool:
         """Rank 0 writes one ordinary Hugging Face model (safetensors).

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
-from raylm.parallel.clip import clip_grad_norm
 from raylm.parallel.data import local_tensor
 from raylm.plan.partition import Partition
 
@@ -139,8 +138,3 @@ class PipelineRuntime:
             g = p.grad if grad_of is None else grad_of(p)
             if g is not None:
                 dist.all_reduce(local_tensor(g), op=dist.ReduceOp.SUM, group=group)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """torch's clip_grad_norm_, over the whole pipeline's parameters."""
-        return clip_grad_norm(self.norm_params, self.model.parameters(), max_norm,
-                              self.pp_group)

@@ -6,3 +6,18 @@
 
 Which rows a rank owns: raylm.plan.zero.
 """
+
+from raylm.parallel.data import GradientAllReduce, GradientSync
+from raylm.parallel.zero.fsdp import FSDPGradients
+from raylm.parallel.zero.partitioned import ReduceScatterGradients, ShardedGradients
+
+
+def gradient_sync(stage: int, model, dp_group) -> GradientSync:
+    """The gradient sync of a ZeRO stage over ``dp_group``: 0 all-reduces full gradients,
+    1 reduce-scatters them once per step, 2 after every micro-batch into partitions, 3 is
+    FSDP's (the model must be sharded with apply_fsdp already)."""
+    if stage == 3:
+        return FSDPGradients(model, dp_group)
+    params = list(model.parameters())
+    kind = {0: GradientAllReduce, 1: ReduceScatterGradients, 2: ShardedGradients}[stage]
+    return kind(params, dp_group)

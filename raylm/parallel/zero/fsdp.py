@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.parallel.data import GradientSync
 from raylm.parallel.shards import contiguous_stride, write_rows_back
 
 
@@ -76,10 +77,10 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
     return modules
 
 
-class FSDPGradients:
-    """The worker's gradient-sync interface under stage 3: FSDP reduce-scatters during
-    backward itself; this sums the step's loss over dp and zeroes the (sharded)
-    gradients in place (so they stay allocated, as the ZeRO accounting has them)."""
+class FSDPGradients(GradientSync):
+    """The gradient sync under stage 3: FSDP reduce-scatters during backward itself; this
+    sums the step's loss over dp and zeroes the (sharded) gradients in place (so they
+    stay allocated, as the ZeRO accounting has them)."""
 
     def __init__(self, model: nn.Module, group):
         import torch.distributed as dist

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from raylm.parallel.data import GradientAllReduce, bucket_params, local_tensor
+from raylm.parallel.data import GradientAllReduce, GradientSync, bucket_params, local_tensor
 from raylm.parallel.shards import contiguous_stride
 from raylm.parallel.tensor.grads import reduce_partial
 from raylm.plan.zero import owned_rows
@@ -123,9 +123,26 @@ class BucketLayout:
                     (t if t.ndim else t.view(1))[a:b].copy_(self.section_view(flat, r, i))
 
 
-class _Partitioned:
+class _Partitioned(GradientSync):
     """What stage 1 and 2 share: buckets, their layouts, the loss sum, the owned-row
-    gradient of each parameter (``shard_grad``)."""
+    gradient of each parameter (``shard_grad``), the partitioned optimizer and clipping
+    over owned rows."""
+
+    optimizer_wrapper = None  # the PartitionedOptimizer, once make_optimizer made it
+
+    def grad_of(self, p: torch.Tensor):
+        return self.shard_grad[id(p)]
+
+    def clip(self, norm_params: list, max_norm: float, pp_group=None) -> float:
+        return clip_partitioned(self, norm_params, max_norm, pp_group)
+
+    def make_optimizer(self, param_groups: list, **adamw):
+        # AdamW over this rank's rows only; its step all-gathers the parameters.
+        self.optimizer_wrapper = PartitionedOptimizer(self, param_groups, **adamw)
+        return self.optimizer_wrapper.optimizer, self.optimizer_wrapper
+
+    def checkpoint_form(self, model, dp_mesh):
+        return self.optimizer_wrapper.checkpoint_form(model, dp_mesh)
 
     def _init_layouts(self, group):
         self.group = group
@@ -159,7 +176,7 @@ class _Partitioned:
         return work, staging, out
 
 
-class ReduceScatterGradients(GradientAllReduce, _Partitioned):
+class ReduceScatterGradients(_Partitioned, GradientAllReduce):
     """Stage 1: full gradients accumulated locally; each rank receives its rows' sum."""
 
     def __init__(self, params, group, bucket_bytes: int = 4 * 2**20):
@@ -276,6 +293,9 @@ class ShardedGradients(_Partitioned):
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.zero_()
+
+    def held_gradients(self):
+        return self.flats
 
 
 class PartitionedOptimizer:

@@ -1,0 +1,67 @@
+"""What the driver decides when a rank fails or the cluster cannot hold the plan: small
+objects that return decisions, as Ray Train v2 separates its failure and scaling policies
+from its controller. The driver carries the decisions out (tear down, restore, start);
+an elastic runtime swaps these objects, not the driver's loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from raylm.plan.layout import Plan
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    restart: bool  # False: give up and raise
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """Restart from the latest checkpoint after a rank failure, up to ``max_failures``
+    times in a run; then give up."""
+
+    max_failures: int
+
+    def decide(self, failures: int, error: str) -> FailureDecision:
+        """``failures``: how many the run has had, this one included."""
+        if failures > self.max_failures:
+            return FailureDecision(False, f"{failures} failure(s), more than --max_failures "
+                                          f"{self.max_failures}; last: {error}")
+        return FailureDecision(True, f"failure {failures} of at most {self.max_failures}")
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """How many ranks to run: as many as the live cluster holds, in whole data-parallel
+    replicas, never more than the run started with (``target``: joining nodes are not
+    used yet). The global batch stays the run's (Plan.resized)."""
+
+    target: int
+
+    def after_failure(self, plan: Plan, live_ranks: int) -> Plan:
+        """The plan for the group restarted on a cluster that holds ``live_ranks``."""
+        n = min(self.target, live_ranks)
+        return plan.resized(n) if n != plan.world_size else plan
+
+    def fewer(self, plan: Plan, tried: int) -> Optional[int]:
+        """``tried`` ranks could not be placed: the next size to try (one replica fewer),
+        or None when not even one rank could be."""
+        if tried <= 1:
+            return None
+        return max(1, tried - plan.dims.replica_size)
+
+
+@dataclass
+class RunRecord:
+    """Where a run is: the driver's progress, in one place, from its start."""
+
+    plan: Optional[Plan] = None  # the layout the rank group runs now
+    step: int = 0  # optimizer steps done
+    total_steps: int = 0
+    checkpoint: Optional[str] = None  # the latest committed checkpoint
+    generation: int = 0  # how many times a rank group was started
+    failures: int = 0
+    history: list = field(default_factory=list)  # one dict per optimizer step
