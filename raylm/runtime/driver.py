@@ -163,7 +163,9 @@ class Driver:
         port = self._wait([self.workers[0].free_port.remote()])[0]
         master = f"{self.worker_info[0]['ip']}:{port}"
         cfg_dict = self.cfg.to_dict()
-        self._wait([w.setup.remote(master, plan, inputs.spec, data.train, cfg_dict, steps)
+        self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s)
+                    for w in self.workers])
+        self._wait([w.build.remote(inputs.spec, data.train, cfg_dict, steps)
                     for w in self.workers])
         if restore:
             self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
