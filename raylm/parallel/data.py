@@ -72,6 +72,10 @@ class GradientSync:
     keep ``params`` (the parameters it syncs)."""
 
     params: list
+    # Forward and backward themselves are collective over dp (FSDP gathers parameters in
+    # each): every dp rank must run as many micro-batches, a rank short of samples filler
+    # ones.
+    collective_forwards = False
 
     def arm(self, loss_sum: torch.Tensor) -> None:
         raise NotImplementedError

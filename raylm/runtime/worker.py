@@ -111,7 +111,7 @@ class RankWorker:
         t_data = time.time() - t0
         if e.pipeline is not None:
             return self._pipeline_step(step, batches, micro_batch_ids, t0, t_data)
-        if e.zero_stage == 3:
+        if e.grad_sync.collective_forwards:
             # FSDP gathers parameters inside every forward and backward: a rank short of
             # samples (an epoch's last step) runs filler rows (no labels) to keep pace.
             batches = batches + [self._filler() for _ in
@@ -276,7 +276,7 @@ class RankWorker:
                 self.eval_reader = BlockReader(eval_dataset)
             reader = self.eval_reader
         e = self.engine
-        if e.zero_stage == 3 and e.pipeline is None:
+        if e.grad_sync.collective_forwards and e.pipeline is None:
             # As in training: every dp rank runs as many forwards (FSDP gathers in each).
             most = int(all_reduce_max(len(micro_batch_ids), e.dp_group, self.device))
             micro_batch_ids = list(micro_batch_ids) + [
@@ -293,8 +293,8 @@ class RankWorker:
                     batches = [reader.read(ids) for ids in chunk] if reads else []
                     ids, labels, kwargs = self._stack(batches)
                     losses = e.pipeline.forward_only(ids, labels, kwargs,
-                                                        e.objective.loss_sum,
-                                                        e.eval_stage_modules)
+                                                     e.objective.loss_sum,
+                                                     e.eval_stage_modules)
                     loss_sum += sum(float(x) for x in losses)
                     if e.pipeline.has_last:
                         tokens += sum(self._count(b) for b in batches)

@@ -82,6 +82,8 @@ class FSDPGradients(GradientSync):
     sums the step's loss over dp and zeroes the (sharded) gradients in place (so they
     stay allocated, as the ZeRO accounting has them)."""
 
+    collective_forwards = True
+
     def __init__(self, model: nn.Module, group):
         import torch.distributed as dist
 
