@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 # Style names raylm translates into torch ParallelStyles
-# (raylm.parallel.tensor.apply ``torch_style``), with the dim each shards: (nn.Linear weight, nn.Linear bias, nn.Embedding weight); None =
-# replicated.
+# (raylm.parallel.tensor.apply ``torch_style``), with the dim each shards: (nn.Linear
+# weight, nn.Linear bias, nn.Embedding weight); None = replicated.
 # Semantics follow transformers' own registry (transformers.distributed.tensor_parallel
 # ALL_PARALLEL_STYLES), so a Hugging Face plan means here what it means there.
 #   colwise                         ColwiseParallel: weight rows (output features) sharded,
