@@ -14,10 +14,13 @@
 then the gradient sync of the ZeRO stage (raylm.parallel.zero.gradient_sync: one
 interface for all of them), AdamW through it, and the LR schedule.
 
-The engine answers what the rank's loop needs from the layout: the loss context, the
-global gradient norm and update, the checkpoint state, the Hugging Face model to save.
-It is built after the process group and the mesh exist (RankWorker.join), and from the
-plan, the model spec and the settings only.
+The engine is what the rank's loop (RankWorker.train_step) calls, whatever the layout:
+``forward_backward`` (the step's micro-batches, gradients summed over dp: a loop over
+micro-batches, or under a pipeline the schedule: ``PipelineEngine``), ``update`` (clip
+with the global gradient norm, optimizer, schedule), ``evaluate``, ``save``/``load`` (the
+layout-free checkpoint state) and ``hf_model`` (the Hugging Face model to save). It is
+built after the process group and the mesh exist (RankWorker.join), from the plan, the
+model spec and the settings only.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from raylm.checkpoint.state import load_rank_state, save_rank_state
+from raylm.data.reader import PAD_ID
 from raylm.models.loading import build_model
 from raylm.models.objectives import objective_for
+from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
 from raylm.parallel.mesh import sharded_axes
 from raylm.parallel.pipeline.runtime import PipelineRuntime
 from raylm.parallel.pipeline.stages import cut
@@ -46,9 +51,10 @@ from raylm.plan.partition import Partition, stage_ranks
 class Engine:
     """What ``build_engine`` made for one rank (read its docstring for the order)."""
 
-    def __init__(self, plan, rank: int, mesh, device, spec, cfg: dict):
+    def __init__(self, plan, rank: int, mesh, device, spec, cfg: dict, line_by_line: bool):
         self.plan, self.rank, self.mesh, self.device = plan, rank, mesh, device
         self.spec, self.cfg = spec, cfg
+        self.line_by_line = line_by_line  # padded samples: the attention mask matters
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.zero_stage = plan.zero_stage
@@ -65,6 +71,78 @@ class Engine:
         self.global_tokens = 1.0
 
     # -- what the loop asks ------------------------------------------------------------------
+    # Whether this rank reads samples (a middle pipeline stage does not: its input comes
+    # from the previous stage), computes the loss, and sees the step's first stage.
+    needs_data = has_loss = has_first = True
+
+    @property
+    def pads_rounds(self) -> bool:
+        """Every dp rank must run as many micro-batches (FSDP gathers in each forward):
+        a rank short of samples runs filler ones."""
+        return self.grad_sync.collective_forwards
+
+    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
+        """Forward and backward over the step's micro-batches, gradients summed over dp.
+        Returns (the step's summed loss over dp, the global batch's label tokens, this
+        rank's). The loss of a step is the mean over every label token of the global
+        batch, so each rank needs the global count before its first backward: it is
+        summed over dp in the background while the first forward runs."""
+        local_tokens = sum(self.count(b, step) for b in batches)
+        global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
+                                                         self.device)
+        sync = self.grad_sync
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with self.loss_context(), meter:
+            for i, b in enumerate(batches):
+                mb_loss, _ = self.loss_sum(b, step)
+                loss_sum += mb_loss.detach()
+                if i == 0 and count_work is not None:
+                    count_work.wait()
+                if i == len(batches) - 1:
+                    sync.arm(loss_sum)  # buckets reduce as their grads are ready
+                (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
+                sync.end_round()
+        if not batches:  # no samples for this rank in an epoch's short last step
+            if count_work is not None:
+                count_work.wait()
+            sync.arm(loss_sum)
+        for _ in range(rounds - len(batches)):
+            sync.end_round(force=True)  # as many rounds as the other ranks
+        global_loss = sync.finish()  # gradients (and the loss) summed over dp
+        return float(global_loss.item()), float(global_tokens[0].item()), local_tokens
+
+    def evaluate(self, micro_batch_ids: list, read) -> tuple:
+        """(summed loss, label tokens) of this rank's eval micro-batches (``read(ids)``
+        gives a batch); not reduced over dp."""
+        if self.pads_rounds:
+            # As in training: every dp rank runs as many forwards (FSDP gathers in each).
+            most = int(all_reduce_max(len(micro_batch_ids), self.dp_group, self.device))
+            micro_batch_ids = list(micro_batch_ids) + [
+                [PAD_ID] * self.plan.micro_batch_size] * (most - len(micro_batch_ids))
+        self.model.eval()
+        loss_sum, tokens = 0.0, 0
+        with torch.no_grad(), self.loss_context():
+            for ids in micro_batch_ids:
+                batch_loss, labels = self.loss_sum(read(ids), None)
+                loss_sum += batch_loss.item()
+                tokens += self.objective.count(labels)
+        return loss_sum, tokens
+
+    def count(self, batch: dict, step) -> int:
+        """Label tokens of a micro-batch under the objective."""
+        return self.objective.count(self.objective.split(batch, step)["labels"])
+
+    def loss_sum(self, batch: dict, step):
+        """Forward one micro-batch; its summed token loss and its labels."""
+        parts = {k: v.to(self.device) for k, v in self.objective.split(batch, step).items()}
+        labels = parts.pop("labels")
+        # Packed blocks have no padding: no mask, so attention takes its causal fast path.
+        if bool((batch["attention_mask"] == 0).any()):
+            parts["attention_mask"] = batch["attention_mask"].to(self.device)
+        logits = self.model(**parts).logits
+        return self.objective.loss_sum(logits, labels), labels
+
     def loss_context(self):
         """Forward, loss and backward run inside this: the parallel cross-entropy over
         vocabulary-sharded logits under tensor parallelism."""
@@ -162,9 +240,79 @@ class Engine:
         return full
 
 
-def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int) -> Engine:
+class PipelineEngine(Engine):
+    """The engine of a pipeline stage rank: the schedule runs forward and backward over
+    the step's micro-batches (the first stage fed input ids, the last labels)."""
+
+    pads_rounds = False  # the driver fills a pipeline's steps and evaluations up itself
+
+    needs_data = property(lambda self: self.pipeline.needs_data or self.line_by_line)
+    has_loss = property(lambda self: self.pipeline.has_last)
+    has_first = property(lambda self: self.pipeline.has_first)
+
+    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
+        """As Engine.forward_backward; then the gradients of weights several stages hold
+        (tied embeddings) are summed between them. The global token count is needed
+        before the schedule runs (the last stage divides each micro-batch's loss by it)."""
+        pipe, sync = self.pipeline, self.grad_sync
+        local_tokens = sum(self.count(b, step) for b in batches) if pipe.has_last else 0
+        global_tokens = all_reduce_sum([local_tokens], self.dp_group, self.device)[0]
+        self.global_tokens = float(global_tokens) or 1.0
+        ids, labels, kwargs = self.stack(batches, step)
+        pipe.train(True)
+        with self.loss_context(), meter:
+            losses = pipe.run(ids, labels, kwargs)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb_loss in losses:
+            loss_sum += mb_loss.detach().double() * self.global_tokens
+        sync.arm(loss_sum)
+        global_loss = sync.finish()  # dp sum (each stage over its own dp group)
+        pipe.sync_tied_grads(sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
+        return float(global_loss.item()), float(global_tokens), local_tokens
+
+    def evaluate(self, micro_batch_ids: list, read) -> tuple:
+        """``micro_batch_ids``: chunks of one step's shape (the schedule's micro-batch
+        count and size), filled up with padding ids."""
+        pipe = self.pipeline
+        loss_sum, tokens = 0.0, 0
+        with torch.no_grad(), self.loss_context():
+            pipe.train(False)
+            for chunk in micro_batch_ids:
+                batches = [read(ids) for ids in chunk] if self.needs_data else []
+                ids, labels, kwargs = self.stack(batches, None)
+                losses = pipe.forward_only(ids, labels, kwargs, self.objective.loss_sum,
+                                           self.eval_stage_modules)
+                loss_sum += sum(float(x) for x in losses)
+                if pipe.has_last:
+                    tokens += sum(self.count(b, None) for b in batches)
+        return loss_sum, tokens
+
+    def stack(self, batches: list, step):
+        """The step's rows as the schedule takes them: all micro-batches stacked (it
+        splits them again). Each stage gets only what it uses; the attention mask only
+        when the data has padding (line by line), and then every stage needs it."""
+        pipe = self.pipeline
+        parts = [self.objective.split(b, step) for b in batches]
+
+        def stacked(key):
+            return torch.cat([p[key] for p in parts]).to(self.device)
+
+        ids = stacked("input_ids") if pipe.has_first else None
+        labels = stacked("labels") if pipe.has_last else None
+        kwargs = {}
+        if pipe.needs_decoder_inputs:  # the stage that embeds the decoder's input (T5)
+            kwargs["decoder_input_ids"] = stacked("decoder_input_ids")
+        if self.line_by_line:
+            kwargs["attention_mask"] = torch.cat(
+                [b["attention_mask"] for b in batches]).to(self.device)
+        return ids, labels, kwargs
+
+
+def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int,
+                 line_by_line: bool = False) -> Engine:
     """The rank's engine for ``plan`` (see the module docstring for the order)."""
-    e = Engine(plan, rank, mesh, device, spec, cfg)
+    kind = PipelineEngine if plan.pp > 1 else Engine
+    e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
     # ZeRO-3 builds the model on the meta device: no rank ever holds all of it; the
     # weights are materialised shard by shard once the layout is applied (step 4).
     if e.zero_stage == 3:

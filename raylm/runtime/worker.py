@@ -71,9 +71,8 @@ class RankWorker:
         t0 = time.time()
         self.cfg = train_cfg
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
-                                   train_cfg, total_steps)
-        self.step = None  # the optimizer step being run (objectives may draw per step)
-        self.line_by_line = bool(dataset is not None and dataset.line_by_line)
+                                   train_cfg, total_steps,
+                                   bool(dataset is not None and dataset.line_by_line))
         # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
         # share a seed (they compute the same replicated activations).
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
@@ -92,106 +91,28 @@ class RankWorker:
     def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None) -> dict:
         """One optimizer step over this rank's micro-batches (sample ids from the driver).
 
-        Read top to bottom: data, token count, forward/backward per micro-batch (the
-        gradient all-reduce starts during the last backward), gradient sync, clip,
-        optimizer, schedule. Returns scalars only.
+        Read top to bottom: data (the next step's prefetched meanwhile), forward and
+        backward over the micro-batches with the gradients summed over dp (the engine's:
+        a loop, or a pipeline schedule), clip, optimizer, schedule. Returns scalars only.
         """
-        import torch
-
-        from raylm.parallel.data import all_reduce_sum_async
-
         t0 = time.time()
-        self.step = step
         e = self.engine
-        # A middle pipeline stage reads nothing: its input arrives from the previous stage.
-        reads = e.pipeline is None or e.pipeline.needs_data or self.line_by_line
-        batches = self.prefetcher.get(step, micro_batch_ids) if reads else []
-        if next_ids is not None and reads:
+        batches = self.prefetcher.get(step, micro_batch_ids) if e.needs_data else []
+        if next_ids is not None and e.needs_data:
             self.prefetcher.submit(step + 1, next_ids)
         t_data = time.time() - t0
-        if e.pipeline is not None:
-            return self._pipeline_step(step, batches, micro_batch_ids, t0, t_data)
-        if e.grad_sync.collective_forwards:
-            # FSDP gathers parameters inside every forward and backward: a rank short of
-            # samples (an epoch's last step) runs filler rows (no labels) to keep pace.
-            batches = batches + [self._filler() for _ in
-                                 range(self.plan.micro_batches_per_rank - len(batches))]
-
-        # The loss of a step is the mean over every label token of the global batch, so
-        # each rank needs the global count before its first backward: sum it over dp in
-        # the background while the first forward runs.
-        local_tokens = sum(self._count(b) for b in batches)
-        global_tokens, count_work = all_reduce_sum_async([local_tokens], e.dp_group,
-                                                         self.device)
-
-        e.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        rounds = self.plan.micro_batches_per_rank
+        if e.pads_rounds:  # a rank short of samples (an epoch's last step) keeps pace
+            batches = batches + [self._filler() for _ in range(rounds - len(batches))]
         meter = self._meter()
-        with e.loss_context(), meter:
-            for i, b in enumerate(batches):
-                mb_loss, _ = self._loss_sum(b)
-                loss_sum += mb_loss.detach()
-                if i == 0 and count_work is not None:
-                    count_work.wait()
-                if i == len(batches) - 1:
-                    e.grad_sync.arm(loss_sum)  # buckets reduce as their grads are ready
-                (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
-                e.grad_sync.end_round()
-        if not batches:  # no samples for this rank in an epoch's short last step
-            if count_work is not None:
-                count_work.wait()
-            e.grad_sync.arm(loss_sum)
-        for _ in range(self.plan.micro_batches_per_rank - len(batches)):
-            e.grad_sync.end_round(force=True)  # as many rounds as the other ranks
-
-        global_loss = e.grad_sync.finish()  # gradients (and the loss) summed over dp
-        out = e.update()  # clip, optimizer, schedule
+        loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
+        out = e.update()  # clip (the norm over the whole model), optimizer, schedule
         self._report_memory(out, meter)
-        tokens = float(global_tokens[0].item())
-        out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
-                    "local_tokens": local_tokens, "data_wait_s": t_data,
-                    "step_s": time.time() - t0})
-        if self.cfg.get("log_sample_ids"):
-            out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids]
-        return out
-
-    def _pipeline_step(self, step: int, batches: list, micro_batch_ids: list, t0: float,
-                       t_data: float) -> dict:
-        """The same step under pipeline parallelism: the schedule runs forward and backward
-        over the step's micro-batches (first stage fed input ids, last stage labels), then
-        the gradients are summed over dp and between tied copies, clipped over the whole
-        pipeline, and applied."""
-        import torch
-
-        from raylm.parallel.data import all_reduce_sum_async
-
-        e = self.engine
-        pipe = e.pipeline
-        local_tokens = sum(self._count(b) for b in batches) if pipe.has_last else 0
-        global_tokens, count_work = all_reduce_sum_async([local_tokens], e.dp_group,
-                                                         self.device)
-        if count_work is not None:
-            count_work.wait()
-        e.global_tokens = float(global_tokens[0].item()) or 1.0
-        ids, labels, kwargs = self._stack(batches)
-        pipe.train(True)
-        meter = self._meter()
-        with e.loss_context(), meter:
-            losses = pipe.run(ids, labels, kwargs)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb_loss in losses:
-            loss_sum += mb_loss.detach().double() * e.global_tokens
-        e.grad_sync.arm(loss_sum)
-        global_loss = e.grad_sync.finish()  # dp sum (each stage over its own dp group)
-        pipe.sync_tied_grads(e.grad_sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
-        out = e.update()  # the norm over the whole pipeline
-        self._report_memory(out, meter)
-        tokens = float(global_tokens[0].item())
-        out.update({"loss": float(global_loss.item()) / max(tokens, 1.0), "tokens": int(tokens),
-                    "has_loss": pipe.has_last, "local_tokens": local_tokens,
+        out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
+                    "has_loss": e.has_loss, "local_tokens": local_tokens,
                     "data_wait_s": t_data, "step_s": time.time() - t0})
-        if self.cfg.get("log_sample_ids") and pipe.has_first:
-            out["sample_ids"] = [int(i) for ids_ in micro_batch_ids for i in ids_ if i >= 0]
+        if self.cfg.get("log_sample_ids") and e.has_first:
+            out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         return out
 
     def _meter(self):
@@ -218,96 +139,29 @@ class RankWorker:
                          "activations": meter.peak,
                          "coords": self.plan.dims.coords(self.rank)}
 
-    def _stack(self, batches: list):
-        """The step's rows as the schedule takes them: all micro-batches stacked (it splits
-        them again). Each stage gets only what it uses; the attention mask only when the
-        data has padding (line by line), and then every stage needs it."""
-        import torch
-
-        pipe = self.engine.pipeline
-        parts = [self.engine.objective.split(b, self.step) for b in batches]
-
-        def stacked(key):
-            return torch.cat([p[key] for p in parts]).to(self.device)
-
-        ids = stacked("input_ids") if pipe.has_first else None
-        labels = stacked("labels") if pipe.has_last else None
-        kwargs = {}
-        if pipe.needs_decoder_inputs:  # the stage that embeds the decoder's input (T5)
-            kwargs["decoder_input_ids"] = stacked("decoder_input_ids")
-        if self.line_by_line:
-            kwargs["attention_mask"] = torch.cat(
-                [b["attention_mask"] for b in batches]).to(self.device)
-        return ids, labels, kwargs
-
     def _filler(self) -> dict:
         """A micro-batch of filler rows: every label ignored, so it adds nothing."""
         from raylm.data.reader import PAD_ID
 
         return self.reader.read([PAD_ID] * self.plan.micro_batch_size)
 
-    def _count(self, batch: dict) -> int:
-        """Label tokens of a micro-batch under the objective."""
-        return self.engine.objective.count(self.engine.objective.split(batch, self.step)["labels"])
-
-    def _loss_sum(self, batch: dict):
-        """Forward one micro-batch; its summed token loss and its labels."""
-        split = self.engine.objective.split(batch, self.step)
-        parts = {k: v.to(self.device) for k, v in split.items()}
-        labels = parts.pop("labels")
-        # Packed blocks have no padding: no mask, so attention takes its causal fast path.
-        if bool((batch["attention_mask"] == 0).any()):
-            parts["attention_mask"] = batch["attention_mask"].to(self.device)
-        logits = self.engine.model(**parts).logits
-        return self.engine.objective.loss_sum(logits, labels), labels
-
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
-        import torch
-
-        from raylm.data.reader import PAD_ID, BlockReader
-        from raylm.parallel.data import all_reduce_max, all_reduce_sum
+        from raylm.data.reader import BlockReader
+        from raylm.parallel.data import all_reduce_sum
 
         reader = self.reader
-        self.step = None  # evaluating: objectives draw nothing per step
         if eval_dataset is not None:
             if self.eval_reader is None:
                 self.eval_reader = BlockReader(eval_dataset)
             reader = self.eval_reader
         e = self.engine
-        if e.grad_sync.collective_forwards and e.pipeline is None:
-            # As in training: every dp rank runs as many forwards (FSDP gathers in each).
-            most = int(all_reduce_max(len(micro_batch_ids), e.dp_group, self.device))
-            micro_batch_ids = list(micro_batch_ids) + [
-                [PAD_ID] * self.plan.micro_batch_size] * (most - len(micro_batch_ids))
-        e.model.eval()
-        loss_sum, tokens = 0.0, 0
-        with torch.no_grad(), e.loss_context():
-            if e.pipeline is not None:
-                # micro_batch_ids: chunks of one step's shape (the schedule's micro-batch
-                # count and size), filled up with padding ids.
-                e.pipeline.train(False)
-                reads = e.pipeline.needs_data or self.line_by_line
-                for chunk in micro_batch_ids:
-                    batches = [reader.read(ids) for ids in chunk] if reads else []
-                    ids, labels, kwargs = self._stack(batches)
-                    losses = e.pipeline.forward_only(ids, labels, kwargs,
-                                                     e.objective.loss_sum,
-                                                     e.eval_stage_modules)
-                    loss_sum += sum(float(x) for x in losses)
-                    if e.pipeline.has_last:
-                        tokens += sum(self._count(b) for b in batches)
-            else:
-                for ids in micro_batch_ids:
-                    batch_loss, labels = self._loss_sum(reader.read(ids))
-                    loss_sum += batch_loss.item()
-                    tokens += e.objective.count(labels)
+        loss_sum, tokens = e.evaluate(micro_batch_ids, reader.read)
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], e.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700)),
-                "eval_tokens": int(tokens),
-                "has_loss": e.pipeline is None or e.pipeline.has_last}
+                "eval_tokens": int(tokens), "has_loss": e.has_loss}
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
