@@ -67,7 +67,7 @@ class Engine:
         self.grad_sync = None
         self.optimizer = self.stepper = self.scheduler = None
         # Under a pipeline the last stage's loss is divided by the step's global token
-        # count (1 when evaluating, which wants sums).
+        # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
 
     # -- what the loop asks ------------------------------------------------------------------
