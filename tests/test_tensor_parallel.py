@@ -425,7 +425,7 @@ def job_fsdp_tp_grads(rank, world, name):
 
 
 def job_styles(rank, world):
-    """Every style raylm translates (plans.STYLES), applied by torch to a toy module over
+    """Every style raylm translates (tensor_plans.STYLES), applied by torch to a toy module over
     tp, computes what the unsharded module computes: this rank's output, and, after a
     backward of this rank's share of the loss, the input's and the parameters' gradients
     (sharded ones gathered, partial ones summed)."""
@@ -808,7 +808,7 @@ def test_check_tensor_parallel_errors():
 
 def test_every_style_of_the_installed_transformers_plans_is_known():
     """Every style in every base_model_tp_plan of the installed transformers (each model
-    type it knows) is one raylm translates (plans.STYLES, each checked in torch by
+    type it knows) is one raylm translates (tensor_plans.STYLES, each checked in torch by
     test_every_translated_style) or one it refuses with a reason (plans.NOT_TRANSLATED:
     mixture-of-experts and local-parameter styles). A style new to raylm fails here,
     naming the model type, the plan entry and the style."""

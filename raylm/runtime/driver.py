@@ -234,7 +234,7 @@ class Driver:
 
         self.spec, self.block_size = inputs.spec, inputs.block_size
         run = self.record
-        run.total_steps, run.checkpoint = steps, restore
+        run.checkpoint = restore
         run.plan = self._start_group(plan, inputs, data, steps, restore, start_step)
         run.step = start_step
         self.progress = Progress(steps, start_step, cfg.disable_tqdm)

@@ -60,7 +60,6 @@ class RunRecord:
 
     plan: Optional[Plan] = None  # the layout the rank group runs now
     step: int = 0  # optimizer steps done
-    total_steps: int = 0
     checkpoint: Optional[str] = None  # the latest committed checkpoint
     generation: int = 0  # how many times a rank group was started
     failures: int = 0

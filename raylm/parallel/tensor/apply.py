@@ -132,7 +132,7 @@ def _reorder_fused(linear: nn.Linear, parts: int, tp: int) -> None:
 
 
 def torch_style(name: str, sp: bool = False, config=None):
-    """A plan's style name (plans.STYLES) as a torch ParallelStyle, or None for a module
+    """A plan's style name (tensor_plans.STYLES) as a torch ParallelStyle, or None for a module
     that stays whole on every rank. Under sequence parallelism the row-parallel layers
     reduce-scatter into sequence shards (kept as DTensors, so the residual stream stays
     one)."""
