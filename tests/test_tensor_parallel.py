@@ -135,7 +135,7 @@ def train(model, data, tps=None, dp_group=None, steps=STEPS):
 
     from raylm.models.objectives import objective_for
     from raylm.parallel.data import GradientAllReduce, all_reduce_sum
-    from raylm.parallel.tensor import grad_norm_sq
+    from raylm.parallel.clip import global_norm, norm_pieces
 
     objective = objective_for(model.config)
     opt = make_optimizer(model)
@@ -166,7 +166,7 @@ def train(model, data, tps=None, dp_group=None, steps=STEPS):
             for p in params:
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 assert any(a <= local.data_ptr() < b for a, b in flats), "grad left its bucket"
-            norm = math.sqrt(float(grad_norm_sq(params)))
+            norm = float(global_norm(norm_pieces(p.grad for p in params)))
             coef = MAX_NORM / (norm + 1e-6)
             if coef < 1.0:
                 for p in params:
@@ -394,7 +394,8 @@ def job_fsdp_tp_grads(rank, world, name):
     from torch.distributed.device_mesh import init_device_mesh
 
     from raylm.models.objectives import objective_for
-    from raylm.parallel.tensor import apply_tensor_parallel, grad_norm_sq
+    from raylm.parallel.clip import global_norm, norm_pieces
+    from raylm.parallel.tensor import apply_tensor_parallel
     from raylm.parallel.shards import tp_shard_of
     from raylm.parallel.zero.fsdp import apply_fsdp
 
@@ -420,7 +421,8 @@ def job_fsdp_tp_grads(rank, world, name):
         full = tp_shard_of(g).full_tensor() if g.device_mesh.ndim > 1 else g.full_tensor()
         torch.testing.assert_close(full.double().norm() ** 2, want[n], rtol=1e-5, atol=0,
                                    msg=f"gradient {n}")
-        torch.testing.assert_close(grad_norm_sq([p]), want[n], rtol=1e-5, atol=0,
+        torch.testing.assert_close(global_norm(norm_pieces([p.grad])) ** 2, want[n],
+                                   rtol=1e-5, atol=0,
                                    msg=f"norm of {n} ({g.placements})")
 
 

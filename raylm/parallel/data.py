@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raylm.parallel.clip import clip_grad_norm
+from raylm.parallel.clip import clip_grad_norm, norm_pieces
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -94,14 +94,21 @@ class GradientSync:
         """The gradient this rank keeps of ``p`` after ``finish`` (ZeRO 1/2: its rows)."""
         return p.grad
 
+    def norm_pieces(self, norm_params: list) -> list:
+        """What this rank holds of the gradients of ``norm_params``, as the pieces of
+        raylm.parallel.clip: (local tensor, the groups it is summed over)."""
+        return norm_pieces(self.grad_of(p) for p in norm_params)
+
+    def scaled_grads(self) -> list:
+        """The gradient tensors clipping scales (every one this rank keeps)."""
+        return [p.grad for p in self.params]
+
     def clip(self, norm_params: list, max_norm: float, pp_group=None) -> float:
-        """Scale the gradients so the global norm (of ``norm_params``, over tp and the
-        pipeline's ``pp_group``; raylm.parallel.clip) is at most ``max_norm``; returns
-        the norm before clipping. A model that nothing shards gets torch's own
-        ``clip_grad_norm_``, to the last bit."""
-        if pp_group is None and not any(isinstance(p, DTensor) for p in norm_params):
-            return float(torch.nn.utils.clip_grad_norm_(norm_params, max_norm))
-        return clip_grad_norm(norm_params, self.params, max_norm, pp_group)
+        """Scale the gradients so the global norm (of ``norm_params``, over tp, dp rows
+        and the pipeline's ``pp_group``; raylm.parallel.clip, the one norm) is at most
+        ``max_norm``; returns the norm before clipping."""
+        return clip_grad_norm(self.norm_pieces(norm_params), self.scaled_grads(), max_norm,
+                              pp_group)
 
     def make_optimizer(self, param_groups: list, **adamw):
         """(the torch optimizer that schedulers and checkpoints see, the object whose

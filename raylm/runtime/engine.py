@@ -75,11 +75,16 @@ class Engine:
     # from the previous stage), computes the loss, and sees the step's first stage.
     needs_data = has_loss = has_first = True
 
-    @property
-    def pads_rounds(self) -> bool:
-        """Every dp rank must run as many micro-batches (FSDP gathers in each forward):
-        a rank short of samples runs filler ones."""
-        return self.grad_sync.collective_forwards
+    def pad_rounds(self, items: list, rounds: int, make=lambda ids: ids) -> list:
+        """``items`` (micro-batches, or their sample ids) and, where every dp rank must
+        run as many micro-batches (FSDP gathers in each forward), filler ones up to
+        ``rounds`` for a rank short of samples (an epoch's last step): ``make(ids)`` of
+        a row of PAD ids, whose labels are all ignored, so it adds nothing."""
+        items = list(items)
+        if self.grad_sync.collective_forwards:
+            filler = [PAD_ID] * self.plan.micro_batch_size
+            items += [make(filler) for _ in range(rounds - len(items))]
+        return items
 
     def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
         """Forward and backward over the step's micro-batches, gradients summed over dp.
@@ -115,11 +120,9 @@ class Engine:
     def evaluate(self, micro_batch_ids: list, read) -> tuple:
         """(summed loss, label tokens) of this rank's eval micro-batches (``read(ids)``
         gives a batch); not reduced over dp."""
-        if self.pads_rounds:
-            # As in training: every dp rank runs as many forwards (FSDP gathers in each).
+        if self.grad_sync.collective_forwards:  # as many forwards as the other dp ranks
             most = int(all_reduce_max(len(micro_batch_ids), self.dp_group, self.device))
-            micro_batch_ids = list(micro_batch_ids) + [
-                [PAD_ID] * self.plan.micro_batch_size] * (most - len(micro_batch_ids))
+            micro_batch_ids = self.pad_rounds(micro_batch_ids, most)
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         with torch.no_grad(), self.loss_context():
@@ -244,7 +247,8 @@ class PipelineEngine(Engine):
     """The engine of a pipeline stage rank: the schedule runs forward and backward over
     the step's micro-batches (the first stage fed input ids, the last labels)."""
 
-    pads_rounds = False  # the driver fills a pipeline's steps and evaluations up itself
+    def pad_rounds(self, items: list, rounds: int, make=None) -> list:
+        return list(items)  # the driver fills a pipeline's steps and evaluations up itself
 
     needs_data = property(lambda self: self.pipeline.needs_data or self.line_by_line)
     has_loss = property(lambda self: self.pipeline.has_last)

@@ -102,8 +102,7 @@ class RankWorker:
             self.prefetcher.submit(step + 1, next_ids)
         t_data = time.time() - t0
         rounds = self.plan.micro_batches_per_rank
-        if e.pads_rounds:  # a rank short of samples (an epoch's last step) keeps pace
-            batches = batches + [self._filler() for _ in range(rounds - len(batches))]
+        batches = e.pad_rounds(batches, rounds, self.reader.read if self.reader else None)
         meter = self._meter()
         loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
         out = e.update()  # clip (the norm over the whole model), optimizer, schedule
@@ -138,12 +137,6 @@ class RankWorker:
                          "replica_elements": self.engine.replica_elements(),
                          "activations": meter.peak,
                          "coords": self.plan.dims.coords(self.rank)}
-
-    def _filler(self) -> dict:
-        """A micro-batch of filler rows: every label ignored, so it adds nothing."""
-        from raylm.data.reader import PAD_ID
-
-        return self.reader.read([PAD_ID] * self.plan.micro_batch_size)
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:

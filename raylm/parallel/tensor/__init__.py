@@ -32,9 +32,8 @@ API
     ``.to_canonical(sd)``, ``.from_canonical(canon, sd)``, ``.hf_state_dict(model)``.
     Exists for every model; identity where nothing needs translating.
 
-``grad_norm_sq(params) -> float64 tensor``
-    Squared global gradient norm with tp-sharded and replicated gradients (replicated
-    counted once); ``sqrt`` of it is what single-process ``clip_grad_norm_`` computes.
+The global gradient norm over tp shards (and dp rows, pipeline stages) is
+raylm.parallel.clip's, the one every layout uses.
 
 Plans are data (``raylm.models.tensor_plans``): transformers' ``base_model_tp_plan``
 where the model has one (Llama, Mistral, Qwen2/3, GPT-NeoX, Gemma, OLMo, Phi, MiniCPM3,
@@ -45,7 +44,5 @@ LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo, Llama, Mistral, Qwen2.
 
 from raylm.parallel.tensor.apply import TPState, apply_tensor_parallel
 from raylm.parallel.tensor.canonical import CanonicalAdapter, canonical_adapter
-from raylm.parallel.tensor.grads import grad_norm_sq
 
-__all__ = ["TPState", "apply_tensor_parallel", "CanonicalAdapter", "canonical_adapter",
-           "grad_norm_sq"]
+__all__ = ["TPState", "apply_tensor_parallel", "CanonicalAdapter", "canonical_adapter"]

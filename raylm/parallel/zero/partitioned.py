@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from raylm.parallel.clip import reduce_partial, sharded_groups
 from raylm.parallel.data import GradientAllReduce, GradientSync, bucket_params, local_tensor
 from raylm.parallel.shards import contiguous_stride
-from raylm.parallel.tensor.grads import reduce_partial
 from raylm.plan.zero import owned_rows
 
 
@@ -133,8 +133,14 @@ class _Partitioned(GradientSync):
     def grad_of(self, p: torch.Tensor):
         return self.shard_grad[id(p)]
 
-    def clip(self, norm_params: list, max_norm: float, pp_group=None) -> float:
-        return clip_partitioned(self, norm_params, max_norm, pp_group)
+    def norm_pieces(self, norm_params: list) -> list:
+        # Owned rows: summed over dp, and over tp for the rows of a tensor-parallel shard.
+        dp = (self.group,) if self.group is not None else ()
+        return [(self.shard_grad[id(p)], dp + sharded_groups(p))
+                for p in norm_params if id(p) in self.shard_grad]
+
+    def scaled_grads(self) -> list:
+        return [self.shard_grad[id(p)] for p in self.params]
 
     def make_optimizer(self, param_groups: list, **adamw):
         # AdamW over this rank's rows only; its step all-gathers the parameters.
@@ -362,53 +368,6 @@ class PartitionedOptimizer:
 def _unpack_gather(work, full, layout, locals_):
     work.wait()
     layout.unpack(full, locals_)
-
-
-def _tp_sharded(p) -> bool:
-    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-
-
-@torch.no_grad()
-def clip_partitioned(grads: _Partitioned, norm_params, max_norm: float,
-                     pp_group=None) -> float:
-    """torch's clip_grad_norm_ when each rank holds only its rows of each gradient: the
-    norm of the whole model (each tensor's norm taken in its own dtype, squares summed in
-    float64: over dp for every tensor, over tp too for tensor-parallel shards, over pp
-    for the stages), and every owned-row gradient scaled by the same coefficient.
-    Returns the norm before clipping. Collective over dp (and tp, pp)."""
-    replicated = torch.zeros((), dtype=torch.float64)
-    sharded = torch.zeros((), dtype=torch.float64)
-    tp_group = None
-    for p in norm_params:
-        g = grads.shard_grad.get(id(p))
-        if g is None:
-            continue
-        sq = torch.linalg.vector_norm(g, 2.0).double().cpu() ** 2
-        if _tp_sharded(p):
-            sharded += sq
-            tp_group = p.device_mesh.get_group(0)
-        else:
-            replicated += sq
-    both = torch.stack([replicated, sharded]).to(local_tensor(grads.params[0]).device)
-    if grads.size > 1:
-        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=grads.group)
-    total = both[0]
-    if tp_group is not None:
-        part = both[1:2].clone()
-        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=tp_group)
-        total = total + part[0]
-    else:
-        total = total + both[1]
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        total = total.reshape(1).clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total[0]
-    norm = float(total.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in grads.params:
-            grads.shard_grad[id(p)].mul_(coef)
-    return norm
 
 
 class _CheckpointForm:
