@@ -130,6 +130,14 @@ class TrainConfig:
     num_workers: int = _f(
         0, "Rank actors (dp x tp x pp). 0: as many as the cluster's CPUs (or GPUs with "
         "--use_gpu) allow.", "cluster")
+    min_workers: int = _f(
+        0, "Elastic lower bound: the fewest rank actors the run carries on with after a "
+        "failure (in memory where the layout allows); below it the run waits for capacity "
+        "and restarts from the latest checkpoint. 0: one replica (pp x tp).", "cluster")
+    max_workers: int = _f(
+        0, "Elastic upper bound: raylm asks an autoscaling cluster for this many rank "
+        "actors' bundles (ray.autoscaler.sdk.request_resources) and releases the request "
+        "when the run ends. 0: no request (the run's start size).", "cluster")
     cpus_per_worker: float = _f(
         1.0, "CPUs each rank actor reserves (fractions allowed); torch uses that many "
         "threads.", "cluster")

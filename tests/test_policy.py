@@ -48,3 +48,14 @@ def test_run_record_starts_empty():
     run = RunRecord()
     assert (run.step, run.plan, run.checkpoint, run.generation, run.failures,
             run.history) == (0, None, None, 0, 0, [])
+
+
+def test_survivors_carry_on_in_whole_replicas_within_the_bounds():
+    assert ScalingPolicy(target=4).shrink_to(plan(dp=4), 3) == 3
+    assert ScalingPolicy(target=4).shrink_to(plan(dp=4), 0) is None
+    # pp=2 x tp=2 replicas: 7 survivors carry on as one replica of 4.
+    assert ScalingPolicy(target=8).shrink_to(plan(dp=2, pp=2, tp=2), 7) == 4
+    assert ScalingPolicy(target=8).shrink_to(plan(dp=2, pp=2, tp=2), 3) is None
+    # --min_workers: fewer survivors than the bound do not carry on alone.
+    assert ScalingPolicy(target=4, min_workers=3).shrink_to(plan(dp=4), 2) is None
+    assert ScalingPolicy(target=4, min_workers=3).shrink_to(plan(dp=4), 3) == 3

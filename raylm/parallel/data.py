@@ -90,6 +90,14 @@ class GradientSync:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Drop a step half-way (it did not commit): zero the gradients and forget any
+        collective in flight."""
+        self.zero_grad()
+
+    def close(self) -> None:
+        """Detach from the parameters (hooks), before another sync replaces this one."""
+
     def grad_of(self, p: torch.Tensor):
         """The gradient this rank keeps of ``p`` after ``finish`` (ZeRO 1/2: its rows)."""
         return p.grad
@@ -157,9 +165,10 @@ class GradientAllReduce(GradientSync):
         self.works: list = []
         self.launched = 0
         self.armed = False
+        self.hooks = []
         if self.size > 1:
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                          for p in self.params]
 
     # -- per step --------------------------------------------------------------------------
     def arm(self, loss_sum: torch.Tensor) -> None:
@@ -197,6 +206,15 @@ class GradientAllReduce(GradientSync):
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.zero_()
+
+    def reset(self) -> None:
+        self.works, self.launched, self.armed = [], 0, False
+        self.zero_grad()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
 
 def all_reduce_sum_async(values: list[float], group, device="cpu"):

@@ -79,3 +79,40 @@ def wait_for_capacity(target: int, cpus_per_worker: float, use_gpu: bool,
         time.sleep(0.5)
         n = capacity(cpus_per_worker, use_gpu, group)
     return min(target, n)
+
+
+def request_workers(num: int, cpus_per_worker: float, use_gpu: bool, group: int = 1) -> bool:
+    """Ask the autoscaler for ``num`` rank actors' bundles (one per group of ``group``
+    ranks, as ``reserve`` places them); 0 withdraws the request. A cluster without an
+    autoscaler records the request and does nothing. Returns True when a request is
+    standing."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundle = {"CPU": cpus_per_worker * group}
+    if use_gpu:
+        bundle["GPU"] = group
+    bundles = [dict(bundle) for _ in range(num // group)]
+    request_resources(bundles=bundles)
+    if bundles:
+        log.info("asked the autoscaler for %d bundle(s) of %s (--max_workers %d)",
+                 len(bundles), bundle, num)
+    return bool(bundles)
+
+
+def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: int,
+                     timeout_s: float) -> int:
+    """Wait until the cluster holds ``least`` ranks (an autoscaler launching nodes);
+    the capacity then, or an error naming --min_workers after ``timeout_s``."""
+    from raylm.errors import ConfigError
+
+    deadline = time.time() + timeout_s
+    n = capacity(cpus_per_worker, use_gpu, group)
+    if n < least:
+        log.info("waiting for the cluster to hold --min_workers %d rank(s) (now %d)", least, n)
+    while n < least:
+        if time.time() > deadline:
+            raise ConfigError(f"--min_workers {least}: the cluster holds only {n} rank "
+                              f"actor(s) of {cpus_per_worker} CPU(s) after {timeout_s:.0f} s")
+        time.sleep(1.0)
+        n = capacity(cpus_per_worker, use_gpu, group)
+    return n

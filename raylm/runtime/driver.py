@@ -59,14 +59,18 @@ class WorkerFailure(Exception):
 
 
 class Driver:
-    def __init__(self, cfg: TrainConfig, callbacks: tuple = ()):
+    def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = ()):
         self.cfg = cfg
+        # Injected faults (tests): dicts of rank, step (committed steps before it), phase
+        # ("step", "update", "commit", "checkpoint") and group generation (default 1).
+        self.faults = [dict(f) for f in faults]
         # Each callback may define on_step_end(driver, step, record); tests use it to
         # kill a rank mid-run.
         self.callbacks = list(callbacks)
         self.state = None
         self.workers: list = []
         self.worker_info: list[dict] = []
+        self.inflight: list = []  # the ranks' calls of the step under way
         self.pg = None
         # Where the run is (step, plan, latest checkpoint, group generation, failures,
         # history), and the policies that decide what a failure or a smaller cluster means.
@@ -92,11 +96,23 @@ class Driver:
         self._enter("planning")
         inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
         owns_ray = cluster.connect(cfg.address)
+        asked = False
         try:
-            cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, cfg.tp or 1)
+            group = cfg.tp or 1
+            if cfg.max_workers:
+                # An autoscaling cluster launches nodes for the bundles asked for; any
+                # cluster runs with what it has within the bounds.
+                asked = cluster.request_workers(cfg.max_workers, cfg.cpus_per_worker,
+                                                cfg.use_gpu, group)
+            cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, group)
+            if cfg.min_workers and cap < cfg.min_workers:
+                cap = cluster.wait_for_workers(cfg.min_workers, cfg.cpus_per_worker,
+                                               cfg.use_gpu, group, cfg.collective_timeout_s)
+            if cfg.max_workers:
+                cap = min(cap, cfg.max_workers)
             plan = self.plan(inputs, cap)
             data = prepare_data(cfg, inputs)
-            self.scaling = ScalingPolicy(target=plan.world_size)
+            self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers)
             log.info("plan: %s", plan.describe())
             if plan.zero_stage and plan.dp > 1:
                 try:
@@ -112,6 +128,8 @@ class Driver:
             return self._evaluate_only(inputs, data, plan)
         finally:
             self._teardown()
+            if asked:
+                cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
             if owns_ray:
                 ray.shutdown()
 
@@ -162,15 +180,15 @@ class Driver:
                      i["node_id"][:8], i["ip"])
         port = self._wait([self.workers[0].free_port.remote()])[0]
         master = f"{self.worker_info[0]['ip']}:{port}"
-        cfg_dict = self.cfg.to_dict()
-        self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s)
-                    for w in self.workers])
+        cfg_dict = {**self.cfg.to_dict(), "faults": self.faults}
+        self.record.generation += 1
+        self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s,
+                                  self.record.generation) for w in self.workers])
         self._wait([w.build.remote(inputs.spec, data.train, cfg_dict, steps)
                     for w in self.workers])
         if restore:
             self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
             log.info("restored %s (step %d)", restore, restore_step)
-        self.record.generation += 1
         return plan
 
     def _teardown(self) -> None:
@@ -204,16 +222,21 @@ class Driver:
         except (RayActorError, RayTaskError, GetTimeoutError) as e:
             raise WorkerFailure(_first_line(e)) from e
 
-    def _dead_ranks(self) -> list[str]:
-        dead = []
-        for i, w in enumerate(self.workers):
+    def _live_ranks(self) -> tuple[list[int], list[str]]:
+        """(indices of the ranks that answer, descriptions of those that do not). An
+        actor answers after the calls queued before (an actor runs its calls in order):
+        a survivor answers once its failed step has returned."""
+        refs = [w.info.remote() for w in self.workers]
+        live, dead = [], []
+        for i, ref in enumerate(refs):
             try:
-                ray.get(w.info.remote(), timeout=5)
+                ray.get(ref, timeout=max(5.0, self.cfg.collective_timeout_s / 10))
+                live.append(i)
             except Exception:
                 info = self.worker_info[i] if i < len(self.worker_info) else {}
                 dead.append(f"rank {i} (pid {info.get('pid')}, node "
                             f"{str(info.get('node_id'))[:8]})")
-        return dead
+        return live, dead
 
     # -- training --------------------------------------------------------------------------
     def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
@@ -291,11 +314,13 @@ class Driver:
             return step_schedule(sampler.global_batch(step), plan.dp, plan.micro_batch_size)
 
         def submit(step):
-            # Each rank gets its replica's micro-batches for `step` and, to prefetch, for
-            # step + 1 (every stage of a pipeline gets the same ids).
+            # Each rank gets its replica's micro-batches for the step after `step` done
+            # ones and, to prefetch, for the one after (every stage of a pipeline gets the
+            # same ids).
             cur, nxt = schedule(step), schedule(step + 1)
             return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
-                                        nxt[plan.dims.index(r, "dp")] if nxt else None)
+                                        nxt[plan.dims.index(r, "dp")] if nxt else None,
+                                        run.generation)
                     for r, w in enumerate(self.workers)]
 
         def saves_after(step):
@@ -305,16 +330,15 @@ class Driver:
             return bool(cfg.eval_steps and step % cfg.eval_steps == 0 and step < steps
                         and cfg.should_eval and data.eval is not None)
 
-        inflight = submit(run.step)
         t_last = time.time()
         while run.step < steps:
-            # Keep the ranks busy: queue the next step before waiting on this one (an
-            # actor runs its calls in order), unless the driver must act in between.
-            ahead = None
-            nxt = run.step + 1
-            if nxt < steps and not (saves_after(nxt) or evaluates_after(nxt)):
-                ahead = submit(nxt)
-            results = self._wait(inflight)
+            # Every rank prepares the step (forward, backward, gradient sync, clip); once
+            # all have, the commit is queued, and the next step behind it (an actor runs
+            # its calls in order). A step that fails on any rank commits on none.
+            self.inflight = submit(run.step)
+            results = self._wait(self.inflight)
+            # (a commit that failed fails the rank's next call)
+            self.inflight = [w.commit.remote(run.step, run.generation) for w in self.workers]
             run.step += 1
             out = _loss_result(results)
             now = time.time()
@@ -324,7 +348,8 @@ class Driver:
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
                    "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
                    "data_wait_s": max(r["data_wait_s"] for r in results),
-                   "peak_rss_bytes": [r["peak_rss_bytes"] for r in results]}
+                   "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
+                   "world_size": plan.world_size}
             run.history = [h for h in run.history if h["step"] < run.step] + [rec]
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
@@ -349,10 +374,6 @@ class Driver:
             for cb in self.callbacks:
                 if hasattr(cb, "on_step_end"):
                     cb.on_step_end(self, run.step, rec)
-            if ahead is None and run.step < steps:
-                ahead = submit(run.step)
-                t_last = time.time()
-            inflight = ahead
 
     def _memory_report(self, results: list) -> None:
         """Log each rank's measured memory next to the planner's prediction, and keep both
@@ -440,30 +461,95 @@ class Driver:
                 for i in range(0, len(share), chunk)]
 
     def _recover(self, failure: WorkerFailure, inputs: Inputs, data: Data, steps: int) -> None:
-        """Carry out the policies' decisions on a rank failure: tear the group down, give
-        up or restart it on what the cluster holds now, from the latest checkpoint."""
+        """Carry out the policies' decisions on a rank failure: give up, or carry on
+        with the survivors in memory (a smaller data-parallel group, nothing redone),
+        or else restart the group on what the cluster holds now, from the latest
+        checkpoint."""
         run = self.record
         run.failures += 1
         decision = self.failure_policy.decide(run.failures, str(failure))
         self._enter("recovering", decision.reason)
-        dead = self._dead_ranks()
+        t0 = time.time()
+        live, dead = self._live_ranks()
+        for ref in self.inflight:  # the failed step's calls: their errors are known now
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                pass
+        self.inflight = []
         log.warning("rank failure at step %d: %s%s", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")
-        self._teardown()
         if not decision.restart:
+            self._teardown()
             raise TrainingFailed(decision.reason) from failure
+        if self._shrink_in_memory(live, t0):
+            return
+        self._teardown()
         restore = self.ckpt.latest()
         restore_step = read_trainer_state(restore)["step"] if restore else 0
         log.warning("restoring %s: %d step(s) will be redone",
                     restore or "the initial model (no checkpoint yet)", run.step - restore_step)
-        live = cluster.wait_for_capacity(self.scaling.target, run.plan.cpus_per_worker,
-                                         run.plan.use_gpu, group=run.plan.dims.node_group_size)
-        plan = self.scaling.after_failure(run.plan, live)
+        live_n = cluster.wait_for_capacity(self.scaling.target, run.plan.cpus_per_worker,
+                                           run.plan.use_gpu,
+                                           group=run.plan.dims.node_group_size)
+        plan = self.scaling.after_failure(run.plan, live_n)
         run.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
         run.step, run.checkpoint = restore_step, restore
         run.history = [h for h in run.history if h["step"] <= restore_step]
         self.metrics.truncate_after(restore_step)
         self.progress.reset_to(restore_step)
+
+    def _shrink_in_memory(self, live: list[int], t0: float) -> bool:
+        """Carry on with the surviving ranks, their model and optimizer state kept in
+        memory: the old group is left, the survivors join a new generation of a smaller
+        data-parallel group, and the step that failed (committed nowhere) is run again
+        under the new layout. True when done; False when the layout or the survivors'
+        state does not allow it (the caller restarts from a checkpoint)."""
+        run, plan = self.record, self.record.plan
+        n = self.scaling.shrink_to(plan, len(live))
+        if n is None or not live:
+            return False
+        try:
+            states = self._wait([self.workers[i].info.remote() for i in live])
+            resizable = self._wait([self.workers[live[0]].regroups_in_memory.remote()])[0]
+        except WorkerFailure:
+            return False
+        if not resizable:
+            log.info("the %s layout keeps no full replica on every rank: restarting from "
+                     "the latest checkpoint", plan.dims.describe())
+            return False
+        if any(st["committed_step"] != run.step for st in states):
+            log.warning("survivors disagree on the last committed step (%s, driver %d): "
+                        "restarting from the latest checkpoint",
+                        [st["committed_step"] for st in states], run.step)
+            return False
+        new_plan = plan.resized(n)
+        keep = live[:n]
+        for i, w in enumerate(self.workers):
+            if i not in keep:
+                try:
+                    ray.kill(w, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        self.workers = [self.workers[i] for i in keep]
+        self.worker_info = [dict(states[live.index(i)], rank=r) for r, i in enumerate(keep)]
+        t_replan = time.time()
+        run.generation += 1
+        try:
+            port = self._wait([self.workers[0].free_port.remote()])[0]
+            master = f"{self.worker_info[0]['ip']}:{port}"
+            self._wait([w.regroup.remote(master, new_plan, r, n, run.generation)
+                        for r, w in enumerate(self.workers)])
+        except WorkerFailure as e:
+            log.warning("regrouping the survivors failed (%s): restarting", e)
+            return False
+        run.plan = new_plan
+        log.info("re-planned: %s", new_plan.describe())
+        log.warning("shrank in memory to %d rank(s) (generation %d) in %.2f s "
+                    "(detect and settle %.2f s, regroup %.2f s): 0 committed steps redone; "
+                    "step %d runs again under the new layout", n, run.generation,
+                    time.time() - t0, t_replan - t0, time.time() - t_replan, run.step + 1)
+        return True
 
     # -- evaluation only -------------------------------------------------------------------
     def _evaluate_only(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
@@ -497,8 +583,9 @@ def _first_line(e: BaseException) -> str:
     return text[-1] if text else type(e).__name__
 
 
-def train(config: TrainConfig, callbacks: tuple = ()) -> TrainResult:
-    """Train (and/or evaluate) as ``config`` says; returns final metrics and output path."""
+def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = ()) -> TrainResult:
+    """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
+    ``faults``: injected rank failures, for tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
-    return Driver(config, callbacks).run()
+    return Driver(config, callbacks, faults).run()

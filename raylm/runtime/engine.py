@@ -36,6 +36,7 @@ from transformers import get_scheduler
 
 from raylm.checkpoint.state import load_rank_state, save_rank_state
 from raylm.data.reader import PAD_ID
+from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
 from raylm.models.objectives import objective_for
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
@@ -69,6 +70,7 @@ class Engine:
         # Under a pipeline the last stage's loss is divided by the step's global token
         # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
+        self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -143,7 +145,13 @@ class Engine:
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
         if bool((batch["attention_mask"] == 0).any()):
             parts["attention_mask"] = batch["attention_mask"].to(self.device)
-        logits = self.model(**parts).logits
+        if step is not None and self.sample_dropout:
+            # Dropout masks drawn per sample from (seed, step, sample id, call): the same
+            # whatever the layout, so a resized run computes an unchanged run's losses.
+            with SampleDropout(self.cfg["seed"], step, batch["sample_ids"].tolist()):
+                logits = self.model(**parts).logits
+        else:
+            logits = self.model(**parts).logits
         return self.objective.loss_sum(logits, labels), labels
 
     def loss_context(self):
@@ -163,20 +171,52 @@ class Engine:
             return self.grad_sync.clip(self.grad_sync.params, max_norm)
         return self.grad_sync.clip(pipe.norm_params, max_norm, pipe.pp_group)
 
-    def update(self) -> dict:
-        """After the gradients are synced: clip, optimizer step, schedule step, zero the
-        gradients. Returns the learning rate used, the norm before clipping and the
-        process's peak resident memory."""
+    def prepare_update(self) -> dict:
+        """After the gradients are synced: clip (the last collective of a step). Nothing
+        the step changes is touched yet; ``apply_update`` commits the step, ``abort``
+        drops it. Returns the learning rate the step will use, the norm before clipping
+        and the process's peak resident memory."""
         grad_norm = None
         if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
             grad_norm = self.clip(self.cfg["max_grad_norm"])
-        lr = self.optimizer.param_groups[0]["lr"]
+        # Peak resident memory of this rank's process so far (Linux reports KiB).
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"learning_rate": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                "peak_rss_bytes": peak_rss}
+
+    def apply_update(self) -> None:
+        """Commit a prepared step: optimizer step, schedule step, zero the gradients.
+        (ZeRO 1/2's optimizer step all-gathers the updated rows over dp.)"""
         self.stepper.step()
         self.scheduler.step()
         self.grad_sync.zero_grad()
-        # Peak resident memory of this rank's process so far (Linux reports KiB).
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"learning_rate": lr, "grad_norm": grad_norm, "peak_rss_bytes": peak_rss}
+
+    def abort(self) -> None:
+        """Drop a step that did not commit: its gradients, and a gradient sync's state
+        half-way through a step."""
+        self.grad_sync.reset()
+
+    # -- a new group around the same state -------------------------------------------------
+    @property
+    def regroups_in_memory(self) -> bool:
+        """Whether this engine can move to another data-parallel degree keeping what it
+        holds: every rank holds the whole model and optimizer state (no pipeline, no
+        tensor parallelism, ZeRO stage 0), so any survivor is a full replica and only
+        the gradient sync changes group."""
+        return self.plan.pp == 1 and self.plan.tp == 1 and self.zero_stage == 0
+
+    def regroup(self, plan, rank: int, mesh) -> None:
+        """Carry on under ``plan`` (the same model-parallel shape, another dp) as
+        ``rank`` of a new process group: the model and the optimizer state stay as they
+        are; the gradient sync is rebuilt over the new dp group."""
+        if not (self.regroups_in_memory and plan.pp == 1 and plan.tp == 1
+                and plan.zero_stage == 0):
+            raise RuntimeError("regroup in memory: data parallelism at ZeRO stage 0 only")
+        self.grad_sync.close()
+        self.plan, self.rank, self.mesh = plan, rank, mesh
+        self.dp_group = mesh["dp"].get_group()
+        self.dp_rank = mesh["dp"].get_local_rank()
+        self.grad_sync = gradient_sync(0, self.model, self.dp_group)
 
     def set_schedule_step(self, step: int) -> None:
         # The LR schedule is a function of the step: move it there without stepping.
@@ -323,6 +363,10 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
         e.model = build_model(spec, cfg["seed"], device="meta")
     else:
         e.model = build_model(spec, cfg["seed"]).to(device)
+    # Dropout per sample where the model is whole on the rank (data parallelism): a
+    # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
+    if plan.pp == 1 and plan.tp == 1:
+        e.sample_dropout = per_sample_dropout(e.model)
     # 1. tensor parallelism
     if plan.tp > 1:
         e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)

@@ -40,11 +40,21 @@ class ScalingPolicy:
     used yet). The global batch stays the run's (Plan.resized)."""
 
     target: int
+    min_workers: int = 0
 
     def after_failure(self, plan: Plan, live_ranks: int) -> Plan:
         """The plan for the group restarted on a cluster that holds ``live_ranks``."""
         n = min(self.target, live_ranks)
         return plan.resized(n) if n != plan.world_size else plan
+
+    def shrink_to(self, plan: Plan, survivors: int) -> Optional[int]:
+        """After a failure, how many of ``survivors`` ranks to carry on with in memory:
+        whole replicas, at least ``min_workers``; None when they cannot carry on."""
+        n = min(survivors, self.target)
+        n -= n % plan.dims.replica_size
+        if n < max(1, self.min_workers):
+            return None
+        return n
 
     def fewer(self, plan: Plan, tried: int) -> Optional[int]:
         """``tried`` ranks could not be placed: the next size to try (one replica fewer),

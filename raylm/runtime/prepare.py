@@ -98,6 +98,30 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--cpus_per_worker must be >= 0")
     if cfg.max_failures < 0:
         raise ConfigError("--max_failures must be >= 0")
+    _check_elastic_bounds(cfg)
+
+
+def _check_elastic_bounds(cfg: TrainConfig) -> None:
+    """--min_workers <= --num_workers <= --max_workers, in whole pp x tp replicas."""
+    for name in ("min_workers", "max_workers"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0 (0: unset)")
+    lo, hi, start = cfg.min_workers, cfg.max_workers, cfg.num_workers
+    if lo and hi and lo > hi:
+        raise ConfigError(f"--min_workers {lo} is more than --max_workers {hi}")
+    if start and lo and start < lo:
+        raise ConfigError(f"--num_workers {start} is below --min_workers {lo}")
+    if start and hi and start > hi:
+        raise ConfigError(f"--num_workers {start} is above --max_workers {hi}")
+    replica = max(cfg.tp, 1) * max(cfg.pp, 1)
+    for name, value in (("min_workers", lo), ("max_workers", hi)):
+        if value and value % replica:
+            raise ConfigError(f"--{name} {value} is not a whole number of pp x tp = {replica}-"
+                              f"rank replicas (--pp {max(cfg.pp, 1)}, --tp {max(cfg.tp, 1)}); "
+                              f"use a multiple of {replica}")
+    if cfg.dp and (lo or hi):
+        raise ConfigError("--dp fixes the data-parallel degree, so the run cannot resize "
+                          "within --min_workers / --max_workers: drop --dp (or the bounds)")
 
 
 def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:

@@ -30,35 +30,73 @@ class RankWorker:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         self.engine = None  # raylm.runtime.engine.Engine, once built
         self.prefetcher = None
+        self.generation = 0  # of the process group this rank is in
+        self.prepared = None  # the step whose update is prepared, not yet committed
+        self.faults = set()  # (rank, step, phase, generation) at which to die (tests)
+        self.committed_step = None  # the last step this rank committed
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
         import ray
 
         return {"rank": self.rank, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "generation": self.generation, "committed_step": self.committed_step}
 
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def join(self, master: str, plan, collective_timeout_s: float) -> bool:
+    def join(self, master: str, plan, collective_timeout_s: float,
+             generation: int = 0) -> bool:
         """Join the world's process group at ``master`` and build the mesh of
         ``plan.dims``. Separate from ``build``: a rank can join a new group (another
-        world size) and keep what it holds."""
+        world size) and keep what it holds (``regroup``).
+
+        The rendezvous keys carry the group's ``generation``: an actor of an older group
+        (one the driver gave up on) can never complete a newer group's rendezvous."""
         import torch
         import torch.distributed as dist
 
         self.plan = plan
+        self.generation = generation
+        self.collective_timeout_s = collective_timeout_s
         self.device = torch.device("cuda", 0) if plan.use_gpu else torch.device("cpu")
+        host, port = master.rsplit(":", 1)
+        timeout = timedelta(seconds=collective_timeout_s)
+        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
         dist.init_process_group("nccl" if plan.use_gpu else "gloo",
-                                init_method=f"tcp://{master}", rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+                                store=dist.PrefixStore(f"raylm/generation-{generation}", store),
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
         # One mesh, named dims; every parallelism takes its groups from it.
         self.mesh = build_mesh(plan.dims, self.device.type)
         return True
+
+    def regroups_in_memory(self) -> bool:
+        """Whether this rank's engine can carry on in a new group keeping its state."""
+        return self.engine.regroups_in_memory
+
+    def regroup(self, master: str, plan, rank: int, world_size: int, generation: int) -> dict:
+        """Leave the old process group (a rank of it died) and join generation
+        ``generation`` as ``rank`` of ``world_size`` under ``plan``, keeping the model
+        and the optimizer state in memory (raylm.runtime.engine.Engine.regroup). A step
+        that had not committed is dropped first."""
+        import torch.distributed as dist
+
+        t0 = time.time()
+        self.engine.abort()
+        self.prepared = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may not tear down cleanly
+                log.warning("rank %d: leaving the old group: %s", self.rank, e)
+        self.rank, self.world_size = rank, world_size
+        self.join(master, plan, self.collective_timeout_s, generation)
+        self.engine.regroup(plan, rank, self.mesh)
+        return {"rank": rank, "regroup_s": time.time() - t0}
 
     def build(self, spec, dataset, train_cfg: dict, total_steps: int) -> dict:
         """Build this rank's engine (model, layout, optimizer: raylm.runtime.engine) and
@@ -70,6 +108,8 @@ class RankWorker:
 
         t0 = time.time()
         self.cfg = train_cfg
+        self.faults = {(f["rank"], f["step"], f["phase"], f.get("generation", 1))
+                       for f in train_cfg.get("faults") or ()}
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
                                    train_cfg, total_steps,
                                    bool(dataset is not None and dataset.line_by_line))
@@ -77,6 +117,7 @@ class RankWorker:
         # share a seed (they compute the same replicated activations).
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
         self.measure_next = True  # the first step measures what the rank holds
+        self.committed_step = 0  # (load_checkpoint: the checkpoint's)
         self.reader = BlockReader(dataset) if dataset is not None else None
         self.prefetcher = Prefetcher(self.reader) if self.reader is not None else None
         self.eval_reader = None
@@ -88,13 +129,24 @@ class RankWorker:
         return self.plan.dims.seed_index(self.rank)
 
     # -- the training step -----------------------------------------------------------------
-    def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None) -> dict:
-        """One optimizer step over this rank's micro-batches (sample ids from the driver).
+    def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None,
+                   generation: int = 0) -> dict:
+        """Prepare the optimizer step after ``step`` committed ones, over this rank's
+        micro-batches (sample ids from the driver); ``commit`` applies it.
 
         Read top to bottom: data (the next step's prefetched meanwhile), forward and
         backward over the micro-batches with the gradients summed over dp (the engine's:
-        a loop, or a pipeline schedule), clip, optimizer, schedule. Returns scalars only.
+        a loop, or a pipeline schedule), clip. Returns scalars only. The optimizer step
+        waits for the driver's ``commit``, sent once every rank prepared the step: a step
+        is applied on every rank or on none (torchft's should_commit, decided by the
+        driver), so a rank that dies mid-step leaves the survivors' state at the last
+        committed step.
         """
+        self._check_generation(generation)
+        if self.prepared is not None:  # a missed commit must never go unnoticed
+            raise RuntimeError(f"rank {self.rank}: step {self.prepared} was prepared and "
+                               "neither committed nor dropped")
+        self._fault(step, "step")
         t0 = time.time()
         e = self.engine
         batches = self.prefetcher.get(step, micro_batch_ids) if e.needs_data else []
@@ -105,7 +157,9 @@ class RankWorker:
         batches = e.pad_rounds(batches, rounds, self.reader.read if self.reader else None)
         meter = self._meter()
         loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
-        out = e.update()  # clip (the norm over the whole model), optimizer, schedule
+        self._fault(step, "update")  # after the gradient sync, before the step is prepared
+        out = e.prepare_update()  # clip (the norm over the whole model)
+        self.prepared = step
         self._report_memory(out, meter)
         out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
                     "has_loss": e.has_loss, "local_tokens": local_tokens,
@@ -113,6 +167,31 @@ class RankWorker:
         if self.cfg.get("log_sample_ids") and e.has_first:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         return out
+
+    def commit(self, step: int, generation: int = 0) -> bool:
+        """Apply prepared step ``step``: optimizer, schedule (the driver sends this once
+        every rank prepared it)."""
+        self._check_generation(generation)
+        if self.prepared != step:
+            raise RuntimeError(f"rank {self.rank}: commit of step {step}, but the prepared "
+                               f"step is {self.prepared}")
+        self._fault(step, "commit")
+        self.engine.apply_update()
+        self.prepared, self.committed_step = None, step + 1  # steps done
+        return True
+
+    def _fault(self, step: int, phase: str) -> None:
+        """Fault injection for tests (``faults`` in the settings: rank, step, phase and
+        the group generation it applies to): the process dies as a killed one would."""
+        if (self.rank, step, phase, self.generation) in self.faults:
+            log.warning("rank %d: injected fault at step %d (%s)", self.rank, step + 1, phase)
+            os._exit(1)
+
+    def _check_generation(self, generation: int) -> None:
+        # Fencing: a call meant for another group generation never runs a collective.
+        if generation != self.generation:
+            raise RuntimeError(f"rank {self.rank} is in group generation {self.generation}, "
+                               f"not {generation}")
 
     def _meter(self):
         """On the first step after set-up: count the activations autograd saves (their
@@ -138,6 +217,23 @@ class RankWorker:
                          "activations": meter.peak,
                          "coords": self.plan.dims.coords(self.rank)}
 
+    def state_digest(self) -> str:
+        """A digest of this rank's parameters and optimizer state (equal on data-parallel
+        replicas of a ZeRO-0 layout; tests compare them after a recovery)."""
+        import hashlib
+
+        import torch
+
+        h = hashlib.sha256()
+        for p in self.engine.model.parameters():
+            h.update(p.detach().to_local().numpy().tobytes() if hasattr(p, "to_local")
+                     else p.detach().numpy().tobytes())
+        for state in self.engine.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    h.update(v.detach().cpu().numpy().tobytes())
+        return h.hexdigest()
+
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
@@ -158,11 +254,13 @@ class RankWorker:
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
+        self._fault(self.committed_step, "checkpoint")
         self.engine.save(path)
         return True
 
     def load_checkpoint(self, path: str, step: int) -> bool:
         self.engine.load(path, step, self._seed_rank)
+        self.committed_step = step
         return True
 
     def save_pretrained(self, output_dir: str) -> bool:

@@ -1,0 +1,208 @@
+"""Per-sample deterministic dropout (raylm.models.dropout) on real torch and tiny HF models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raylm.models.dropout import SampleDropout, mix_seed
+
+torch.set_num_threads(1)
+
+IDS = [10, 11, 12, 13]
+SEQ = 12
+# Models run in float64 so that float32 rounding (summation order differs with the batch
+# size: ~1e-6 on gradients of size ~8) cannot hide or fake a mask difference (~1e-4).
+DIFFERENT = 1e-5
+
+
+def _gpt2(attn_implementation="eager"):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config._attn_implementation = attn_implementation
+    return GPT2LMHeadModel(config).train().double()
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=32, attention_dropout=0.1)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config).train().double()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _gpt2()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+def _tokens():
+    g = torch.Generator().manual_seed(1)
+    return {sid: torch.randint(0, 101, (SEQ,), generator=g) for sid in IDS}
+
+
+def _per_sample_loss(model, tokens, ids, seed=7, step=3):
+    """Per-row summed next-token loss of one micro-batch, and the SampleDropout used."""
+    x = torch.stack([tokens[i] for i in ids])
+    with SampleDropout(seed, step, ids) as sd:
+        logits = model(input_ids=x).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                           reduction="none").view(len(ids), -1).sum(1)
+    return dict(zip(ids, loss)), sd
+
+
+def _run(model, tokens, micro_batches, **kw):
+    """Per-sample losses and summed-loss gradients over the micro-batches (accumulated)."""
+    model.zero_grad(set_to_none=True)
+    losses, calls, fallbacks = {}, set(), 0
+    for ids in micro_batches:
+        per, sd = _per_sample_loss(model, tokens, ids, **kw)
+        sum(per.values()).backward()
+        losses.update({k: v.detach() for k, v in per.items()})
+        calls.add(sd.calls)
+        fallbacks += sd.fallbacks
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, grads, calls, fallbacks
+
+
+def _assert_same(a, b, tol=1e-6):
+    (la, ga, _, _), (lb, gb, _, _) = a, b
+    assert la.keys() == lb.keys() and ga.keys() == gb.keys()
+    for k in la:
+        assert torch.allclose(la[k], lb[k], rtol=0, atol=tol), (k, la[k], lb[k])
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=0, atol=tol), (n, (ga[n] - gb[n]).abs().max())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_batch_composition_does_not_change_losses_or_grads(family, request):
+    model = request.getfixturevalue(family)
+    tokens = _tokens()
+    whole = _run(model, tokens, [IDS])
+    split = _run(model, tokens, [[10, 11], [12, 13]])
+    reordered = _run(model, tokens, [[12, 13], [10, 11]])
+    shuffled = _run(model, tokens, [[13], [11, 10, 12]])
+    for other in (split, reordered, shuffled):
+        _assert_same(whole, other)
+    # Every dropout was batch-first and replaced: GPT-2 has embd + 3 per layer, Llama 1 per layer.
+    for _, _, calls, fallbacks in (whole, split, reordered, shuffled):
+        assert calls == ({7} if family == "gpt2" else {2})
+        assert fallbacks == 0
+    # Dropout is really active: without it the losses differ.
+    model.eval()
+    try:
+        plain, _ = _per_sample_loss(model, tokens, IDS)
+    finally:
+        model.train()
+    assert all((plain[k] - whole[0][k]).abs() > DIFFERENT for k in IDS)
+
+
+def test_filler_rows_do_not_change_real_rows(gpt2):
+    tokens = _tokens()
+    tokens[-1] = tokens[13]
+    real, _ = _per_sample_loss(gpt2, tokens, [10, 11])
+    padded, sd = _per_sample_loss(gpt2, tokens, [10, -1, 11])
+    assert sd.fallbacks == 0
+    for k in (10, 11):
+        assert torch.allclose(real[k], padded[k], rtol=0, atol=1e-6)
+
+
+def test_seed_and_step_change_masks_and_repeat_exactly(gpt2):
+    tokens = _tokens()
+    base, _ = _per_sample_loss(gpt2, tokens, IDS, seed=7, step=3)
+    again, _ = _per_sample_loss(gpt2, tokens, IDS, seed=7, step=3)
+    other_step, _ = _per_sample_loss(gpt2, tokens, IDS, seed=7, step=4)
+    other_seed, _ = _per_sample_loss(gpt2, tokens, IDS, seed=8, step=3)
+    for k in IDS:
+        assert torch.equal(base[k], again[k])
+        assert (base[k] - other_step[k]).abs() > DIFFERENT
+        assert (base[k] - other_seed[k]).abs() > DIFFERENT
+    assert len({mix_seed(1, 2, 3, 4), mix_seed(4, 3, 2, 1), mix_seed(1, 2, 4, 3),
+                mix_seed(1, 2, 3, 5), mix_seed(-1, 2, 3, 4)}) == 5
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_mask_fraction_scaling_and_call_index(p):
+    x = torch.ones(4, 50_000)
+    with SampleDropout(0, 0, [0, 1, 2, 3]) as sd:
+        first = F.dropout(x, p=p)
+        second = torch.nn.Dropout(p)(x)
+    assert sd.calls == 2 and sd.fallbacks == 0
+    for y in (first, second):
+        dropped = (y == 0).float().mean().item()
+        assert abs(dropped - p) < 0.01
+        assert torch.allclose(y[y != 0], torch.tensor(1 / (1 - p)))
+    assert not torch.equal(first, second)  # each call gets its own mask
+    assert not torch.equal(first[0], first[1])  # and each row
+
+
+def test_gradient_inplace_and_torch_variants():
+    x = torch.randn(3, 5, 7, requires_grad=True)
+    with SampleDropout(1, 1, [5, 6, 7]):
+        y = F.dropout(x, 0.3, True, False)
+    y.sum().backward()
+    mask = (y != 0).float() / 0.7
+    assert torch.allclose(x.grad, mask) and torch.allclose(y, x * mask)
+
+    base = x.detach()
+    with SampleDropout(1, 1, [5, 6, 7]) as sd:
+        outs = [F.dropout(base.clone(), 0.3, inplace=True), torch.dropout(base, 0.3, True)]
+        z = base.clone()
+        same = torch.dropout_(z, 0.3, True)
+        outs += [z, torch.nn.Dropout(0.3, inplace=True)(base.clone())]
+    assert same is z and sd.calls == 4
+    for i, out in enumerate(outs):  # call i used call_index i; recompute its expected mask
+        with SampleDropout(1, 1, [5, 6, 7]) as ref:
+            ref.calls = i
+            expect = F.dropout(base, 0.3)
+        assert torch.equal(out, expect), i
+    with SampleDropout(1, 1, [5, 6, 7]):
+        assert torch.equal(F.dropout(base, 1.0), torch.zeros_like(base))
+
+
+def test_passthrough_outside_and_when_not_training():
+    x = torch.randn(2, 1000)
+    with SampleDropout(0, 0, [1, 2]) as sd:
+        assert F.dropout(x, 0.5, training=False) is x
+        assert torch.equal(F.dropout(x, 0.0), x)
+        assert torch.equal(torch.nn.Dropout(0.5).eval()(x), x)
+        assert torch.equal(torch.dropout(x, 0.5, False), x)
+        inside = F.dropout(x, 0.5)
+    assert sd.calls == 1
+    # Outside, dropout is torch's own again: it follows the global RNG, not the context.
+    torch.manual_seed(3)
+    a = F.dropout(x, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, F.dropout(x, 0.5)) and not torch.equal(a, inside)
+    with SampleDropout(0, 0, [1, 2]) as sd2:
+        assert torch.equal(F.dropout(x, 0.5), inside)
+    assert sd2.calls == 1
+
+
+def test_fallbacks_are_counted():
+    x = torch.ones(3, 4, 5)
+    with SampleDropout(0, 0, [1, 2]) as sd:
+        y = F.dropout(x, 0.5)  # dim 0 is not the batch: torch's own dropout
+        F.dropout2d(torch.ones(2, 4, 5, 5), 0.5)  # channel dropout: not replaced
+        F.alpha_dropout(torch.ones(2, 4), 0.5)  # training=False by default: identity
+    assert y.shape == x.shape and sd.calls == 1 and sd.fallbacks == 2
+
+
+def test_sdpa_attention_dropout_is_counted():
+    model = _gpt2("sdpa")
+    x = torch.stack(list(_tokens().values()))
+    with SampleDropout(0, 0, IDS) as sd:
+        model(input_ids=x)
+    assert sd.calls == 5 and sd.fallbacks == 2  # attention dropout inside the sdpa kernel
