@@ -23,7 +23,7 @@ from raylm import TrainConfig, train
 from tests.conftest import TINY_GPT2_DROPOUT
 from tests.test_bad_input import assert_fails_before_any_actor
 
-STEPS = 8
+STEPS = 12
 FAIL_AT = 4  # committed steps before the failure
 
 
@@ -31,7 +31,9 @@ def elastic_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2_DROPOUT,
                 train_file=[str(corpus)], block_size=32, cache_dir=cache_root,
                 output_dir=str(out), max_steps=STEPS, save_steps=6, logging_steps=1,
-                disable_tqdm=True, learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
+                # 3 x 1.3 of the 4 CPUs: no room for a rank to join (growth is tested
+                # on its own below)
+                disable_tqdm=True, learning_rate=1e-3, num_workers=3, cpus_per_worker=1.3,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2,
                 do_eval=False, log_sample_ids=True)
     base.update(kw)
@@ -56,14 +58,19 @@ class Watch:
     """Kills a rank (SIGKILL by pid) when a step ends, if asked; remembers every rank pid
     and, at the last step, the ranks' state digests."""
 
-    def __init__(self, kill_rank=None, at_step=None):
-        self.kill_rank, self.at_step = kill_rank, at_step
+    def __init__(self, kill_rank=None, at_step=None, grow_from=None):
+        self.kill_rank, self.at_step, self.grow_from = kill_rank, at_step, grow_from
         self.pids, self.digests, self.killed = set(), None, None
 
     def on_step_end(self, driver, step, record):
         import ray
 
         self.pids.update(driver.worker_pids)
+        # Look for room to grow at every step boundary from `grow_from` on (the driver
+        # looks once a second; these steps take milliseconds).
+        driver.grow_check_s = 0.0 if self.grow_from and step >= self.grow_from else 3600.0
+        if driver.newcomers is not None:
+            time.sleep(1.0)  # steps of a real size: the newcomers warm up meanwhile
         if step == self.at_step and self.kill_rank is not None and self.killed is None:
             self.killed = driver.worker_pids[self.kill_rank]
             os.kill(self.killed, signal.SIGKILL)
@@ -113,7 +120,11 @@ def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
         assert len(ids) == len(set(ids))
     # The two replicas left agree to the bit.
     assert watch.digests is not None and len(set(watch.digests)) == 1
-    # Nothing left running: the rank processes and the placement group are gone.
+    assert_nothing_left(watch)
+
+
+def assert_nothing_left(watch) -> None:
+    """The rank processes and the placement groups of the run are gone."""
     import ray
 
     deadline = time.time() + 20
@@ -122,6 +133,31 @@ def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
     assert all(_gone(p) for p in watch.pids), [p for p in watch.pids if not _gone(p)]
     states = {t["state"] for t in ray.util.placement_group_table().values()}
     assert states <= {"REMOVED"}, states
+
+
+def test_a_rank_lost_then_room_again_shrinks_and_grows_back(
+        unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """3 ranks of 1 CPU on 4: a rank killed after step 3; the two survivors carry on in
+    memory; the free CPU lets a new rank start, warm up while training goes on, and join
+    at a step boundary with a live replica's state. The losses are the unchanged run's
+    throughout, every sample once, the three replicas equal at the end."""
+    caplog.set_level("INFO", logger="raylm")
+    watch = Watch(kill_rank=1, at_step=3, grow_from=4)
+    out = tmp_path / "out"
+    result = train(elastic_config(out, corpus_dir, cache_root, cpus_per_worker=1),
+                   callbacks=(watch,))
+    log = caplog.text
+    assert "shrank in memory to 2 rank(s)" in log
+    assert "grew in memory to 3 rank(s)" in log and "restoring" not in log
+    sizes = [h["world_size"] for h in result.history]
+    assert sizes[:3] == [3, 3, 3] and 2 in sizes and sizes[-1] == 3, sizes
+    losses = [h["loss"] for h in result.history]
+    np.testing.assert_allclose(losses, [unchanged["losses"][s] for s in range(1, STEPS + 1)],
+                               rtol=1e-5)
+    assert samples_per_step(out) == unchanged["samples"]
+    assert watch.digests is not None and len(watch.digests) == 3
+    assert len(set(watch.digests)) == 1
+    assert_nothing_left(watch)
 
 
 @pytest.mark.parametrize("kw,message", [

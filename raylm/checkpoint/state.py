@@ -60,7 +60,7 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
     A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
     from ``fallback_seed`` instead.
     """
-    _init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer)
     (model_sd, optim_sd), tp_form, state = _canonical_state(model, optimizer, adapter, zero)
     dcp.load(state, checkpoint_id=path, process_group=process_group)
     adapter.from_canonical({**state["model"], **state["optim"]}, tp_form)
@@ -97,7 +97,7 @@ def _canonical_state(model, optimizer, adapter, zero=None):
                                            "optim": {k: canon[k] for k in optim_sd}}
 
 
-def _init_optimizer_state(optimizer) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Give a fresh optimizer its state tensors so there is something to load into.
 
     torch's get_state_dict does this itself only when every grad is None; raylm's grads

@@ -116,3 +116,13 @@ def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: i
         time.sleep(1.0)
         n = capacity(cpus_per_worker, use_gpu, group)
     return n
+
+
+def free_ranks(cpus_per_worker: float, use_gpu: bool) -> int:
+    """How many more rank actors the cluster could place now (its unreserved CPUs and
+    GPUs; a node that joined, or one the autoscaler launched, shows up here)."""
+    free = ray.available_resources()
+    n = math.floor(free.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 0
+    if use_gpu:
+        n = min(n, int(free.get("GPU", 0)))
+    return max(n, 0)

@@ -45,6 +45,9 @@ from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
 
+# How long the survivors of a failure get to return from the failed step (Driver._live_ranks).
+SURVIVOR_GRACE_S = 10.0
+
 
 @dataclass
 class TrainResult:
@@ -71,6 +74,12 @@ class Driver:
         self.workers: list = []
         self.worker_info: list[dict] = []
         self.inflight: list = []  # the ranks' calls of the step under way
+        # Growth: placement groups of ranks that joined a running group, and newcomers
+        # warming up (actors, their placement group, their warm-up calls).
+        self.growth_pgs: list = []
+        self.newcomers = None
+        self.grow_check_s = 1.0  # how often the step loop looks for new capacity
+        self.last_grow_check = 0.0
         self.pg = None
         # Where the run is (step, plan, latest checkpoint, group generation, failures,
         # history), and the policies that decide what a failure or a smaller cluster means.
@@ -81,6 +90,7 @@ class Driver:
         self.metrics: Optional[MetricsLog] = None
         self.progress: Optional[Progress] = None
         self.spec, self.block_size = None, None
+        self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
 
     # -- state machine ---------------------------------------------------------------------
     def _enter(self, state: str, detail: str = "") -> None:
@@ -112,7 +122,8 @@ class Driver:
                 cap = min(cap, cfg.max_workers)
             plan = self.plan(inputs, cap)
             data = prepare_data(cfg, inputs)
-            self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers)
+            self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
+                                         max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
             if plan.zero_stage and plan.dp > 1:
                 try:
@@ -199,12 +210,14 @@ class Driver:
                 except Exception:  # already dead
                     pass
         self.workers = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-        self.pg = None
+        for pg in [self.pg] + self.growth_pgs:
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    pass
+        self.pg, self.growth_pgs = None, []
+        self._drop_newcomers()
 
     def _wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
         """Results of ``refs`` in order; the first failure of any rank raises at once."""
@@ -225,12 +238,16 @@ class Driver:
     def _live_ranks(self) -> tuple[list[int], list[str]]:
         """(indices of the ranks that answer, descriptions of those that do not). An
         actor answers after the calls queued before (an actor runs its calls in order):
-        a survivor answers once its failed step has returned."""
+        a survivor answers once its failed step has returned. One that does not within
+        SURVIVOR_GRACE_S counts as lost: a gloo collective can stay blocked on a live
+        peer that left it (until the collective timeout), and nothing but that peer's
+        process ending releases it."""
         refs = [w.info.remote() for w in self.workers]
         live, dead = [], []
+        deadline = time.time() + SURVIVOR_GRACE_S
         for i, ref in enumerate(refs):
             try:
-                ray.get(ref, timeout=max(5.0, self.cfg.collective_timeout_s / 10))
+                ray.get(ref, timeout=max(0.1, deadline - time.time()))
                 live.append(i)
             except Exception:
                 info = self.worker_info[i] if i < len(self.worker_info) else {}
@@ -256,6 +273,7 @@ class Driver:
                  sampler.num_samples, sampler.steps_per_epoch)
 
         self.spec, self.block_size = inputs.spec, inputs.block_size
+        self.dataset, self.total_steps = data.train, steps
         run = self.record
         run.checkpoint = restore
         run.plan = self._start_group(plan, inputs, data, steps, restore, start_step)
@@ -267,7 +285,7 @@ class Driver:
         final, train_runtime = {}, 0.0
         while True:
             try:
-                if run.step < steps:
+                while run.step < steps:  # again after the group grew
                     self._enter("running", f"step {run.step + 1} of {steps}")
                     self._run_steps(sampler, steps, data, fingerprint)
                 train_runtime = time.time() - t_start
@@ -331,7 +349,10 @@ class Driver:
                         and cfg.should_eval and data.eval is not None)
 
         t_last = time.time()
+        self.last_grow_check = time.time()
         while run.step < steps:
+            if self._grow_at_boundary(data, steps):
+                return  # the caller runs the remaining steps under the larger plan
             # Every rank prepares the step (forward, backward, gradient sync, clip); once
             # all have, the commit is queued, and the next step behind it (an actor runs
             # its calls in order). A step that fails on any rank commits on none.
@@ -375,9 +396,106 @@ class Driver:
                 if hasattr(cb, "on_step_end"):
                     cb.on_step_end(self, run.step, rec)
 
+    # -- growing at a step boundary ------------------------------------------------------------
+    def _grow_at_boundary(self, data: Data, steps: int) -> bool:
+        """Between steps: look for capacity beyond the group (every ``grow_check_s``);
+        start newcomers that warm up while training goes on; once they are warm, grow
+        the group: the live ranks regroup with them in a new generation and send them a
+        live replica's state. True when the group grew."""
+        run, plan = self.record, self.record.plan
+        if self.newcomers is None:
+            if time.time() - self.last_grow_check < self.grow_check_s:
+                return False
+            self.last_grow_check = time.time()
+            room = plan.world_size + cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
+            n = self.scaling.grow_to(plan, room)
+            if n is None or not self._regroups_in_memory():
+                return False
+            self._start_newcomers(plan, n - plan.world_size)
+            return False
+        actors, pg, warm = self.newcomers
+        if len(ray.wait(warm, num_returns=len(warm), timeout=0)[0]) < len(warm):
+            return False  # still warming up: train on
+        self.newcomers = None
+        t0 = time.time()
+        try:
+            ray.get(warm)
+        except Exception as e:  # a newcomer that failed to start is not used
+            log.warning("a rank that was to join failed to start (%s): not growing", e)
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            remove_placement_group(pg)
+            return False
+        n = plan.world_size + len(actors)
+        new_plan = plan.resized(n)
+        self.growth_pgs.append(pg)
+        infos = ray.get([a.info.remote() for a in actors])
+        run.generation += 1
+        port = self._wait([self.workers[0].free_port.remote()])[0]
+        master = f"{self.worker_info[0]['ip']}:{port}"
+        cfg_dict = {**self.cfg.to_dict(), "faults": self.faults}
+        old = self.workers
+        refs = [w.regroup.remote(master, new_plan, r, n, run.generation)
+                for r, w in enumerate(old)]
+        refs += [a.join_running.remote(master, new_plan, len(old) + i, n, run.generation,
+                                       self.spec, self.dataset, cfg_dict, self.total_steps,
+                                       0, run.step)
+                 for i, a in enumerate(actors)]
+        refs += [w.send_state.remote(0) for w in old]
+        self.workers = old + actors
+        self.worker_info = self.worker_info + [dict(i, rank=len(old) + k)
+                                               for k, i in enumerate(infos)]
+        self._wait(refs)  # a failure here is a rank failure like any other
+        run.plan = new_plan
+        log.info("re-planned: %s", new_plan.describe())
+        log.warning("grew in memory to %d rank(s) (generation %d): the live ranks paused "
+                    "%.2f s for the regroup and the state transfer", n, run.generation,
+                    time.time() - t0)
+        return True
+
+    def _regroups_in_memory(self) -> bool:
+        try:
+            return bool(self._wait([self.workers[0].regroups_in_memory.remote()])[0])
+        except WorkerFailure:
+            return False
+
+    def _start_newcomers(self, plan: Plan, k: int) -> None:
+        """Place ``k`` new rank actors and start their warm-up; training goes on."""
+        pg = cluster.reserve(k, plan.cpus_per_worker, plan.use_gpu, timeout_s=2,
+                             group=plan.dims.node_group_size)
+        if pg is None:
+            return
+        actor = ray.remote(RankWorker)
+        gpus = 1 if plan.use_gpu else 0
+        actors = [actor.options(num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                    pg, placement_group_bundle_index=i // plan.dims.node_group_size)
+                                ).remote(plan.world_size + i, plan.world_size + k,
+                                         plan.torch_threads)
+                  for i in range(k)]
+        self.newcomers = (actors, pg, [a.warm_up.remote() for a in actors])
+        log.info("capacity for %d more rank(s): starting them (they join at a step "
+                 "boundary once warm)", k)
+
+    def _drop_newcomers(self) -> None:
+        if self.newcomers is None:
+            return
+        actors, pg, _ = self.newcomers
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+        self.newcomers = None
+
     def _memory_report(self, results: list) -> None:
         """Log each rank's measured memory next to the planner's prediction, and keep both
-        in output_dir/memory.json (the first step after each start of the group)."""
+        in output_dir/memory.json (the first step after each start of the group at
+        which the optimizer holds its state: step 2 of a fresh run)."""
         from raylm.plan.planner import evaluate_layout
         from raylm.plan.text import human_bytes
         from raylm.plan.zero import theory_bytes
@@ -470,12 +588,15 @@ class Driver:
         decision = self.failure_policy.decide(run.failures, str(failure))
         self._enter("recovering", decision.reason)
         t0 = time.time()
+        # Every rank leaves the broken group as soon as its failed call returns; that
+        # closes its connections and releases a survivor still blocked on it.
+        self.inflight += [w.leave_group.remote() for w in self.workers]
         live, dead = self._live_ranks()
         for ref in self.inflight:  # the failed step's calls: their errors are known now
             try:
                 ray.get(ref, timeout=0)
-            except Exception:
-                pass
+            except Exception as e:
+                log.info("  %s", _first_line(e))
         self.inflight = []
         log.warning("rank failure at step %d: %s%s", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")

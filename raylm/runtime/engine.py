@@ -16,11 +16,13 @@ interface for all of them), AdamW through it, and the LR schedule.
 
 The engine is what the rank's loop (RankWorker.train_step) calls, whatever the layout:
 ``forward_backward`` (the step's micro-batches, gradients summed over dp: a loop over
-micro-batches, or under a pipeline the schedule: ``PipelineEngine``), ``update`` (clip
-with the global gradient norm, optimizer, schedule), ``evaluate``, ``save``/``load`` (the
-layout-free checkpoint state) and ``hf_model`` (the Hugging Face model to save). It is
-built after the process group and the mesh exist (RankWorker.join), from the plan, the
-model spec and the settings only.
+micro-batches, or under a pipeline the schedule: ``PipelineEngine``), ``prepare_update``
+(clip with the global gradient norm) and ``apply_update`` (optimizer, schedule: the
+step's commit), ``evaluate``, ``save``/``load`` (the layout-free checkpoint state) and
+``hf_model`` (the Hugging Face model to save). It is built after the process group and
+the mesh exist (RankWorker.join), from the plan, the model spec and the settings only;
+a data-parallel ZeRO-0 engine can leave its group and ``regroup`` in another keeping its
+state, and ``broadcast_state`` gives a newcomer a live replica's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from raylm.checkpoint.state import load_rank_state, save_rank_state
+from raylm.checkpoint.state import init_optimizer_state, load_rank_state, save_rank_state
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
@@ -173,7 +175,7 @@ class Engine:
 
     def prepare_update(self) -> dict:
         """After the gradients are synced: clip (the last collective of a step). Nothing
-        the step changes is touched yet; ``apply_update`` commits the step, ``abort``
+        the step changes is touched yet; ``apply_update`` commits the step, ``leave_group``
         drops it. Returns the learning rate the step will use, the norm before clipping
         and the process's peak resident memory."""
         grad_norm = None
@@ -191,12 +193,31 @@ class Engine:
         self.scheduler.step()
         self.grad_sync.zero_grad()
 
-    def abort(self) -> None:
-        """Drop a step that did not commit: its gradients, and a gradient sync's state
-        half-way through a step."""
-        self.grad_sync.reset()
-
     # -- a new group around the same state -------------------------------------------------
+    @torch.no_grad()
+    def broadcast_state(self, src: int) -> None:
+        """Every rank of the dp group takes rank ``src``'s parameters, optimizer state
+        and LR schedule (a rank that joined a running data-parallel group receives a live
+        replica's state over the network, not from disk). Collective over the dp group;
+        data parallelism at ZeRO stage 0 only (every rank a full replica)."""
+        if not self.regroups_in_memory:
+            raise RuntimeError("broadcast_state: data parallelism at ZeRO stage 0 only")
+        init_optimizer_state(self.optimizer)  # state tensors to receive into
+        group = self.dp_group
+        for p in self.model.parameters():
+            dist.broadcast(p.data, group_src=src, group=group)
+        for group_params in self.optimizer.param_groups:
+            for p in group_params["params"]:
+                for _, v in sorted(self.optimizer.state[p].items()):
+                    if isinstance(v, torch.Tensor):
+                        dist.broadcast(v, group_src=src, group=group)
+        meta = [{"scheduler": self.scheduler.state_dict(),
+                 "lrs": [g["lr"] for g in self.optimizer.param_groups]}]
+        dist.broadcast_object_list(meta, group_src=src, group=group)
+        self.scheduler.load_state_dict(meta[0]["scheduler"])
+        for g, lr in zip(self.optimizer.param_groups, meta[0]["lrs"]):
+            g["lr"] = lr
+
     @property
     def regroups_in_memory(self) -> bool:
         """Whether this engine can move to another data-parallel degree keeping what it
@@ -205,6 +226,15 @@ class Engine:
         the gradient sync changes group."""
         return self.plan.pp == 1 and self.plan.tp == 1 and self.zero_stage == 0
 
+    def leave_group(self) -> None:
+        """Drop the step under way and every reference this engine holds to the process
+        groups (RankWorker.leave_group); ``regroup`` gives it new ones."""
+        if self.grad_sync is not None:
+            self.grad_sync.reset()
+            self.grad_sync.close()
+            self.grad_sync.group = None
+        self.mesh = self.dp_group = None
+
     def regroup(self, plan, rank: int, mesh) -> None:
         """Carry on under ``plan`` (the same model-parallel shape, another dp) as
         ``rank`` of a new process group: the model and the optimizer state stay as they
@@ -212,7 +242,6 @@ class Engine:
         if not (self.regroups_in_memory and plan.pp == 1 and plan.tp == 1
                 and plan.zero_stage == 0):
             raise RuntimeError("regroup in memory: data parallelism at ZeRO stage 0 only")
-        self.grad_sync.close()
         self.plan, self.rank, self.mesh = plan, rank, mesh
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()

@@ -41,6 +41,7 @@ class ScalingPolicy:
 
     target: int
     min_workers: int = 0
+    max_workers: int = 0
 
     def after_failure(self, plan: Plan, live_ranks: int) -> Plan:
         """The plan for the group restarted on a cluster that holds ``live_ranks``."""
@@ -55,6 +56,15 @@ class ScalingPolicy:
         if n < max(1, self.min_workers):
             return None
         return n
+
+    def grow_to(self, plan: Plan, capacity: int) -> Optional[int]:
+        """With room for ``capacity`` ranks on the cluster: how many to grow to (whole
+        replicas, at most ``max_workers``, else the run's start size); None when the
+        group is as large as it may be or the room is less than a replica."""
+        ceiling = self.max_workers or self.target
+        n = min(capacity, ceiling)
+        n -= n % plan.dims.replica_size
+        return n if n > plan.world_size else None
 
     def fewer(self, plan: Plan, tried: int) -> Optional[int]:
         """``tried`` ranks could not be placed: the next size to try (one replica fewer),

@@ -74,6 +74,33 @@ class RankWorker:
         self.mesh = build_mesh(plan.dims, self.device.type)
         return True
 
+    def warm_up(self) -> bool:
+        """What a rank that will join a running group can do before it joins: the heavy
+        imports (torch, transformers, the engine)."""
+        import importlib
+
+        importlib.import_module("raylm.runtime.engine")
+        return True
+
+    def join_running(self, master: str, plan, rank: int, world_size: int, generation: int,
+                     spec, dataset, train_cfg: dict, total_steps: int, src: int,
+                     committed_step: int) -> dict:
+        """A newcomer joins a running group at a step boundary: the process group, its
+        engine, then a live replica's state (``src``; raylm.runtime.engine
+        .Engine.broadcast_state, collective with the ranks' ``send_state``)."""
+        t0 = time.time()
+        self.rank, self.world_size = rank, world_size
+        self.join(master, plan, train_cfg["collective_timeout_s"], generation)
+        self.build(spec, dataset, train_cfg, total_steps)
+        self.engine.broadcast_state(src)
+        self.committed_step = committed_step
+        return {"rank": rank, "join_s": time.time() - t0}
+
+    def send_state(self, src: int) -> bool:
+        """The live ranks' side of a newcomer's ``join_running``."""
+        self.engine.broadcast_state(src)
+        return True
+
     def regroups_in_memory(self) -> bool:
         """Whether this rank's engine can carry on in a new group keeping its state."""
         return self.engine.regroups_in_memory
@@ -86,13 +113,9 @@ class RankWorker:
         import torch.distributed as dist
 
         t0 = time.time()
-        self.engine.abort()
         self.prepared = None
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # a broken group may not tear down cleanly
-                log.warning("rank %d: leaving the old group: %s", self.rank, e)
+            self.leave_group()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
         self.engine.regroup(plan, rank, self.mesh)
@@ -146,6 +169,37 @@ class RankWorker:
         if self.prepared is not None:  # a missed commit must never go unnoticed
             raise RuntimeError(f"rank {self.rank}: step {self.prepared} was prepared and "
                                "neither committed nor dropped")
+        try:
+            return self._train_step(step, micro_batch_ids, next_ids)
+        except Exception as e:
+            failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"
+        # Raised outside the handler, so no traceback keeps the step's frames (and the
+        # collective work objects in them, which hold the process group) alive:
+        # leave_group must be able to drop the group's last reference.
+        raise RuntimeError(failure)
+
+    def leave_group(self) -> bool:
+        """After a failure: leave the process group for good, dropping every reference
+        to it so that its connections close. Only that releases a survivor blocked on
+        data from this rank (gloo's abort and shutdown do not close them; a process
+        group's connections close when its last reference goes). Queued by the driver
+        behind the call that failed; the rank's model and optimizer state stay."""
+        import gc
+
+        import torch.distributed as dist
+
+        if self.engine is not None:
+            self.engine.leave_group()
+        self.mesh = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may not tear down cleanly
+                log.warning("rank %d: leaving the group: %s", self.rank, e)
+        gc.collect()
+        return True
+
+    def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> dict:
         self._fault(step, "step")
         t0 = time.time()
         e = self.engine
@@ -193,12 +247,18 @@ class RankWorker:
             raise RuntimeError(f"rank {self.rank} is in group generation {self.generation}, "
                                f"not {generation}")
 
+    def _measures(self) -> bool:
+        """Whether this step measures what the rank holds: the first one after set-up at
+        which the optimizer holds its state (AdamW makes it at its first step, which a
+        step's commit applies after the step has reported: so on a fresh run, step 2)."""
+        return self.measure_next and bool(self.engine.optimizer.state)
+
     def _meter(self):
-        """On the first step after set-up: count the activations autograd saves (their
-        peak over the step); otherwise nothing."""
+        """On the step that measures (``_measures``): count the activations autograd
+        saves (their peak over the step); otherwise nothing."""
         import contextlib
 
-        if not self.measure_next:
+        if not self._measures():
             return contextlib.nullcontext()
         from raylm.runtime.memory import ActivationMeter
 
@@ -206,7 +266,7 @@ class RankWorker:
 
     def _report_memory(self, out: dict, meter) -> None:
         """Add what this rank holds (measured from its tensors) to the step's result."""
-        if not self.measure_next:
+        if not self._measures():
             return
         from raylm.runtime.memory import state_bytes
 
