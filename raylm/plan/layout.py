@@ -51,6 +51,14 @@ class Plan:
         return math.ceil(self.global_batch_size / (self.dp * self.micro_batch_size))
 
     @property
+    def full_replica_per_rank(self) -> bool:
+        """Every rank holds the whole model and optimizer state (no pipeline, no tensor
+        parallelism, ZeRO stage 0): any rank's state is a live copy of all of it, so the
+        group can change its data-parallel degree in memory (raylm.runtime: shrink and
+        grow without a checkpoint)."""
+        return self.pp == 1 and self.tp == 1 and self.zero_stage == 0
+
+    @property
     def torch_threads(self) -> int:
         return max(1, int(self.cpus_per_worker))
 

@@ -175,16 +175,7 @@ class Driver:
         if n != plan.world_size:
             plan = plan.resized(n)
             log.info("re-planned: %s", plan.describe())
-        actor = ray.remote(RankWorker)
-        gpus = 1 if plan.use_gpu else 0
-        self.workers = [
-            actor.options(
-                num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=plan.dims.node_group(rank)),
-            ).remote(rank, n, plan.torch_threads)
-            for rank in range(n)
-        ]
+        self.workers = _rank_actors(plan, self.pg, range(n), n)
         self.worker_info = self._wait([w.info.remote() for w in self.workers])
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
@@ -409,7 +400,7 @@ class Driver:
             self.last_grow_check = time.time()
             room = plan.world_size + cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
             n = self.scaling.grow_to(plan, room)
-            if n is None or not self._regroups_in_memory():
+            if n is None or not plan.full_replica_per_rank:
                 return False
             self._start_newcomers(plan, n - plan.world_size)
             return False
@@ -453,26 +444,16 @@ class Driver:
                     time.time() - t0)
         return True
 
-    def _regroups_in_memory(self) -> bool:
-        try:
-            return bool(self._wait([self.workers[0].regroups_in_memory.remote()])[0])
-        except WorkerFailure:
-            return False
-
     def _start_newcomers(self, plan: Plan, k: int) -> None:
         """Place ``k`` new rank actors and start their warm-up; training goes on."""
         pg = cluster.reserve(k, plan.cpus_per_worker, plan.use_gpu, timeout_s=2,
                              group=plan.dims.node_group_size)
         if pg is None:
             return
-        actor = ray.remote(RankWorker)
-        gpus = 1 if plan.use_gpu else 0
-        actors = [actor.options(num_cpus=plan.cpus_per_worker, num_gpus=gpus, max_restarts=0,
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                    pg, placement_group_bundle_index=i // plan.dims.node_group_size)
-                                ).remote(plan.world_size + i, plan.world_size + k,
-                                         plan.torch_threads)
-                  for i in range(k)]
+        grown = plan.resized(plan.world_size + k)
+        actors = _rank_actors(grown, pg, range(plan.world_size, grown.world_size),
+                              grown.world_size,
+                              first_bundle=grown.dims.node_group(plan.world_size))
         self.newcomers = (actors, pg, [a.warm_up.remote() for a in actors])
         log.info("capacity for %d more rank(s): starting them (they join at a step "
                  "boundary once warm)", k)
@@ -632,10 +613,9 @@ class Driver:
             return False
         try:
             states = self._wait([self.workers[i].info.remote() for i in live])
-            resizable = self._wait([self.workers[live[0]].regroups_in_memory.remote()])[0]
         except WorkerFailure:
             return False
-        if not resizable:
+        if not plan.full_replica_per_rank:
             log.info("the %s layout keeps no full replica on every rank: restarting from "
                      "the latest checkpoint", plan.dims.describe())
             return False
@@ -692,6 +672,18 @@ class Driver:
 
         # The tokenizer resolve_model loaded (cached), saved beside the model.
         load_tokenizer(inputs.spec.tokenizer_dir).save_pretrained(self.cfg.output_dir)
+
+
+def _rank_actors(plan: Plan, pg, ranks, world_size: int, first_bundle: int = 0) -> list:
+    """Start the rank actors of ``ranks`` in placement group ``pg`` (rank r in the
+    bundle of its node group, counted from ``first_bundle``: a group placed for a part
+    of the ranks)."""
+    actor = ray.remote(RankWorker)
+    return [actor.options(
+        num_cpus=plan.cpus_per_worker, num_gpus=1 if plan.use_gpu else 0, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=plan.dims.node_group(rank) - first_bundle),
+    ).remote(rank, world_size, plan.torch_threads) for rank in ranks]
 
 
 def _loss_result(results: list) -> dict:

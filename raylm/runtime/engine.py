@@ -200,7 +200,7 @@ class Engine:
         and LR schedule (a rank that joined a running data-parallel group receives a live
         replica's state over the network, not from disk). Collective over the dp group;
         data parallelism at ZeRO stage 0 only (every rank a full replica)."""
-        if not self.regroups_in_memory:
+        if not self.plan.full_replica_per_rank:
             raise RuntimeError("broadcast_state: data parallelism at ZeRO stage 0 only")
         init_optimizer_state(self.optimizer)  # state tensors to receive into
         group = self.dp_group
@@ -218,14 +218,6 @@ class Engine:
         for g, lr in zip(self.optimizer.param_groups, meta[0]["lrs"]):
             g["lr"] = lr
 
-    @property
-    def regroups_in_memory(self) -> bool:
-        """Whether this engine can move to another data-parallel degree keeping what it
-        holds: every rank holds the whole model and optimizer state (no pipeline, no
-        tensor parallelism, ZeRO stage 0), so any survivor is a full replica and only
-        the gradient sync changes group."""
-        return self.plan.pp == 1 and self.plan.tp == 1 and self.zero_stage == 0
-
     def leave_group(self) -> None:
         """Drop the step under way and every reference this engine holds to the process
         groups (RankWorker.leave_group); ``regroup`` gives it new ones."""
@@ -239,8 +231,7 @@ class Engine:
         """Carry on under ``plan`` (the same model-parallel shape, another dp) as
         ``rank`` of a new process group: the model and the optimizer state stay as they
         are; the gradient sync is rebuilt over the new dp group."""
-        if not (self.regroups_in_memory and plan.pp == 1 and plan.tp == 1
-                and plan.zero_stage == 0):
+        if not (self.plan.full_replica_per_rank and plan.full_replica_per_rank):
             raise RuntimeError("regroup in memory: data parallelism at ZeRO stage 0 only")
         self.plan, self.rank, self.mesh = plan, rank, mesh
         self.dp_group = mesh["dp"].get_group()

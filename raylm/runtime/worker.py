@@ -101,10 +101,6 @@ class RankWorker:
         self.engine.broadcast_state(src)
         return True
 
-    def regroups_in_memory(self) -> bool:
-        """Whether this rank's engine can carry on in a new group keeping its state."""
-        return self.engine.regroups_in_memory
-
     def regroup(self, master: str, plan, rank: int, world_size: int, generation: int) -> dict:
         """Leave the old process group (a rank of it died) and join generation
         ``generation`` as ``rank`` of ``world_size`` under ``plan``, keeping the model
