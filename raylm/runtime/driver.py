@@ -180,33 +180,31 @@ class Driver:
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
                      i["node_id"][:8], i["ip"])
-        port = self._wait([self.workers[0].free_port.remote()])[0]
-        master = f"{self.worker_info[0]['ip']}:{port}"
-        cfg_dict = {**self.cfg.to_dict(), "faults": self.faults}
+        master = self._master_address()
         self.record.generation += 1
         self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s,
                                   self.record.generation) for w in self.workers])
-        self._wait([w.build.remote(inputs.spec, data.train, cfg_dict, steps)
+        self._wait([w.build.remote(inputs.spec, data.train, self._rank_settings(), steps)
                     for w in self.workers])
         if restore:
             self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
             log.info("restored %s (step %d)", restore, restore_step)
         return plan
 
+    def _master_address(self) -> str:
+        """host:port of a new process group's rendezvous, hosted by rank 0."""
+        port = self._wait([self.workers[0].free_port.remote()])[0]
+        return f"{self.worker_info[0]['ip']}:{port}"
+
+    def _rank_settings(self) -> dict:
+        """The settings a rank's engine is built from (and the injected faults)."""
+        return {**self.cfg.to_dict(), "faults": self.faults}
+
     def _teardown(self) -> None:
-        if self.workers:
-            for w in self.workers:
-                try:
-                    ray.kill(w, no_restart=True)
-                except Exception:  # already dead
-                    pass
+        _kill(self.workers)
         self.workers = []
         for pg in [self.pg] + self.growth_pgs:
-            if pg is not None:
-                try:
-                    remove_placement_group(pg)
-                except Exception:
-                    pass
+            _remove(pg)
         self.pg, self.growth_pgs = None, []
         self._drop_newcomers()
 
@@ -342,7 +340,7 @@ class Driver:
         t_last = time.time()
         self.last_grow_check = time.time()
         while run.step < steps:
-            if self._grow_at_boundary(data, steps):
+            if self._grow_at_boundary():
                 return  # the caller runs the remaining steps under the larger plan
             # Every rank prepares the step (forward, backward, gradient sync, clip); once
             # all have, the commit is queued, and the next step behind it (an actor runs
@@ -388,7 +386,7 @@ class Driver:
                     cb.on_step_end(self, run.step, rec)
 
     # -- growing at a step boundary ------------------------------------------------------------
-    def _grow_at_boundary(self, data: Data, steps: int) -> bool:
+    def _grow_at_boundary(self) -> bool:
         """Between steps: look for capacity beyond the group (every ``grow_check_s``);
         start newcomers that warm up while training goes on; once they are warm, grow
         the group: the live ranks regroup with them in a new generation and send them a
@@ -407,29 +405,26 @@ class Driver:
         actors, pg, warm = self.newcomers
         if len(ray.wait(warm, num_returns=len(warm), timeout=0)[0]) < len(warm):
             return False  # still warming up: train on
-        self.newcomers = None
         t0 = time.time()
         try:
             ray.get(warm)
         except Exception as e:  # a newcomer that failed to start is not used
             log.warning("a rank that was to join failed to start (%s): not growing", e)
-            for a in actors:
-                ray.kill(a, no_restart=True)
-            remove_placement_group(pg)
+            self._drop_newcomers()
             return False
+        self.newcomers = None
         n = plan.world_size + len(actors)
         new_plan = plan.resized(n)
         self.growth_pgs.append(pg)
         infos = ray.get([a.info.remote() for a in actors])
         run.generation += 1
-        port = self._wait([self.workers[0].free_port.remote()])[0]
-        master = f"{self.worker_info[0]['ip']}:{port}"
-        cfg_dict = {**self.cfg.to_dict(), "faults": self.faults}
+        master = self._master_address()
         old = self.workers
         refs = [w.regroup.remote(master, new_plan, r, n, run.generation)
                 for r, w in enumerate(old)]
         refs += [a.join_running.remote(master, new_plan, len(old) + i, n, run.generation,
-                                       self.spec, self.dataset, cfg_dict, self.total_steps,
+                                       self.spec, self.dataset, self._rank_settings(),
+                                       self.total_steps,
                                        0, run.step)
                  for i, a in enumerate(actors)]
         refs += [w.send_state.remote(0) for w in old]
@@ -462,15 +457,8 @@ class Driver:
         if self.newcomers is None:
             return
         actors, pg, _ = self.newcomers
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass
+        _kill(actors)
+        _remove(pg)
         self.newcomers = None
 
     def _memory_report(self, results: list) -> None:
@@ -611,13 +599,13 @@ class Driver:
         n = self.scaling.shrink_to(plan, len(live))
         if n is None or not live:
             return False
-        try:
-            states = self._wait([self.workers[i].info.remote() for i in live])
-        except WorkerFailure:
-            return False
         if not plan.full_replica_per_rank:
             log.info("the %s layout keeps no full replica on every rank: restarting from "
                      "the latest checkpoint", plan.dims.describe())
+            return False
+        try:
+            states = self._wait([self.workers[i].info.remote() for i in live])
+        except WorkerFailure:
             return False
         if any(st["committed_step"] != run.step for st in states):
             log.warning("survivors disagree on the last committed step (%s, driver %d): "
@@ -626,19 +614,13 @@ class Driver:
             return False
         new_plan = plan.resized(n)
         keep = live[:n]
-        for i, w in enumerate(self.workers):
-            if i not in keep:
-                try:
-                    ray.kill(w, no_restart=True)
-                except Exception:  # already dead
-                    pass
+        _kill([w for i, w in enumerate(self.workers) if i not in keep])
         self.workers = [self.workers[i] for i in keep]
         self.worker_info = [dict(states[live.index(i)], rank=r) for r, i in enumerate(keep)]
         t_replan = time.time()
         run.generation += 1
         try:
-            port = self._wait([self.workers[0].free_port.remote()])[0]
-            master = f"{self.worker_info[0]['ip']}:{port}"
+            master = self._master_address()
             self._wait([w.regroup.remote(master, new_plan, r, n, run.generation)
                         for r, w in enumerate(self.workers)])
         except WorkerFailure as e:
@@ -684,6 +666,22 @@ def _rank_actors(plan: Plan, pg, ranks, world_size: int, first_bundle: int = 0) 
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=plan.dims.node_group(rank) - first_bundle),
     ).remote(rank, world_size, plan.torch_threads) for rank in ranks]
+
+
+def _kill(actors: list) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already dead
+            pass
+
+
+def _remove(pg) -> None:
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already removed
+            pass
 
 
 def _loss_result(results: list) -> dict:

@@ -196,10 +196,11 @@ class Engine:
     # -- a new group around the same state -------------------------------------------------
     @torch.no_grad()
     def broadcast_state(self, src: int) -> None:
-        """Every rank of the dp group takes rank ``src``'s parameters, optimizer state
-        and LR schedule (a rank that joined a running data-parallel group receives a live
-        replica's state over the network, not from disk). Collective over the dp group;
-        data parallelism at ZeRO stage 0 only (every rank a full replica)."""
+        """Every rank of the dp group takes rank ``src``'s parameters and optimizer state
+        (a rank that joined a running data-parallel group receives a live replica's state
+        over the network, not from disk; its LR schedule is a function of the step:
+        ``set_schedule_step``). Collective over the dp group; data parallelism at ZeRO
+        stage 0 only (every rank a full replica)."""
         if not self.plan.full_replica_per_rank:
             raise RuntimeError("broadcast_state: data parallelism at ZeRO stage 0 only")
         init_optimizer_state(self.optimizer)  # state tensors to receive into
@@ -211,12 +212,6 @@ class Engine:
                 for _, v in sorted(self.optimizer.state[p].items()):
                     if isinstance(v, torch.Tensor):
                         dist.broadcast(v, group_src=src, group=group)
-        meta = [{"scheduler": self.scheduler.state_dict(),
-                 "lrs": [g["lr"] for g in self.optimizer.param_groups]}]
-        dist.broadcast_object_list(meta, group_src=src, group=group)
-        self.scheduler.load_state_dict(meta[0]["scheduler"])
-        for g, lr in zip(self.optimizer.param_groups, meta[0]["lrs"]):
-            g["lr"] = lr
 
     def leave_group(self) -> None:
         """Drop the step under way and every reference this engine holds to the process

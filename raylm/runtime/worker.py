@@ -87,12 +87,14 @@ class RankWorker:
                      committed_step: int) -> dict:
         """A newcomer joins a running group at a step boundary: the process group, its
         engine, then a live replica's state (``src``; raylm.runtime.engine
-        .Engine.broadcast_state, collective with the ranks' ``send_state``)."""
+        .Engine.broadcast_state, collective with the ranks' ``send_state``) and the LR
+        schedule at ``committed_step``."""
         t0 = time.time()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, train_cfg["collective_timeout_s"], generation)
         self.build(spec, dataset, train_cfg, total_steps)
         self.engine.broadcast_state(src)
+        self.engine.set_schedule_step(committed_step)
         self.committed_step = committed_step
         return {"rank": rank, "join_s": time.time() - t0}
 
@@ -280,10 +282,11 @@ class RankWorker:
 
         import torch
 
+        from raylm.parallel.data import local_tensor
+
         h = hashlib.sha256()
         for p in self.engine.model.parameters():
-            h.update(p.detach().to_local().numpy().tobytes() if hasattr(p, "to_local")
-                     else p.detach().numpy().tobytes())
+            h.update(local_tensor(p).detach().cpu().numpy().tobytes())
         for state in self.engine.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
