@@ -46,6 +46,22 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
     saved in the same keys and global shapes as an unpartitioned one's)."""
     state = _canonical_state(model, optimizer, adapter, zero)[2]
     dcp.save(state, checkpoint_id=path, process_group=process_group)
+    _save_rng(path, rank)
+
+
+def export_rank_state(model, optimizer, adapter, zero=None):
+    """This rank's state, alone (no collective: its group may be broken), into Ray's
+    object store (raylm.checkpoint.memory): the DCP metadata of its chunks, with their
+    ObjectRefs as storage data."""
+    from raylm.checkpoint.memory import ObjectStoreWriter
+
+    writer = ObjectStoreWriter()
+    dcp.save(_canonical_state(model, optimizer, adapter, zero)[2], storage_writer=writer,
+             no_dist=True)
+    return writer.metadata
+
+
+def _save_rng(path: str, rank: int) -> None:
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -60,9 +76,27 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
     A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
     from ``fallback_seed`` instead.
     """
+    _load(model, optimizer, adapter, zero, checkpoint_id=path, process_group=process_group)
+    rng_file = _rng_path(path, rank)
+    if os.path.exists(rng_file):
+        rng = load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.manual_seed(fallback_seed)
+
+
+def import_rank_state(storage_reader, model, optimizer, adapter, zero=None) -> None:
+    """Collective over the world: load model and optimizer state from another layout's
+    state in memory (raylm.checkpoint.memory.ObjectStoreReader) as from a checkpoint."""
+    _load(model, optimizer, adapter, zero, storage_reader=storage_reader)
+
+
+def _load(model, optimizer, adapter, zero, **source) -> None:
     init_optimizer_state(optimizer)
     (model_sd, optim_sd), tp_form, state = _canonical_state(model, optimizer, adapter, zero)
-    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    dcp.load(state, **source)
     adapter.from_canonical({**state["model"], **state["optim"]}, tp_form)
     _write_rows_back({**model_sd, **optim_sd}, tp_form)
     strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
@@ -72,14 +106,6 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
     else:
         set_model_state_dict(model, model_sd, options=strict)
         zero.load(optim_sd)
-    rng_file = _rng_path(path, rank)
-    if os.path.exists(rng_file):
-        rng = load_file(rng_file)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:
-        torch.manual_seed(fallback_seed)
 
 
 def _canonical_state(model, optimizer, adapter, zero=None):

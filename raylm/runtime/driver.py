@@ -35,7 +35,7 @@ from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_s
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
 from raylm.plan.layout import Plan, plan_run
-from raylm.plan.text import describe_partition
+from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
 from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
@@ -286,7 +286,12 @@ class Driver:
                             for w in self.workers])
                 break
             except WorkerFailure as failure:
-                self._recover(failure, inputs, data, steps)
+                while failure is not None:  # a failure during a recovery recovers again
+                    try:
+                        self._recover(failure, inputs, data, steps)
+                        failure = None
+                    except WorkerFailure as again:
+                        failure = again
         self.progress.close()
         self._save_tokenizer(inputs)
         trained = [h for h in run.history]
@@ -466,7 +471,6 @@ class Driver:
         in output_dir/memory.json (the first step after each start of the group at
         which the optimizer holds its state: step 2 of a fresh run)."""
         from raylm.plan.planner import evaluate_layout
-        from raylm.plan.text import human_bytes
         from raylm.plan.zero import theory_bytes
 
         plan, cfg = self.record.plan, self.cfg
@@ -558,8 +562,13 @@ class Driver:
         self._enter("recovering", decision.reason)
         t0 = time.time()
         # Every rank leaves the broken group as soon as its failed call returns; that
-        # closes its connections and releases a survivor still blocked on it.
-        self.inflight += [w.leave_group.remote() for w in self.workers]
+        # closes its connections and releases a survivor still blocked on it. Where the
+        # layout keeps copies of its state on several ranks (but not the whole state on
+        # every rank), each first puts its state in the object store for a new layout.
+        plan = run.plan
+        export = plan.zero_stage == 0 and plan.dp > 1 and not plan.full_replica_per_rank
+        leaving = [w.leave_group.remote(export) for w in self.workers]
+        self.inflight += leaving
         live, dead = self._live_ranks()
         for ref in self.inflight:  # the failed step's calls: their errors are known now
             try:
@@ -573,6 +582,8 @@ class Driver:
             self._teardown()
             raise TrainingFailed(decision.reason) from failure
         if self._shrink_in_memory(live, t0):
+            return
+        if export and self._relayout_in_memory(live, [leaving[i] for i in live], t0):
             return
         self._teardown()
         restore = self.ckpt.latest()
@@ -600,9 +611,7 @@ class Driver:
         if n is None or not live:
             return False
         if not plan.full_replica_per_rank:
-            log.info("the %s layout keeps no full replica on every rank: restarting from "
-                     "the latest checkpoint", plan.dims.describe())
-            return False
+            return False  # (_relayout_in_memory, or a restart)
         try:
             states = self._wait([self.workers[i].info.remote() for i in live])
         except WorkerFailure:
@@ -633,6 +642,97 @@ class Driver:
                     "step %d runs again under the new layout", n, run.generation,
                     time.time() - t0, t_replan - t0, time.time() - t_replan, run.step + 1)
         return True
+
+    def _relayout_in_memory(self, live: list[int], exports: list, t0: float) -> bool:
+        """Carry on with the surviving ranks of a layout whose state has copies on
+        several ranks (pipeline stages or tensor-parallel shards, data-parallel replicas
+        of them at ZeRO stage 0): when every piece of the state has a live copy, re-plan
+        for the survivors and rebuild them under the new layout, each reading its
+        shards of the state the survivors exported from the object store (one on its
+        own node first). Nothing is read from disk and no committed step is redone.
+        True when done; False when some state has no live copy or no layout fits (the
+        caller restarts from a checkpoint)."""
+        from raylm.checkpoint.memory import merge, uncovered
+
+        run, plan = self.record, self.record.plan
+        have = {(plan.dims.coords(i)["pp"], plan.dims.coords(i)["tp"]) for i in live}
+        lost = [f"pp={p} tp={t}" for p in range(plan.pp) for t in range(plan.tp)
+                if (p, t) not in have]
+        if lost:
+            log.warning("no live copy of the state of %s: restarting from the latest "
+                        "checkpoint", ", ".join(lost))
+            return False
+        try:
+            state = merge(ray.get(exports))
+        except Exception as e:
+            log.warning("the survivors' state cannot be used (%s): restarting", e)
+            return False
+        if state.step != run.step or uncovered(state):
+            log.warning("the survivors' state is at step %s (driver %d), %d tensor(s) "
+                        "not covered: restarting", state.step, run.step,
+                        len(uncovered(state)))
+            return False
+        new_plan = self._replan(len(live))
+        order = _place(new_plan, [self.worker_info[i]["node_id"] for i in live]) \
+            if new_plan is not None else None
+        if order is None:
+            log.warning("no layout for %d survivor(s) on their nodes: restarting",
+                        len(live))
+            return False
+        keep = [live[k] for k in order]
+        t_replan = time.time()
+        log.info("re-planned: %s", new_plan.describe())
+        old_workers, old_info = self.workers, self.worker_info
+        self.workers = [old_workers[i] for i in keep]
+        self.worker_info = [dict(old_info[i], rank=r) for r, i in enumerate(keep)]
+        run.generation += 1
+        run.plan, n = new_plan, new_plan.world_size
+        try:
+            master = self._master_address()
+            results = self._wait([w.rebuild.remote(master, new_plan, r, n, run.generation,
+                                                   state)
+                                  for r, w in enumerate(self.workers)])
+        except WorkerFailure as e:
+            # A rank of the new group failed while rebuilding: the survivors' states
+            # are no longer whole (they have no committed step until they load).
+            _kill([old_workers[i] for i in live if i not in keep])
+            raise WorkerFailure(f"during the recovery: {e}") from e
+        # The exported state is read: its holders drop it; ranks beyond the layout go.
+        ray.get([old_workers[i].drop_export.remote() for i in keep])
+        _kill([w for i, w in enumerate(old_workers) if i not in keep])
+        local = sum(r["local"] for r in results)
+        remote = sum(r["remote"] for r in results)
+        log.warning("re-laid out in memory on %d rank(s) (generation %d) in %.2f s (detect "
+                    "and export %.2f s, rebuild and state transfer %.2f s; %s of state, "
+                    "%d chunk(s) read on the same node, %d from another): 0 committed "
+                    "steps redone; step %d runs again under the new layout", n,
+                    run.generation, time.time() - t0, t_replan - t0,
+                    time.time() - t_replan, human_bytes(state.nbytes()), local, remote,
+                    run.step + 1)
+        return True
+
+    def _replan(self, workers: int) -> Optional[Plan]:
+        """The layout for at most ``workers`` live ranks, the run's global batch: the
+        planner's choice when the flags leave the layout to it, else the flags' pp x tp
+        on as many whole replicas as fit (raylm.plan.layout.plan_run, as at the start).
+        None when none fits or it would be fewer than --min_workers."""
+        plan = self.record.plan
+        searched = not (self.cfg.dp or self.cfg.tp or self.cfg.pp)
+        n = workers if searched else self.scaling.shrink_to(plan, workers)
+        if not n or n < max(1, self.cfg.min_workers):
+            return None
+        cfg = dataclasses.replace(self.cfg, num_workers=n, dp=0)
+        try:
+            new_plan, part = plan_run(cfg, n, self.spec, self.block_size,
+                                      global_batch_size=plan.global_batch_size)
+        except ConfigError as e:
+            log.warning("no layout for %d rank(s): %s", n, e)
+            return None
+        if part is not None:
+            for line in describe_partition(part, new_plan.schedule,
+                                           new_plan.micro_batches_per_rank):
+                log.info("%s", line)
+        return new_plan
 
     # -- evaluation only -------------------------------------------------------------------
     def _evaluate_only(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
@@ -666,6 +766,23 @@ def _rank_actors(plan: Plan, pg, ranks, world_size: int, first_bundle: int = 0) 
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=plan.dims.node_group(rank) - first_bundle),
     ).remote(rank, world_size, plan.torch_threads) for rank in ranks]
+
+
+def _place(plan: Plan, nodes: list) -> Optional[list]:
+    """Which survivor (index into ``nodes``, their node ids) takes each rank of
+    ``plan``: the ranks a node group must hold on one node (a tensor-parallel group)
+    from survivors on one node; None when the survivors' nodes cannot hold the plan."""
+    size, free = plan.dims.node_group_size, {}
+    for i, node in enumerate(nodes):
+        free.setdefault(node, []).append(i)
+    order = []
+    for _ in range(plan.world_size // size):
+        node = next((k for k, v in free.items() if len(v) >= size), None)
+        if node is None:
+            return None
+        order += free[node][:size]
+        free[node] = free[node][size:]
+    return order
 
 
 def _kill(actors: list) -> None:

@@ -36,7 +36,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from raylm.checkpoint.state import init_optimizer_state, load_rank_state, save_rank_state
+from raylm.checkpoint.memory import ObjectStoreReader
+from raylm.checkpoint.state import (export_rank_state, import_rank_state, init_optimizer_state,
+                                    load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
@@ -263,6 +265,25 @@ class Engine:
                         fallback_seed=self.cfg["seed"] + 1 + seed_rank + 7919 * step,
                         zero=self._zero_form())
         self.set_schedule_step(step)
+
+    def export_state(self):
+        """This rank's state in Ray's object store, in checkpoint form, written alone (no
+        collective): DCP metadata whose storage data are ObjectRefs
+        (raylm.checkpoint.memory). Before ``leave_group``: the form needs the mesh."""
+        return export_rank_state(self.model, self.optimizer, self.canonical,
+                                 zero=self._zero_form())
+
+    def import_state(self, state, node_id: str, seed_rank: int) -> dict:
+        """Collective over the world: take this layout's shards of a run's state in
+        memory (``state``: raylm.checkpoint.memory.MemoryState, written by the ranks of
+        another layout), each chunk from a holder on this node when there is one; the LR
+        schedule at its step. Returns how many chunks were read locally and remotely."""
+        reader = ObjectStoreReader(state, node_id, spread=self.rank)
+        import_rank_state(reader, self.model, self.optimizer, self.canonical,
+                          zero=self._zero_form())
+        self.set_schedule_step(state.step)
+        torch.manual_seed(self.cfg["seed"] + 1 + seed_rank + 7919 * state.step)
+        return reader.fetched
 
     def _zero_form(self):
         """ZeRO 1/2: the partitioned optimizer's state in checkpoint form; else None."""

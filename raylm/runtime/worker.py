@@ -34,6 +34,7 @@ class RankWorker:
         self.prepared = None  # the step whose update is prepared, not yet committed
         self.faults = set()  # (rank, step, phase, generation) at which to die (tests)
         self.committed_step = None  # the last step this rank committed
+        self.exported = None  # this rank's state in the object store (leave_group)
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -116,6 +117,7 @@ class RankWorker:
             self.leave_group()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
+        self._fault(self.committed_step, "recovery")
         self.engine.regroup(plan, rank, self.mesh)
         return {"rank": rank, "regroup_s": time.time() - t0}
 
@@ -129,6 +131,8 @@ class RankWorker:
 
         t0 = time.time()
         self.cfg = train_cfg
+        # What a rebuild under another layout needs again.
+        self.spec, self.dataset, self.total_steps = spec, dataset, total_steps
         self.faults = {(f["rank"], f["step"], f["phase"], f.get("generation", 1))
                        for f in train_cfg.get("faults") or ()}
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
@@ -176,16 +180,26 @@ class RankWorker:
         # leave_group must be able to drop the group's last reference.
         raise RuntimeError(failure)
 
-    def leave_group(self) -> bool:
+    def leave_group(self, export: bool = False):
         """After a failure: leave the process group for good, dropping every reference
         to it so that its connections close. Only that releases a survivor blocked on
         data from this rank (gloo's abort and shutdown do not close them; a process
         group's connections close when its last reference goes). Queued by the driver
-        behind the call that failed; the rank's model and optimizer state stay."""
+        behind the call that failed; the rank's model and optimizer state stay.
+
+        ``export``: first put this rank's state in Ray's object store, in checkpoint
+        form (Engine.export_state), for the ranks of a new layout to read; returns what
+        it wrote (``rebuild``), else True."""
         import gc
 
+        import ray
         import torch.distributed as dist
 
+        out = True
+        if export and self.engine is not None:
+            self.exported = self.engine.export_state()  # the objects live while we do
+            out = {"metadata": self.exported, "step": self.committed_step,
+                   "node_id": ray.get_runtime_context().get_node_id()}
         if self.engine is not None:
             self.engine.leave_group()
         self.mesh = None
@@ -195,6 +209,41 @@ class RankWorker:
             except Exception as e:  # a broken group may not tear down cleanly
                 log.warning("rank %d: leaving the group: %s", self.rank, e)
         gc.collect()
+        return out
+
+    def rebuild(self, master: str, plan, rank: int, world_size: int, generation: int,
+                state) -> dict:
+        """A survivor of a failure carries on under a new layout: it drops its engine,
+        joins generation ``generation`` as ``rank`` of ``world_size``, builds the engine
+        of ``plan`` and reads its shards of ``state`` (the run's state in memory, as the
+        survivors exported it: raylm.checkpoint.memory) from the live holders, each
+        chunk from one on this node when there is one. Until that has loaded the rank
+        has no committed step (a failure meanwhile cannot use its state)."""
+        import gc
+
+        import ray
+        import torch.distributed as dist
+
+        t0 = time.time()
+        self.prepared, self.committed_step = None, None
+        if dist.is_initialized():
+            self.leave_group()
+        self.engine = None
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        gc.collect()
+        self.rank, self.world_size = rank, world_size
+        self.join(master, plan, self.collective_timeout_s, generation)
+        self._fault(state.step, "recovery")
+        self.build(self.spec, self.dataset, self.cfg, self.total_steps)
+        fetched = self.engine.import_state(state, ray.get_runtime_context().get_node_id(),
+                                           self._seed_rank)
+        self.committed_step = state.step
+        return {"rank": rank, "rebuild_s": time.time() - t0, **fetched}
+
+    def drop_export(self) -> bool:
+        """The state this rank exported (leave_group) is no longer needed."""
+        self.exported = None
         return True
 
     def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> dict:
@@ -216,7 +265,9 @@ class RankWorker:
         out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
                     "has_loss": e.has_loss, "local_tokens": local_tokens,
                     "data_wait_s": t_data, "step_s": time.time() - t0})
-        if self.cfg.get("log_sample_ids") and e.has_first:
+        # Each sample once: from the first stage's first tensor-parallel rank.
+        if self.cfg.get("log_sample_ids") and e.has_first and \
+                self.plan.dims.coords(self.rank)["tp"] == 0:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         return out
 
