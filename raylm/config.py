@@ -138,6 +138,11 @@ class TrainConfig:
         0, "Elastic upper bound: raylm asks an autoscaling cluster for this many rank "
         "actors' bundles (ray.autoscaler.sdk.request_resources) and releases the request "
         "when the run ends. 0: no request (the run's start size).", "cluster")
+    snapshot_steps: int = _f(
+        0, "Every this many steps each rank copies its state to memory on its own node and "
+        "on another one, off the step's critical path: losing a rank or a node whose state "
+        "has no live copy (dp=1, ZeRO partitions) then costs at most this many steps, not "
+        "--save_steps. Needs a cluster of two nodes or more. 0: off.", "cluster")
     cpus_per_worker: float = _f(
         1.0, "CPUs each rank actor reserves (fractions allowed); torch uses that many "
         "threads.", "cluster")

@@ -9,18 +9,15 @@ finish with the same losses. Prints one JSON line with what the test checks.
 import json
 import logging
 import sys
-import os
 import tempfile
-import time
 
 import ray
 from ray.cluster_utils import Cluster
 
 from raylm import TrainConfig, train
+from multinode_common import FAST_FAILURE_DETECTION, RemoveNodeOfRank
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
-FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                          "health_check_timeout_ms": 500}
 
 
 def config(out):
@@ -31,38 +28,6 @@ def config(out):
                        logging_steps=1, disable_tqdm=True, learning_rate=1e-3,
                        num_workers=2, per_device_train_batch_size=2,
                        gradient_accumulation_steps=2, do_eval=False)
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-class RemoveNodeOfRank:
-    def __init__(self, cluster, at_step, rank):
-        self.cluster, self.at_step, self.rank, self.removed = cluster, at_step, rank, None
-
-    def on_step_end(self, driver, step, record):
-        if step == self.at_step and self.removed is None:
-            node_id = driver.worker_info[self.rank]["node_id"]
-            other = driver.worker_info[1 - self.rank]["node_id"]
-            assert node_id != other, "both ranks landed on one node"
-            [node] = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
-            pid = driver.worker_info[self.rank]["pid"]
-            self.cluster.remove_node(node, allow_graceful=False)
-            self.removed = node_id
-            # A lost machine takes its processes with it. Here the node's processes
-            # notice their raylet is gone and exit; wait for that so the next step
-            # meets a dead rank rather than racing it.
-            deadline = time.time() + 30
-            while pid_alive(pid) and time.time() < deadline:
-                time.sleep(0.1)
-            self.rank_exit_s = 30 - (deadline - time.time())
 
 
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")

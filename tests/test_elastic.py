@@ -168,6 +168,10 @@ def test_a_rank_lost_then_room_again_shrinks_and_grows_back(
      "--min_workers 3 is not a whole number of pp x tp = 2-rank replicas"),
     (dict(dp=2, num_workers=2, max_workers=4), "--dp fixes the data-parallel degree"),
     (dict(min_workers=-1), "--min_workers must be >= 0"),
+    # The shared test cluster has one node: nowhere to keep a copy off each rank's node.
+    (dict(snapshot_steps=2), "--snapshot_steps 2: a rank's snapshot is kept on its own node "
+     "and on another one, and this cluster has a single node"),
+    (dict(snapshot_steps=-1), "--snapshot_steps must be >= 0"),
 ])
 def test_elastic_bounds_errors_before_any_actor(kw, message, ray_cluster, tmp_path,
                                                 corpus_dir, cache_root):

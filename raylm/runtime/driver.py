@@ -41,6 +41,7 @@ from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
+from raylm.runtime.snapshots import Snapshots
 from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
@@ -91,6 +92,8 @@ class Driver:
         self.progress: Optional[Progress] = None
         self.spec, self.block_size = None, None
         self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
+        # In-memory snapshots on other nodes (--snapshot_steps): raylm.runtime.snapshots.
+        self.snapshots = Snapshots(cfg.snapshot_steps) if cfg.snapshot_steps else None
 
     # -- state machine ---------------------------------------------------------------------
     def _enter(self, state: str, detail: str = "") -> None:
@@ -114,6 +117,11 @@ class Driver:
                 # cluster runs with what it has within the bounds.
                 asked = cluster.request_workers(cfg.max_workers, cfg.cpus_per_worker,
                                                 cfg.use_gpu, group)
+            if cfg.snapshot_steps and len([n for n in ray.nodes() if n["Alive"]]) < 2:
+                raise ConfigError(
+                    f"--snapshot_steps {cfg.snapshot_steps}: a rank's snapshot is kept on "
+                    "its own node and on another one, and this cluster has a single node: "
+                    "add a node, or drop --snapshot_steps (checkpoints: --save_steps)")
             cap = cluster.capacity(cfg.cpus_per_worker, cfg.use_gpu, group)
             if cfg.min_workers and cap < cfg.min_workers:
                 cap = cluster.wait_for_workers(cfg.min_workers, cfg.cpus_per_worker,
@@ -189,7 +197,15 @@ class Driver:
         if restore:
             self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
             log.info("restored %s (step %d)", restore, restore_step)
+        self._send_keepers()
         return plan
+
+    def _send_keepers(self) -> None:
+        """Tell each rank which snapshot keepers to send to (after every group change)."""
+        if self.snapshots is None:
+            return
+        self._wait([w.set_keepers.remote(self.snapshots.keepers_for(i["node_id"]))
+                    for w, i in zip(self.workers, self.worker_info)])
 
     def _master_address(self) -> str:
         """host:port of a new process group's rendezvous, hosted by rank 0."""
@@ -207,6 +223,8 @@ class Driver:
             _remove(pg)
         self.pg, self.growth_pgs = None, []
         self._drop_newcomers()
+        if self.snapshots is not None:
+            self.snapshots.close()
 
     def _wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
         """Results of ``refs`` in order; the first failure of any rank raises at once."""
@@ -363,6 +381,7 @@ class Driver:
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
                    "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
                    "data_wait_s": max(r["data_wait_s"] for r in results),
+                   "snapshot_s": max(r.get("snapshot_s", 0.0) for r in results),
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
                    "world_size": plan.world_size}
             run.history = [h for h in run.history if h["step"] < run.step] + [rec]
@@ -438,6 +457,7 @@ class Driver:
                                                for k, i in enumerate(infos)]
         self._wait(refs)  # a failure here is a rank failure like any other
         run.plan = new_plan
+        self._send_keepers()
         log.info("re-planned: %s", new_plan.describe())
         log.warning("grew in memory to %d rank(s) (generation %d): the live ranks paused "
                     "%.2f s for the regroup and the state transfer", n, run.generation,
@@ -585,6 +605,12 @@ class Driver:
             return
         if export and self._relayout_in_memory(live, [leaving[i] for i in live], t0):
             return
+        if not export and not plan.full_replica_per_rank:
+            log.warning("the %s layout%s keeps one copy of each rank's state: the lost "
+                        "rank(s)' state has no live copy", plan.dims.describe(),
+                        f" at ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+        if self.snapshots is not None and self._from_snapshot(live, t0):
+            return
         self._teardown()
         restore = self.ckpt.latest()
         restore_step = read_trainer_state(restore)["step"] if restore else 0
@@ -636,6 +662,7 @@ class Driver:
             log.warning("regrouping the survivors failed (%s): restarting", e)
             return False
         run.plan = new_plan
+        self._send_keepers()
         log.info("re-planned: %s", new_plan.describe())
         log.warning("shrank in memory to %d rank(s) (generation %d) in %.2f s "
                     "(detect and settle %.2f s, regroup %.2f s): 0 committed steps redone; "
@@ -672,6 +699,35 @@ class Driver:
                         "not covered: restarting", state.step, run.step,
                         len(uncovered(state)))
             return False
+        return self._relayout(live, state, t0, "the survivors' memory")
+
+    def _from_snapshot(self, live: list[int], t0: float) -> bool:
+        """Carry on with the survivors from the newest whole snapshot in the keepers'
+        memory (--snapshot_steps) when it is newer than the latest checkpoint: the
+        steps since it are redone. False when there is none."""
+        run = self.record
+        state = self.snapshots.latest(run.step)
+        ckpt = self.ckpt.latest() if self.ckpt else None
+        ckpt_step = read_trainer_state(ckpt)["step"] if ckpt else 0
+        if state is None or state.step <= ckpt_step:
+            log.warning("no snapshot newer than the latest checkpoint (step %d)", ckpt_step)
+            return False
+        if not self._relayout(live, state, t0, f"the snapshot of step {state.step}"):
+            return False
+        redo = run.step - state.step
+        run.step = state.step
+        run.history = [h for h in run.history if h["step"] <= state.step]
+        self.metrics.truncate_after(state.step)
+        self.progress.reset_to(state.step)
+        log.warning("restored the snapshot of step %d from memory: %d step(s) will be "
+                    "redone", state.step, redo)
+        return True
+
+    def _relayout(self, live: list[int], state, t0: float, source: str) -> bool:
+        """Re-plan for the survivors and rebuild them under the new layout, each
+        reading its shards of ``state`` (raylm.checkpoint.memory.MemoryState) from the
+        object store, a holder on its own node first. False when no layout fits."""
+        run = self.record
         new_plan = self._replan(len(live))
         order = _place(new_plan, [self.worker_info[i]["node_id"] for i in live]) \
             if new_plan is not None else None
@@ -702,13 +758,15 @@ class Driver:
         _kill([w for i, w in enumerate(old_workers) if i not in keep])
         local = sum(r["local"] for r in results)
         remote = sum(r["remote"] for r in results)
-        log.warning("re-laid out in memory on %d rank(s) (generation %d) in %.2f s (detect "
-                    "and export %.2f s, rebuild and state transfer %.2f s; %s of state, "
-                    "%d chunk(s) read on the same node, %d from another): 0 committed "
-                    "steps redone; step %d runs again under the new layout", n,
-                    run.generation, time.time() - t0, t_replan - t0,
-                    time.time() - t_replan, human_bytes(state.nbytes()), local, remote,
-                    run.step + 1)
+        self._send_keepers()
+        log.warning("re-laid out in memory on %d rank(s) (generation %d) from %s in %.2f "
+                    "s (detect and export %.2f s, rebuild and state transfer %.2f s; %s of "
+                    "state, %d chunk(s) read on the same node, %d from another)", n,
+                    run.generation, source, time.time() - t0, t_replan - t0,
+                    time.time() - t_replan, human_bytes(state.nbytes()), local, remote)
+        if state.step == run.step:
+            log.warning("0 committed steps redone; step %d runs again under the new layout",
+                        run.step + 1)
         return True
 
     def _replan(self, workers: int) -> Optional[Plan]:

@@ -98,6 +98,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--cpus_per_worker must be >= 0")
     if cfg.max_failures < 0:
         raise ConfigError("--max_failures must be >= 0")
+    if cfg.snapshot_steps < 0:
+        raise ConfigError("--snapshot_steps must be >= 0 (0: no snapshots)")
     _check_elastic_bounds(cfg)
 
 

@@ -35,6 +35,9 @@ class RankWorker:
         self.faults = set()  # (rank, step, phase, generation) at which to die (tests)
         self.committed_step = None  # the last step this rank committed
         self.exported = None  # this rank's state in the object store (leave_group)
+        self.keepers = []  # snapshot keepers (--snapshot_steps)
+        self.holding = []  # the keepers' calls taking this rank's latest snapshot
+        self.snapshot_s = 0.0  # time the snapshots took on this rank's critical path
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -262,6 +265,7 @@ class RankWorker:
         out = e.prepare_update()  # clip (the norm over the whole model)
         self.prepared = step
         self._report_memory(out, meter)
+        out["snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
         out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
                     "has_loss": e.has_loss, "local_tokens": local_tokens,
                     "data_wait_s": t_data, "step_s": time.time() - t0})
@@ -281,7 +285,33 @@ class RankWorker:
         self._fault(step, "commit")
         self.engine.apply_update()
         self.prepared, self.committed_step = None, step + 1  # steps done
+        every = self.cfg.get("snapshot_steps") or 0
+        if every and self.committed_step % every == 0 and self.keepers:
+            self._snapshot()
         return True
+
+    def set_keepers(self, keepers: list) -> bool:
+        """The snapshot keepers this rank sends to (raylm.runtime.snapshots)."""
+        self.keepers = keepers
+        return True
+
+    def _snapshot(self) -> None:
+        """Put this rank's state of the committed step in the object store (one copy,
+        on the critical path) and hand it to the keepers, which copy it into objects of
+        their own while training goes on (the objects stay pinned until they have)."""
+        import ray
+
+        t0 = time.time()
+        # One snapshot in flight per rank: the keepers have this rank's previous one
+        # before it sends the next (so the older of a keeper's newest steps is whole on
+        # every rank; raylm.runtime.snapshots.KEEP). A keeper slower than k steps shows
+        # here, in snapshot_s.
+        ray.wait(self.holding, num_returns=len(self.holding))
+        metadata = self.engine.export_state()
+        self.holding = [keeper.hold.remote(self.committed_step, self.generation, self.rank,
+                                           self.world_size, metadata)
+                        for keeper in self.keepers]
+        self.snapshot_s += time.time() - t0
 
     def _fault(self, step: int, phase: str) -> None:
         """Fault injection for tests (``faults`` in the settings: rank, step, phase and

@@ -1,0 +1,114 @@
+"""Snapshots of the training state in memory on other nodes (``--snapshot_steps k``).
+
+State with no live copy (dp = 1, ZeRO's partitions of the optimizer state, gradients and
+parameters) dies with its rank. Every k committed steps each rank puts its state in
+checkpoint form in the object store (Engine.export_state: one copy of what it holds, the
+only part on the step's critical path) and hands it to two keepers: the one on its own
+node (which outlives the rank's process) and the one on the next node (which outlives
+the rank's node). Each keeper copies the chunks into objects it owns, off the critical
+path, and keeps the three newest snapshot steps. As in Gemini (Wang et al., SOSP '23), a
+failure then costs at most k steps instead of --save_steps, and nothing is read from
+disk: the survivors of any new layout read their shards from the keepers
+(raylm.checkpoint.memory).
+
+Ray's object store has no replication of its own (an object dies with its owner), and
+DCP's storage is files: the keepers are what is written here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raylm.checkpoint.memory import MemoryState, merge
+
+log = logging.getLogger("raylm")
+
+# Snapshot steps a keeper holds. A rank sends snapshot s + k only once the keepers hold
+# its snapshot s - k (RankWorker._snapshot), and it commits s + k only after every rank
+# sent s: so when any snapshot s + k arrives, s - k is whole on every rank, and the
+# three newest steps always include a whole one.
+KEEP = 3
+
+
+class SnapshotKeeper:
+    """One per node: holds ranks' snapshots in objects it owns."""
+
+    def __init__(self):
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.held: dict = {}  # (step, generation) -> {rank: (world_size, export)}
+
+    def hold(self, step: int, generation: int, rank: int, world_size: int, metadata) -> bool:
+        """Copy rank ``rank``'s snapshot of ``step`` (DCP metadata whose storage data are
+        the rank's ObjectRefs) into objects of this keeper's."""
+        keys = list(metadata.storage_data)
+        values = ray.get([metadata.storage_data[k] for k in keys])
+        metadata.storage_data = {k: ray.put(v) for k, v in zip(keys, values)}
+        self.held.setdefault((step, generation), {})[rank] = (
+            world_size, {"metadata": metadata, "node_id": self.node_id, "step": step})
+        for key in sorted(self.held)[:-KEEP]:
+            del self.held[key]
+        return True
+
+    def holdings(self) -> dict:
+        return self.held
+
+
+class Snapshots:
+    """The driver's side: a keeper on every node, which keepers each rank sends to, and
+    the newest complete snapshot the live keepers hold."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.keepers: dict = {}  # node id -> actor
+
+    def ensure_keepers(self) -> None:
+        """A keeper on every live node that has none (nodes join)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for node in list(self.keepers):
+            if node not in alive:
+                del self.keepers[node]
+        for node in sorted(alive - set(self.keepers)):
+            self.keepers[node] = ray.remote(SnapshotKeeper).options(
+                num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+    def keepers_for(self, node_id: str) -> list:
+        """The keepers a rank on ``node_id`` sends to: its own node's and the next
+        node's (in node id order), so that one node's loss leaves a copy."""
+        self.ensure_keepers()
+        nodes = sorted(self.keepers)
+        if node_id not in self.keepers or len(nodes) < 2:
+            return [self.keepers[n] for n in nodes[:2]]
+        nxt = nodes[(nodes.index(node_id) + 1) % len(nodes)]
+        return [self.keepers[node_id], self.keepers[nxt]]
+
+    def latest(self, at_most: int) -> Optional[MemoryState]:
+        """The newest snapshot at step <= ``at_most`` that the live keepers hold whole
+        (every rank of the group that took it), as one MemoryState; None if none."""
+        held: dict = {}
+        for node, keeper in list(self.keepers.items()):
+            try:
+                for key, ranks in ray.get(keeper.holdings.remote(), timeout=30).items():
+                    for rank, (world, export) in ranks.items():
+                        held.setdefault(key, (world, {}))[1].setdefault(rank, []).append(
+                            export)
+            except Exception as e:  # a keeper on a lost node
+                log.info("snapshot keeper on node %s unavailable: %s", node[:8], e)
+                del self.keepers[node]
+        for key in sorted(held, reverse=True):
+            world, ranks = held[key]
+            if key[0] <= at_most and len(ranks) == world:
+                return merge([e for exports in ranks.values() for e in exports])
+        return None
+
+    def close(self) -> None:
+        for keeper in self.keepers.values():
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception:
+                pass
+        self.keepers = {}

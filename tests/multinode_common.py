@@ -1,0 +1,40 @@
+"""What the multi-node scenario scripts share (they run as scripts: tests/ is their
+import path)."""
+
+import os
+import time
+
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                          "health_check_timeout_ms": 500}
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+class RemoveNodeOfRank:
+    def __init__(self, cluster, at_step, rank):
+        self.cluster, self.at_step, self.rank, self.removed = cluster, at_step, rank, None
+
+    def on_step_end(self, driver, step, record):
+        if step == self.at_step and self.removed is None:
+            node_id = driver.worker_info[self.rank]["node_id"]
+            other = driver.worker_info[1 - self.rank]["node_id"]
+            assert node_id != other, "both ranks landed on one node"
+            [node] = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+            pid = driver.worker_info[self.rank]["pid"]
+            self.cluster.remove_node(node, allow_graceful=False)
+            self.removed = node_id
+            # A lost machine takes its processes with it. Here the node's processes
+            # notice their raylet is gone and exit; wait for that so the next step
+            # meets a dead rank rather than racing it.
+            deadline = time.time() + 30
+            while pid_alive(pid) and time.time() < deadline:
+                time.sleep(0.1)
+            self.rank_exit_s = 30 - (deadline - time.time())

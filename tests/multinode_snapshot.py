@@ -1,0 +1,73 @@
+"""Run by tests/test_multinode.py in its own process (one Ray connection per process).
+
+ZeRO-1 over dp=2 keeps each rank's half of the optimizer state nowhere else, so losing a
+rank loses state that has no live copy. With --snapshot_steps 2 every rank's state is
+copied to memory on its own node and on the next one: when the node holding rank 1 is
+removed after step 5, the survivor is rebuilt (re-planned to one rank) from the snapshot
+of step 4 in the keepers' memory; one step is redone and nothing is read from disk (no
+checkpoint is written before the end). A CPU-less head and two 1-CPU worker nodes; one
+uninterrupted run without snapshots, then the run that loses a node. Prints one JSON line.
+"""
+
+import json
+import logging
+import sys
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from raylm import TrainConfig, train
+from multinode_common import FAST_FAILURE_DETECTION, RemoveNodeOfRank
+
+corpus, cache_root = sys.argv[1], sys.argv[2]
+
+
+def config(out, **kw):
+    return TrainConfig(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
+                       "n_positions=64,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+                       train_file=[corpus], block_size=32, cache_dir=cache_root,
+                       output_dir=out, max_steps=8, save_steps=100, logging_steps=1,
+                       disable_tqdm=True, learning_rate=1e-3, num_workers=2, zero_stage=1,
+                       per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                       do_eval=False, log_sample_ids=True, **kw)
+
+
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+cluster = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+try:
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    base = train(config(tempfile.mkdtemp() + "/out"))
+    class RemoveOnceSnapshotHeld(RemoveNodeOfRank):
+        """Steps of a real size: the snapshot of step 4 is in the keepers' hands (they
+        take it while training goes on) by the time the node goes."""
+
+        def on_step_end(self, driver, step, record):
+            if step == self.at_step:
+                time.sleep(3)
+            super().on_step_end(driver, step, record)
+
+    remover = RemoveOnceSnapshotHeld(cluster, at_step=5, rank=1)
+    out = tempfile.mkdtemp() + "/out"
+    hit = train(config(out, snapshot_steps=2), callbacks=(remover,))
+    with open(out + "/samples.jsonl") as f:
+        samples = {}
+        for r in map(json.loads, f):  # a redone step's line replaces the first
+            samples[r["step"]] = sorted(i for ids in r["ranks"] for i in ids)
+    print("RESULT " + json.dumps({
+        "base": [h["loss"] for h in base.history],
+        "base_grad_norm": [h["grad_norm"] for h in base.history],
+        "hit": [h["loss"] for h in hit.history],
+        "hit_grad_norm": [h["grad_norm"] for h in hit.history],
+        "hit_steps": [h["step"] for h in hit.history],
+        "world_sizes": [h["world_size"] for h in hit.history],
+        "samples": {str(k): v for k, v in samples.items()},
+        "failures": hit.failures, "removed": remover.removed}))
+finally:
+    ray.shutdown()
+    cluster.shutdown()
