@@ -123,9 +123,12 @@ class HeadNode:
     """
 
     def __init__(self, num_cpus: int = 2, extra_env: dict | None = None,
-                 start_timeout_s: float = 90.0):
+                 start_timeout_s: float = 90.0, autoscaling_config: dict | None = None):
         self.num_cpus = num_cpus
         self.extra_env = dict(extra_env or {})
+        # An autoscaler config with Ray's fake multi-node provider: the head runs the
+        # autoscaler, which launches nodes (raylets on this machine) as demand asks.
+        self.autoscaling_config = autoscaling_config
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.temp_dir: str | None = None
@@ -193,11 +196,28 @@ class HeadNode:
                f"--min-worker-port={wmin}", f"--max-worker-port={wmax}"]
         env = self._base_env()
         env.update(self.extra_env)
+        if self.autoscaling_config is not None:
+            cmd.append(f"--autoscaling-config={self._write_autoscaling_config()}")
+            env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=self.temp_dir)
         self._wait_ready()
+
+    def _write_autoscaling_config(self) -> str:
+        """The config with the provider pointed at this head's GCS (without it the fake
+        nodes dial port 6379 and never join)."""
+        import copy
+
+        import yaml
+
+        config = copy.deepcopy(self.autoscaling_config)
+        config["provider"]["gcs_address"] = self.gcs_address
+        path = os.path.join(self.temp_dir, "autoscaler.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        return path
 
     def _wait_ready(self) -> None:
         """Up when the dashboard answers an authenticated request and the node is alive."""

@@ -1,0 +1,68 @@
+"""Run by tests/test_autoscaler.py against the fake autoscaling cluster it started.
+
+The head has room for one rank. First a reference run on one rank (no request, so no
+node is launched); then the run with --max_workers 3: it starts on one rank and asks the
+autoscaler for three ranks' bundles; the autoscaler launches two 1-CPU nodes; raylm sees
+the room, starts two newcomers that warm up while it trains, and grows to three ranks at
+a step boundary. Steps are paced (0.25 s) until then, as steps of a real model would be.
+After the run (the request withdrawn, the actors gone) the nodes go idle and the
+autoscaler removes them. Prints one JSON line.
+"""
+
+import json
+import logging
+import sys
+import time
+
+import ray
+
+from raylm import TrainConfig, train
+
+address, corpus, cache_root, out = sys.argv[1:5]
+
+
+class Pace:
+    def __init__(self):
+        self.t0 = time.time()
+        self.first_nodes_s = None
+
+    def on_step_end(self, driver, step, record):
+        driver.grow_check_s = 0.5
+        if self.first_nodes_s is None and len([n for n in ray.nodes() if n["Alive"]]) > 1:
+            self.first_nodes_s = time.time() - self.t0
+        if driver.record.plan.world_size < 3:
+            time.sleep(0.25)
+
+
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+
+
+def config(out, **kw):
+    return TrainConfig(
+        model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,n_positions=64,"
+        "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0", train_file=[corpus],
+        block_size=32, cache_dir=cache_root, output_dir=out, max_steps=50, save_steps=1000,
+        logging_steps=10, disable_tqdm=True, learning_rate=1e-3, cpus_per_worker=1,
+        per_device_train_batch_size=2, gradient_accumulation_steps=6, do_eval=False, **kw)
+
+
+# Single-process training on the head, for reference (no request: no node launched).
+reference = train(config(out + "-reference", num_workers=1))
+pace = Pace()
+result = train(config(out, max_workers=3), callbacks=(pace,))
+t_end = time.time()
+nodes_after = None
+while time.time() - t_end < 150:
+    alive = len([n for n in ray.nodes() if n["Alive"]])
+    if alive == 1:
+        nodes_after = time.time() - t_end
+        break
+    time.sleep(1)
+print("RESULT " + json.dumps({
+    "world_sizes": [h["world_size"] for h in result.history],
+    "losses": [h["loss"] for h in result.history],
+    "reference": [h["loss"] for h in reference.history],
+    "first_nodes_s": pace.first_nodes_s, "nodes_removed_after_s": nodes_after,
+    "alive_at_end": len([n for n in ray.nodes() if n["Alive"]])}))
+ray.shutdown()
