@@ -82,6 +82,9 @@ class Driver:
         self.grow_check_s = 1.0  # how often the step loop looks for new capacity
         self.last_grow_check = 0.0
         self.pg = None
+        # Where each rank actor sits, parallel to self.workers: (placement group, bundle).
+        # A lost rank's bundle stays reserved in its group, for a newcomer to take.
+        self.slots: list = []
         # Where the run is (step, plan, latest checkpoint, group generation, failures,
         # history), and the policies that decide what a failure or a smaller cluster means.
         self.record = RunRecord()
@@ -183,7 +186,8 @@ class Driver:
         if n != plan.world_size:
             plan = plan.resized(n)
             log.info("re-planned: %s", plan.describe())
-        self.workers = _rank_actors(plan, self.pg, range(n), n)
+        self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
+        self.workers = _rank_actors(plan, self.slots, range(n), n)
         self.worker_info = self._wait([w.info.remote() for w in self.workers])
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
@@ -221,7 +225,7 @@ class Driver:
         self.workers = []
         for pg in [self.pg] + self.growth_pgs:
             _remove(pg)
-        self.pg, self.growth_pgs = None, []
+        self.pg, self.growth_pgs, self.slots = None, [], []
         self._drop_newcomers()
         if self.snapshots is not None:
             self.snapshots.close()
@@ -420,13 +424,14 @@ class Driver:
             if time.time() - self.last_grow_check < self.grow_check_s:
                 return False
             self.last_grow_check = time.time()
-            room = plan.world_size + cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
+            room = plan.world_size + len(self._free_slots()) + \
+                cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
             n = self.scaling.grow_to(plan, room)
             if n is None or not plan.full_replica_per_rank:
                 return False
             self._start_newcomers(plan, n - plan.world_size)
             return False
-        actors, pg, warm = self.newcomers
+        actors, pg, warm, slots = self.newcomers
         if len(ray.wait(warm, num_returns=len(warm), timeout=0)[0]) < len(warm):
             return False  # still warming up: train on
         t0 = time.time()
@@ -439,7 +444,8 @@ class Driver:
         self.newcomers = None
         n = plan.world_size + len(actors)
         new_plan = plan.resized(n)
-        self.growth_pgs.append(pg)
+        if pg is not None:
+            self.growth_pgs.append(pg)
         infos = ray.get([a.info.remote() for a in actors])
         run.generation += 1
         master = self._master_address()
@@ -452,7 +458,7 @@ class Driver:
                                        0, run.step)
                  for i, a in enumerate(actors)]
         refs += [w.send_state.remote(0) for w in old]
-        self.workers = old + actors
+        self.workers, self.slots = old + actors, self.slots + slots
         self.worker_info = self.worker_info + [dict(i, rank=len(old) + k)
                                                for k, i in enumerate(infos)]
         self._wait(refs)  # a failure here is a rank failure like any other
@@ -465,23 +471,37 @@ class Driver:
         return True
 
     def _start_newcomers(self, plan: Plan, k: int) -> None:
-        """Place ``k`` new rank actors and start their warm-up; training goes on."""
-        pg = cluster.reserve(k, plan.cpus_per_worker, plan.use_gpu, timeout_s=2,
-                             group=plan.dims.node_group_size)
-        if pg is None:
+        """Place ``k`` new rank actors and start their warm-up; training goes on. They
+        take the bundles lost ranks left first, then a new placement group."""
+        slots, pg = self._free_slots()[:k], None
+        if len(slots) < k:
+            pg = cluster.reserve(k - len(slots), plan.cpus_per_worker, plan.use_gpu,
+                                 timeout_s=2, group=plan.dims.node_group_size)
+            if pg is not None:
+                slots += [(pg, b) for b in range(k - len(slots))]
+        if not slots:
             return
-        grown = plan.resized(plan.world_size + k)
-        actors = _rank_actors(grown, pg, range(plan.world_size, grown.world_size),
-                              grown.world_size,
-                              first_bundle=grown.dims.node_group(plan.world_size))
-        self.newcomers = (actors, pg, [a.warm_up.remote() for a in actors])
+        grown = plan.resized(plan.world_size + len(slots))
+        actors = _rank_actors(grown, slots, range(plan.world_size, grown.world_size),
+                              grown.world_size)
+        self.newcomers = (actors, pg, [a.warm_up.remote() for a in actors], slots)
         log.info("capacity for %d more rank(s): starting them (they join at a step "
-                 "boundary once warm)", k)
+                 "boundary once warm)", len(slots))
+
+    def _free_slots(self) -> list:
+        """Bundles of the run's placement groups that no rank holds (a lost rank's)."""
+        taken = set(self.slots) | set(self.newcomers[3] if self.newcomers else ())
+        free = []
+        for pg in [self.pg] + self.growth_pgs:
+            if pg is not None:
+                free += [(pg, b) for b in range(len(pg.bundle_specs))
+                         if (pg, b) not in taken]
+        return free
 
     def _drop_newcomers(self) -> None:
         if self.newcomers is None:
             return
-        actors, pg, _ = self.newcomers
+        actors, pg, _, _ = self.newcomers
         _kill(actors)
         _remove(pg)
         self.newcomers = None
@@ -651,6 +671,7 @@ class Driver:
         keep = live[:n]
         _kill([w for i, w in enumerate(self.workers) if i not in keep])
         self.workers = [self.workers[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
         self.worker_info = [dict(states[live.index(i)], rank=r) for r, i in enumerate(keep)]
         t_replan = time.time()
         run.generation += 1
@@ -740,6 +761,7 @@ class Driver:
         log.info("re-planned: %s", new_plan.describe())
         old_workers, old_info = self.workers, self.worker_info
         self.workers = [old_workers[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
         self.worker_info = [dict(old_info[i], rank=r) for r, i in enumerate(keep)]
         run.generation += 1
         run.plan, n = new_plan, new_plan.world_size
@@ -814,16 +836,15 @@ class Driver:
         load_tokenizer(inputs.spec.tokenizer_dir).save_pretrained(self.cfg.output_dir)
 
 
-def _rank_actors(plan: Plan, pg, ranks, world_size: int, first_bundle: int = 0) -> list:
-    """Start the rank actors of ``ranks`` in placement group ``pg`` (rank r in the
-    bundle of its node group, counted from ``first_bundle``: a group placed for a part
-    of the ranks)."""
+def _rank_actors(plan: Plan, slots: list, ranks, world_size: int) -> list:
+    """Start the rank actors of ``ranks``, each in its slot of ``slots`` (placement
+    group, bundle)."""
     actor = ray.remote(RankWorker)
     return [actor.options(
         num_cpus=plan.cpus_per_worker, num_gpus=1 if plan.use_gpu else 0, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=plan.dims.node_group(rank) - first_bundle),
-    ).remote(rank, world_size, plan.torch_threads) for rank in ranks]
+            pg, placement_group_bundle_index=bundle),
+    ).remote(rank, world_size, plan.torch_threads) for rank, (pg, bundle) in zip(ranks, slots)]
 
 
 def _place(plan: Plan, nodes: list) -> Optional[list]:
