@@ -1,8 +1,12 @@
 """What the multi-node scenario scripts share (they run as scripts: tests/ is their
 import path)."""
 
+import logging
 import os
 import time
+
+import ray
+from ray.cluster_utils import Cluster
 
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 500}
@@ -38,3 +42,16 @@ class RemoveNodeOfRank:
             while pid_alive(pid) and time.time() < deadline:
                 time.sleep(0.1)
             self.rank_exit_s = 30 - (deadline - time.time())
+
+
+def start_cluster():
+    """A CPU-less head and two 1-CPU worker nodes that notice a lost node fast; the
+    driver's log at INFO on stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    return cluster

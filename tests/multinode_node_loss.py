@@ -7,15 +7,13 @@ finish with the same losses. Prints one JSON line with what the test checks.
 """
 
 import json
-import logging
 import sys
 import tempfile
 
 import ray
-from ray.cluster_utils import Cluster
 
 from raylm import TrainConfig, train
-from multinode_common import FAST_FAILURE_DETECTION, RemoveNodeOfRank
+from multinode_common import RemoveNodeOfRank, start_cluster
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 
@@ -30,14 +28,8 @@ def config(out):
                        gradient_accumulation_steps=2, do_eval=False)
 
 
-logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+cluster = start_cluster()
 try:
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     base = train(config(tempfile.mkdtemp() + "/out"))
     remover = RemoveNodeOfRank(cluster, at_step=6, rank=1)
     hit = train(config(tempfile.mkdtemp() + "/out"), callbacks=(remover,))

@@ -10,16 +10,14 @@ uninterrupted run without snapshots, then the run that loses a node. Prints one 
 """
 
 import json
-import logging
 import sys
 import tempfile
 import time
 
 import ray
-from ray.cluster_utils import Cluster
 
 from raylm import TrainConfig, train
-from multinode_common import FAST_FAILURE_DETECTION, RemoveNodeOfRank
+from multinode_common import RemoveNodeOfRank, start_cluster
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 
@@ -34,14 +32,8 @@ def config(out, **kw):
                        do_eval=False, log_sample_ids=True, **kw)
 
 
-logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+cluster = start_cluster()
 try:
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     base = train(config(tempfile.mkdtemp() + "/out"))
     class RemoveOnceSnapshotHeld(RemoveNodeOfRank):
         """Steps of a real size: the snapshot of step 4 is in the keepers' hands (they

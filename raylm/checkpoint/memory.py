@@ -30,10 +30,16 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 
+# Chunks go into objects of about this size: one ray.put per chunk costs more than the
+# copy for the many small tensors of a model (biases, norms, AdamW's step counters).
+BUCKET_BYTES = 32 * 2**20
+
+
 class ObjectStoreWriter(StorageWriter):
-    """DCP storage that ``ray.put``s each chunk (a tensor, or the bytes of a non-tensor
-    value); after ``dcp.save`` the writer's ``metadata`` lists the chunks and
-    ``metadata.storage_data`` maps each chunk's MetadataIndex to its ObjectRef."""
+    """DCP storage that ``ray.put``s the chunks (tensors, or the bytes of non-tensor
+    values) in buckets of about BUCKET_BYTES; after ``dcp.save`` the writer's
+    ``metadata`` lists the chunks and ``metadata.storage_data`` maps each chunk's
+    MetadataIndex to (ObjectRef of its bucket, its key in the bucket)."""
 
     def __init__(self):
         super().__init__()
@@ -52,7 +58,14 @@ class ObjectStoreWriter(StorageWriter):
         return plans
 
     def write_data(self, plan, planner) -> Future:
-        results = []
+        results, bucket, pending, filled = [], {}, [], 0
+
+        def put():
+            ref = ray.put(bucket)
+            results.extend(WriteResult(index=index, size_in_bytes=size,
+                                       storage_data=(ref, key))
+                           for key, (index, size) in enumerate(pending))
+
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -61,8 +74,14 @@ class ObjectStoreWriter(StorageWriter):
             else:
                 value = data.detach().cpu().contiguous()
                 size = value.numel() * value.element_size()
-            results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=ray.put(value)))
+            bucket[len(pending)] = value
+            pending.append((item.index, size))
+            filled += size
+            if filled >= BUCKET_BYTES:
+                put()
+                bucket, pending, filled = {}, [], 0
+        if pending:
+            put()
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -85,15 +104,13 @@ class MemoryState:
     per chunk, its holders [(ObjectRef, node id)]; the committed ``step`` it is at."""
 
     metadata: Metadata
-    holders: dict = field(default_factory=dict)  # MetadataIndex -> [(ref, node_id)]
+    # MetadataIndex -> [((ObjectRef of a bucket, key in it), node_id)]
+    holders: dict = field(default_factory=dict)
     step: int = 0
 
     def nbytes(self) -> int:
         return sum(_chunk_bytes(md, c) for md in self.metadata.state_dict_metadata.values()
                    if isinstance(md, TensorStorageMetadata) for c in md.chunks)
-
-    def refs(self) -> list:
-        return [ref for hs in self.holders.values() for ref, _ in hs]
 
 
 def merge(exports: list) -> MemoryState:
@@ -146,6 +163,7 @@ class ObjectStoreReader(StorageReader):
         super().__init__()
         self.state, self.node_id, self.spread = state, node_id, spread
         self.fetched = {"local": 0, "remote": 0}  # chunks read, by where the holder was
+        self.buckets: dict = {}  # ObjectRef -> the bucket, fetched once
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -176,7 +194,10 @@ class ObjectStoreReader(StorageReader):
             by_chunk.setdefault(MetadataIndex(item.storage_index.fqn,
                                               item.storage_index.offset), []).append(item)
         for index, items in by_chunk.items():
-            value = ray.get(self._holder(index))
+            ref, key = self._holder(index)
+            if ref not in self.buckets:
+                self.buckets[ref] = ray.get(ref)
+            value = self.buckets[ref][key]
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(value))
@@ -191,6 +212,7 @@ class ObjectStoreReader(StorageReader):
                                          f", target {tuple(target.size())}")
                 target.copy_(src)
                 planner.commit_tensor(item, target)
+        self.buckets = {}
         fut: Future = Future()
         fut.set_result(None)
         return fut

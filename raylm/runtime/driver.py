@@ -9,9 +9,12 @@ States (logged on every change, so a failure's path reads straight from the log)
 The driver never touches tensors: it sends each rank the sample ids of its micro-batches
 and gets scalars back. Where the run is lives in one ``RunRecord`` (step, plan, latest
 checkpoint, group generation, failures, history); what a failure means is decided by
-policy objects (raylm.runtime.policy): on a rank failure the group is torn down, and
-either the run gives up (past ``max_failures``) or the group is restarted on the live
-nodes (same global batch) from the latest checkpoint.
+policy objects (raylm.runtime.policy): past ``max_failures`` the run gives up; else the
+survivors carry on from the first of these that holds the whole state (``_recover``):
+their own memory (full replicas regroup with a smaller dp; replicated stages or shards
+are re-laid out from the object store), the newest in-memory snapshot
+(``--snapshot_steps``, raylm.runtime.snapshots), or the latest checkpoint (the group
+restarted on the live nodes). The global batch stays the run's throughout.
 """
 
 from __future__ import annotations
@@ -593,9 +596,10 @@ class Driver:
 
     def _recover(self, failure: WorkerFailure, inputs: Inputs, data: Data, steps: int) -> None:
         """Carry out the policies' decisions on a rank failure: give up, or carry on
-        with the survivors in memory (a smaller data-parallel group, nothing redone),
-        or else restart the group on what the cluster holds now, from the latest
-        checkpoint."""
+        with the survivors in memory (a smaller data-parallel group, or a re-planned
+        layout read from the survivors' exported state: nothing redone), or from the
+        newest whole snapshot in the keepers' memory, or else restart the group on what
+        the cluster holds now, from the latest checkpoint."""
         run = self.record
         run.failures += 1
         decision = self.failure_policy.decide(run.failures, str(failure))

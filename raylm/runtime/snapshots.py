@@ -43,10 +43,11 @@ class SnapshotKeeper:
 
     def hold(self, step: int, generation: int, rank: int, world_size: int, metadata) -> bool:
         """Copy rank ``rank``'s snapshot of ``step`` (DCP metadata whose storage data are
-        the rank's ObjectRefs) into objects of this keeper's."""
-        keys = list(metadata.storage_data)
-        values = ray.get([metadata.storage_data[k] for k in keys])
-        metadata.storage_data = {k: ray.put(v) for k, v in zip(keys, values)}
+        (the rank's ObjectRef of a bucket, key)) into objects of this keeper's."""
+        theirs = list({ref for ref, _ in metadata.storage_data.values()})
+        ours = dict(zip(theirs, (ray.put(bucket) for bucket in ray.get(theirs))))
+        metadata.storage_data = {index: (ours[ref], key)
+                                 for index, (ref, key) in metadata.storage_data.items()}
         self.held.setdefault((step, generation), {})[rank] = (
             world_size, {"metadata": metadata, "node_id": self.node_id, "step": step})
         for key in sorted(self.held)[:-KEEP]:
