@@ -91,3 +91,39 @@ def test_a_rank_lost_during_the_recovery_falls_back_to_the_checkpoint(
     assert "checkpoints/step-00000002" in log and "1 step(s) will be redone" in log
     assert_single_process_run(result, out, single)
     assert_nothing_left(watch)
+
+
+class WaitForNewcomers(Watch):
+    """Looks for room at every step boundary; once newcomers are starting, lets their
+    warm-up finish before the next step (steps of a real size would cover it)."""
+
+    def on_step_end(self, driver, step, record):
+        import ray
+
+        self.pids.update(driver.worker_pids)
+        driver.grow_check_s = 0.0
+        if driver.newcomers is not None:
+            actors, _, warm, _ = driver.newcomers
+            ray.wait(warm, num_returns=len(warm), timeout=60)
+
+
+def test_a_pipeline_grows_onto_room_in_memory(single, ray_cluster, corpus_dir, cache_root,
+                                              tmp_path, caplog):
+    """dp=1 x pp=2 on 2 of the 4 CPUs with --max_workers 4: two newcomers warm up while
+    it trains, then the live ranks export their state and all four rebuild as dp=2 x
+    pp=2, reading it from the object store. Losses and gradient norms are single-process
+    training's, every sample once, nothing redone."""
+    caplog.set_level("INFO", logger="raylm")
+    watch = WaitForNewcomers()
+    out = tmp_path / "out"
+    result = train(layout_config(out, corpus_dir, cache_root, num_workers=2, pp=2,
+                                 max_workers=4, gradient_accumulation_steps=4),
+                   callbacks=(watch,))
+    log = caplog.text
+    assert "grew in memory to 4 rank(s)" in log and "re-laid out from the live" in log
+    assert "re-planned: 4 rank(s): dp=2 x pp=2 x tp=1" in log
+    sizes = [h["world_size"] for h in result.history]
+    assert sizes[0] == 2 and sizes[-1] == 4, sizes
+    assert result.failures == 0 and "restoring" not in log
+    assert_single_process_run(result, out, single)
+    assert_nothing_left(watch)

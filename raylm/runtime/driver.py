@@ -430,7 +430,8 @@ class Driver:
             room = plan.world_size + len(self._free_slots()) + \
                 cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
             n = self.scaling.grow_to(plan, room)
-            if n is None or not plan.full_replica_per_rank:
+            if n is None or not (plan.full_replica_per_rank or
+                                 plan.dims.node_group_size == 1):
                 return False
             self._start_newcomers(plan, n - plan.world_size)
             return False
@@ -446,6 +447,8 @@ class Driver:
             return False
         self.newcomers = None
         n = plan.world_size + len(actors)
+        if not plan.full_replica_per_rank:
+            return self._grow_relayout(actors, pg, slots, t0)
         new_plan = plan.resized(n)
         if pg is not None:
             self.growth_pgs.append(pg)
@@ -471,6 +474,51 @@ class Driver:
         log.warning("grew in memory to %d rank(s) (generation %d): the live ranks paused "
                     "%.2f s for the regroup and the state transfer", n, run.generation,
                     time.time() - t0)
+        return True
+
+    def _grow_relayout(self, actors: list, pg, slots: list, t0: float) -> bool:
+        """Grow a layout whose ranks are not full replicas (pipeline stages, tensor-
+        parallel shards, ZeRO partitions): re-plan for the larger group, then the live
+        ranks export their state to the object store and leave their group, and all of
+        them, newcomers too, rebuild under the new layout reading their shards from it
+        (as a recovery does: ``_relayout_in_memory``). Nothing is redone."""
+        from raylm.checkpoint.memory import merge
+
+        run = self.record
+        n = run.plan.world_size + len(actors)
+        new_plan = self._replan(n, grow=True)
+        infos = ray.get([a.info.remote() for a in actors])
+        everyone = self.workers + actors
+        info = self.worker_info + [dict(i) for i in infos]
+        order = _place(new_plan, [i["node_id"] for i in info]) \
+            if new_plan is not None and new_plan.world_size == n else None
+        if order is None:
+            log.warning("no layout of %d rank(s) on these nodes: not growing", n)
+            self.newcomers = (actors, pg, [], slots)
+            self._drop_newcomers()
+            return False
+        if pg is not None:
+            self.growth_pgs.append(pg)
+        old_workers, all_slots = self.workers, self.slots + slots
+        state = merge(self._wait([w.leave_group.remote(True) for w in old_workers]))
+        self.workers = [everyone[i] for i in order]
+        self.slots = [all_slots[i] for i in order]
+        self.worker_info = [dict(info[i], rank=r) for r, i in enumerate(order)]
+        run.generation += 1
+        run.plan = new_plan
+        master = self._master_address()
+        setup = {"spec": self.spec, "dataset": self.dataset,
+                 "train_cfg": self._rank_settings(), "total_steps": self.total_steps}
+        self._wait([w.rebuild.remote(master, new_plan, r, n, run.generation, state,
+                                     None if order[r] < len(old_workers) else setup)
+                    for r, w in enumerate(self.workers)])
+        ray.get([w.drop_export.remote() for w in old_workers])
+        self._send_keepers()
+        log.info("re-planned: %s", new_plan.describe())
+        log.warning("grew in memory to %d rank(s) (generation %d), re-laid out from the "
+                    "live ranks' state: they paused %.2f s for the export, the rebuild "
+                    "and the state transfer (%s)", n, run.generation, time.time() - t0,
+                    human_bytes(state.nbytes()))
         return True
 
     def _start_newcomers(self, plan: Plan, k: int) -> None:
@@ -795,14 +843,15 @@ class Driver:
                         run.step + 1)
         return True
 
-    def _replan(self, workers: int) -> Optional[Plan]:
-        """The layout for at most ``workers`` live ranks, the run's global batch: the
-        planner's choice when the flags leave the layout to it, else the flags' pp x tp
-        on as many whole replicas as fit (raylm.plan.layout.plan_run, as at the start).
-        None when none fits or it would be fewer than --min_workers."""
+    def _replan(self, workers: int, grow: bool = False) -> Optional[Plan]:
+        """The layout for at most ``workers`` live ranks (``grow``: exactly that many,
+        whole replicas the scaling policy chose), the run's global batch: the planner's
+        choice when the flags leave the layout to it, else the flags' pp x tp on as many
+        whole replicas as fit (raylm.plan.layout.plan_run, as at the start). None when
+        none fits or it would be fewer than --min_workers."""
         plan = self.record.plan
         searched = not (self.cfg.dp or self.cfg.tp or self.cfg.pp)
-        n = workers if searched else self.scaling.shrink_to(plan, workers)
+        n = workers if searched or grow else self.scaling.shrink_to(plan, workers)
         if not n or n < max(1, self.cfg.min_workers):
             return None
         cfg = dataclasses.replace(self.cfg, num_workers=n, dp=0)

@@ -215,11 +215,12 @@ class RankWorker:
         return out
 
     def rebuild(self, master: str, plan, rank: int, world_size: int, generation: int,
-                state) -> dict:
-        """A survivor of a failure carries on under a new layout: it drops its engine,
-        joins generation ``generation`` as ``rank`` of ``world_size``, builds the engine
-        of ``plan`` and reads its shards of ``state`` (the run's state in memory, as the
-        survivors exported it: raylm.checkpoint.memory) from the live holders, each
+                state, setup: dict | None = None) -> dict:
+        """Carry on under a new layout (a survivor of a failure, a live rank of a group
+        that grows, or a newcomer: ``setup``, the settings ``build`` takes): drop the
+        engine, join generation ``generation`` as ``rank`` of ``world_size``, build the
+        engine of ``plan`` and read its shards of ``state`` (the run's state in memory,
+        as the live ranks exported it: raylm.checkpoint.memory) from the holders, each
         chunk from one on this node when there is one. Until that has loaded the rank
         has no committed step (a failure meanwhile cannot use its state)."""
         import gc
@@ -235,6 +236,10 @@ class RankWorker:
         if self.prefetcher is not None:
             self.prefetcher.close()
         gc.collect()
+        if setup is not None:
+            self.spec, self.dataset = setup["spec"], setup["dataset"]
+            self.cfg, self.total_steps = setup["train_cfg"], setup["total_steps"]
+            self.collective_timeout_s = self.cfg["collective_timeout_s"]
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
         self._fault(state.step, "recovery")
