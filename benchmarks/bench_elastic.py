@@ -17,8 +17,24 @@ machine) with a fault-free twin for reference:
   path) and the live ranks' pause;
 * the losses of the elastic run against the fault-free twin (they must agree to 1e-5).
 
-Prints a table; asserts nothing. Not yet here: Ray Train v2 side by side, a soak with a
-kill every minute (goodput), and the fault-free cost of the per-step commit on its own.
+Then, on a two-node cluster (ray.cluster_utils.Cluster, two 2-CPU nodes, both on this
+machine; snapshots keep a copy on another node):
+
+* dp=2 x pp=2: the last rank dies after its gradient sync; the survivors export their
+  state to the object store and are re-laid out (re-planned to dp=1 x pp=2, each reading
+  its stage from a live copy): kill -> next committed step, as the driver splits it;
+* snapshots: the fault-free step time of 3 data-parallel ranks at ZeRO-1 with
+  --snapshot_steps 1 and 10 against none (the overhead), and a ZeRO-1 run that loses a
+  rank (no live copy of its optimizer partition) and restores from the keepers'
+  snapshot: kill -> next committed step and steps redone;
+* Ray Train v2 side by side: benchmarks/raytrain_elastic.py in a subprocess, same model
+  (--n_layer 2) and machine (TorchTrainer, FailureConfig, ScalingConfig(num_workers=(2,
+  3))): kill -> next committed step, node join -> carrying work, steps redone.
+
+``--soak_minutes N``: N minutes of 3 ranks with a rank killed every minute (a newcomer
+takes its place): goodput = fault-free step time x steps committed / wall time.
+
+Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +84,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--kill_at", type=int, default=15)
     ap.add_argument("--grow_from", type=int, default=25)
+    ap.add_argument("--soak_minutes", type=float, default=0.0)
+    ap.add_argument("--skip_ray_train", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.kill_at, args.grow_from = 250, 8, 12
@@ -80,15 +98,16 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="raylm-bench-elastic-")
     corpus = os.path.join(REPO, "..", "shared", "data", "shakespeare")
 
-    def cfg(name):
-        return TrainConfig(model_type="gpt2", config_overrides=f"{size},n_positions=64",
-                           train_file=[corpus], block_size=64,
-                           cache_dir=os.path.join(work, "cache"),
-                           output_dir=os.path.join(work, name), max_steps=args.steps,
-                           save_steps=10**6, logging_steps=10**6, disable_tqdm=True,
-                           learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
-                           per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                           do_eval=False)
+    def cfg(name, **kw):
+        base = dict(model_type="gpt2", config_overrides=f"{size},n_positions=64",
+                    train_file=[corpus], block_size=64, cache_dir=os.path.join(work, "cache"),
+                    output_dir=os.path.join(work, name), max_steps=args.steps,
+                    save_steps=10**6, logging_steps=10**6, disable_tqdm=True,
+                    learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
+                    per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    do_eval=False)
+        base.update(kw)
+        return TrainConfig(**base)
 
     lines = Lines()
     logging.getLogger("raylm").addHandler(lines)
@@ -128,6 +147,139 @@ def main() -> None:
           f"{rel[grown:grown + 10].max():.1e} / {rel.max():.1e} |")
     print(f"| steps at 3 / 2 / 3 ranks | {args.kill_at} / {grown - args.kill_at} / "
           f"{len(sizes) - grown} |")
+    if args.soak_minutes:
+        soak(args, cfg, step_s)
+    two_nodes(args, cfg, lines)
+    if not args.skip_ray_train:
+        ray_train_side_by_side(args)
+
+
+class SoakOver(Exception):
+    pass
+
+
+def soak(args, cfg, step_s) -> None:
+    """N minutes of 3 ranks, a rank killed every minute and replaced by a newcomer."""
+    import ray
+
+    from raylm import train
+
+    class Killer:
+        def __init__(self):
+            self.t0, self.kills, self.last, self.steps = time.time(), 0, time.time(), 0
+
+        def on_step_end(self, driver, step, record):
+            driver.grow_check_s = 0.0
+            if step == 1:  # from the first step: start-up is not the soak's
+                self.t0 = self.last = time.time()
+            self.steps = step
+            if time.time() - self.last >= 60 and driver.record.plan.world_size == 3:
+                os.kill(driver.worker_pids[1 + self.kills % 2], signal.SIGKILL)
+                self.kills, self.last = self.kills + 1, time.time()
+            if time.time() - self.t0 >= args.soak_minutes * 60:
+                raise SoakOver()
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    killer = Killer()
+    try:
+        train(cfg("soak", max_steps=10**7, max_failures=10**6), callbacks=(killer,))
+    except SoakOver:
+        pass
+    finally:
+        ray.shutdown()
+    wall = time.time() - killer.t0
+    print()
+    print(f"| soak: {args.soak_minutes:g} min, {killer.kills} kill(s) | {killer.steps - 1} steps "
+          f"committed; goodput {(killer.steps - 1) * step_s / wall:.1%} (fault-free step "
+          f"{step_s * 1000:.0f} ms) |")
+
+
+def two_nodes(args, cfg, lines) -> None:
+    """A pipeline layout re-laid out in memory; snapshots' overhead and a restore."""
+    import numpy as np
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raylm import train
+
+    class Kill:
+        def __init__(self, rank, at):
+            self.rank, self.at, self.t, self.ends = rank, at, None, {}
+
+        def on_step_end(self, driver, step, record):
+            self.ends[step] = time.time()
+            driver.grow_check_s = 3600.0
+            if step == self.at and self.t is None:
+                time.sleep(2.0)  # the keepers take the last snapshot meanwhile
+                self.t = time.time()
+                os.kill(driver.worker_pids[self.rank], signal.SIGKILL)
+
+    def after(kill):  # kill -> the end of the first step committed after it
+        return min(t for t in kill.ends.values() if t > kill.t) - kill.t
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    n = min(args.steps, 120)
+    try:
+        del lines.lines[:]
+        pp_kill = Kill(3, args.kill_at)
+        train(cfg("pp", num_workers=4, pp=2, max_steps=n, gradient_accumulation_steps=2),
+              callbacks=(pp_kill,))
+        relaid = next(m for _, m in lines.lines if m.startswith("re-laid out in memory"))
+        times = {}
+        for every in (0, 10, 1):
+            r = train(cfg(f"zero1-snap{every}", zero_stage=1, max_steps=n,
+                          snapshot_steps=every))
+            times[every] = (np.median([h["step_time_s"] for h in r.history[5:]]),
+                            np.median([h["snapshot_s"] for h in r.history[5:]]))
+        del lines.lines[:]
+        snap_kill = Kill(1, args.kill_at)
+        train(cfg("zero1-restore", zero_stage=1, max_steps=n, snapshot_steps=5),
+              callbacks=(snap_kill,))
+        restored = next((m for _, m in lines.lines if m.startswith("restored the snapshot")),
+                        "no snapshot restored")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print()
+    print("| two nodes | raylm |")
+    print("| --- | --- |")
+    print(f"| dp=2 x pp=2, rank 3 killed: kill -> next committed step | "
+          f"{after(pp_kill):.2f} s; {relaid} |")
+    base = times[0][0]
+    for every in (10, 1):
+        print(f"| ZeRO-1, 3 ranks, --snapshot_steps {every}: fault-free step (median) | "
+              f"{times[every][0] * 1000:.0f} ms vs {base * 1000:.0f} ms without "
+              f"({times[every][0] / base - 1:+.1%}); export on the critical path "
+              f"{times[every][1] * 1000:.0f} ms per step |")
+    print(f"| ZeRO-1 rank killed, --snapshot_steps 5: kill -> next committed step | "
+          f"{after(snap_kill):.2f} s; {restored} |")
+
+
+def ray_train_side_by_side(args) -> None:
+    """benchmarks/raytrain_elastic.py, same model, in its own process."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "raytrain_elastic.py"),
+           "--n_layer", "2"] + (["--quick"] if args.quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        print("Ray Train v2 run failed:", proc.stderr[-2000:])
+        return
+    r = json.loads(lines[-1][len("RESULT "):])
+    print()
+    print("| Ray Train v2, same model | |")
+    print("| --- | --- |")
+    print(f"| kill -> next committed step | {r.get('kill_to_step_s')} s; steps redone "
+          f"{r.get('kill_steps_redone')} |")
+    print(f"| node join -> carrying work | {r.get('join_to_step_s')} s; steps redone "
+          f"{r.get('join_steps_redone')} |")
+    print(f"| steady-state step at 3 workers (median) | {r.get('step_s_world3_median')} s |")
 
 
 if __name__ == "__main__":
