@@ -32,7 +32,8 @@ machine; snapshots keep a copy on another node):
   3))): kill -> next committed step, node join -> carrying work, steps redone.
 
 ``--soak_minutes N``: N minutes of 3 ranks with a rank killed every minute (a newcomer
-takes its place): goodput = fault-free step time x steps committed / wall time.
+takes its place): goodput = fault-free step time x steps committed / wall time, from the
+first step (``--soak_only``: just that, after 60 fault-free steps for the step time).
 
 Prints tables; asserts nothing.
 """
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--kill_at", type=int, default=15)
     ap.add_argument("--grow_from", type=int, default=25)
     ap.add_argument("--soak_minutes", type=float, default=0.0)
+    ap.add_argument("--soak_only", action="store_true",
+                    help="only the soak (after 60 fault-free steps for the step time)")
     ap.add_argument("--skip_ray_train", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -112,6 +115,14 @@ def main() -> None:
     lines = Lines()
     logging.getLogger("raylm").addHandler(lines)
     logging.getLogger("raylm").setLevel(logging.INFO)
+    if args.soak_only:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            base = train(cfg("fault-free", max_steps=60))
+        finally:
+            ray.shutdown()
+        soak(args, cfg, np.median([h["step_time_s"] for h in base.history[5:]]))
+        return
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         base = train(cfg("fault-free"))

@@ -49,15 +49,15 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
     _save_rng(path, rank)
 
 
-def export_rank_state(model, optimizer, adapter, zero=None):
+def export_rank_state(model, optimizer, adapter, zero=None, planner=None):
     """This rank's state, alone (no collective: its group may be broken), into Ray's
     object store (raylm.checkpoint.memory): the DCP metadata of its chunks, with their
-    ObjectRefs as storage data."""
+    ObjectRefs as storage data. ``planner``: an ExportPlanner kept between exports."""
     from raylm.checkpoint.memory import ObjectStoreWriter
 
     writer = ObjectStoreWriter()
     dcp.save(_canonical_state(model, optimizer, adapter, zero)[2], storage_writer=writer,
-             no_dist=True)
+             planner=planner, no_dist=True)
     return writer.metadata
 
 

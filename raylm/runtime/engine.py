@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from raylm.checkpoint.memory import ObjectStoreReader
+from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
 from raylm.checkpoint.state import (export_rank_state, import_rank_state, init_optimizer_state,
                                     load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
@@ -75,6 +75,7 @@ class Engine:
         # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
         self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
+        self.export_planner = None  # kept between exports (snapshots)
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -270,8 +271,10 @@ class Engine:
         """This rank's state in Ray's object store, in checkpoint form, written alone (no
         collective): DCP metadata whose storage data are ObjectRefs
         (raylm.checkpoint.memory). Before ``leave_group``: the form needs the mesh."""
+        if self.export_planner is None:
+            self.export_planner = ExportPlanner()
         return export_rank_state(self.model, self.optimizer, self.canonical,
-                                 zero=self._zero_form())
+                                 zero=self._zero_form(), planner=self.export_planner)
 
     def import_state(self, state, node_id: str, seed_rank: int) -> dict:
         """Collective over the world: take this layout's shards of a run's state in
