@@ -252,10 +252,11 @@ class Driver:
     def _live_ranks(self) -> tuple[list[int], list[str]]:
         """(indices of the ranks that answer, descriptions of those that do not). An
         actor answers after the calls queued before (an actor runs its calls in order):
-        a survivor answers once its failed step has returned. One that does not within
-        SURVIVOR_GRACE_S counts as lost: a gloo collective can stay blocked on a live
-        peer that left it (until the collective timeout), and nothing but that peer's
-        process ending releases it."""
+        a survivor answers once its failed step has returned: at once, or once a peer
+        it waits on has left the group (RankWorker.leave_group closes that peer's
+        connections). One that does not within SURVIVOR_GRACE_S counts as lost (a rank
+        hung in its own code, say); the wait for it is bounded by that, not by the
+        collective timeout."""
         refs = [w.info.remote() for w in self.workers]
         live, dead = [], []
         deadline = time.time() + SURVIVOR_GRACE_S
@@ -467,13 +468,16 @@ class Driver:
         self.workers, self.slots = old + actors, self.slots + slots
         self.worker_info = self.worker_info + [dict(i, rank=len(old) + k)
                                                for k, i in enumerate(infos)]
-        self._wait(refs)  # a failure here is a rank failure like any other
+        # (A failure here is a rank failure like any other.)
+        joined = self._wait(refs)[len(old):len(old) + len(actors)]
         run.plan = new_plan
         self._send_keepers()
         log.info("re-planned: %s", new_plan.describe())
         log.warning("grew in memory to %d rank(s) (generation %d): the live ranks paused "
-                    "%.2f s for the regroup and the state transfer", n, run.generation,
-                    time.time() - t0)
+                    "%.2f s for the regroup and the state transfer (newcomers, slowest: "
+                    "group %.2f s, engine %.2f s, state %.2f s)", n, run.generation,
+                    time.time() - t0, *(max(j[k] for j in joined)
+                                        for k in ("join_s", "build_s", "state_s")))
         return True
 
     def _grow_relayout(self, actors: list, pg, slots: list, t0: float) -> bool:
@@ -535,7 +539,9 @@ class Driver:
         grown = plan.resized(plan.world_size + len(slots))
         actors = _rank_actors(grown, slots, range(plan.world_size, grown.world_size),
                               grown.world_size)
-        self.newcomers = (actors, pg, [a.warm_up.remote() for a in actors], slots)
+        warm = [a.warm_up.remote(self.spec, self.cfg.seed, plan.zero_stage == 3)
+                for a in actors]
+        self.newcomers = (actors, pg, warm, slots)
         log.info("capacity for %d more rank(s): starting them (they join at a step "
                  "boundary once warm)", len(slots))
 

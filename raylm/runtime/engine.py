@@ -391,17 +391,26 @@ class PipelineEngine(Engine):
         return ids, labels, kwargs
 
 
+def initial_model(spec, seed: int, on_meta: bool):
+    """The model an engine starts from, the same on every rank (``seed``), on the CPU:
+    for ZeRO-3 (``on_meta``) its skeleton on the meta device, since no rank ever holds all
+    of it (the weights are materialised shard by shard once the layout is applied: step
+    4 of ``build_engine``); else the whole model. A rank that will join a running group
+    builds it while it warms up (RankWorker.warm_up), off the live ranks' pause."""
+    if on_meta:
+        return build_model(spec, seed, device="meta")
+    return build_model(spec, seed)
+
+
 def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int,
-                 line_by_line: bool = False) -> Engine:
-    """The rank's engine for ``plan`` (see the module docstring for the order)."""
+                 line_by_line: bool = False, model=None) -> Engine:
+    """The rank's engine for ``plan`` (see the module docstring for the order), from
+    ``model`` when given (``initial_model`` for this plan's ZeRO stage, built earlier)."""
     kind = PipelineEngine if plan.pp > 1 else Engine
     e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
-    # ZeRO-3 builds the model on the meta device: no rank ever holds all of it; the
-    # weights are materialised shard by shard once the layout is applied (step 4).
-    if e.zero_stage == 3:
-        e.model = build_model(spec, cfg["seed"], device="meta")
-    else:
-        e.model = build_model(spec, cfg["seed"]).to(device)
+    if model is None:
+        model = initial_model(spec, cfg["seed"], e.zero_stage == 3)
+    e.model = model if e.zero_stage == 3 else model.to(device)
     # Dropout per sample where the model is whole on the rank (data parallelism): a
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
     if plan.pp == 1 and plan.tp == 1:

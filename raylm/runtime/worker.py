@@ -24,11 +24,19 @@ class RankWorker:
     def __init__(self, rank: int, world_size: int, num_threads: int):
         import torch
 
+        # Before any process group exists: torch.distributed.nn.functional's collectives
+        # take ``group=group.WORLD`` as default arguments, evaluated at import. Imported
+        # after init_process_group (the engine imports it), they would hold the first
+        # WORLD group for the life of the process, and its gloo connections would stay
+        # open after the rank left it: a peer blocked on this rank would not be released.
+        import torch.distributed.nn  # noqa: F401
+
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(num_threads)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         self.engine = None  # raylm.runtime.engine.Engine, once built
+        self.warm_model = (None, None)  # (on the meta device, model) built by warm_up
         self.prefetcher = None
         self.generation = 0  # of the process group this rank is in
         self.prepared = None  # the step whose update is prepared, not yet committed
@@ -78,13 +86,17 @@ class RankWorker:
         self.mesh = build_mesh(plan.dims, self.device.type)
         return True
 
-    def warm_up(self) -> bool:
-        """What a rank that will join a running group can do before it joins: the heavy
-        imports (torch, transformers, the engine)."""
-        import importlib
+    def warm_up(self, spec, seed: int, on_meta: bool) -> dict:
+        """What a rank that will join a running group does before it joins, while the
+        live ranks train on: the heavy imports (torch, transformers, the engine) and its
+        initial model (raylm.runtime.engine.initial_model: the whole model, or for
+        ZeRO-3 ``on_meta`` its skeleton), which ``build`` then takes instead of building
+        one while the live ranks wait."""
+        from raylm.runtime.engine import initial_model
 
-        importlib.import_module("raylm.runtime.engine")
-        return True
+        t0 = time.time()
+        self.warm_model = (on_meta, initial_model(spec, seed, on_meta))
+        return {"warm_up_s": time.time() - t0}
 
     def join_running(self, master: str, plan, rank: int, world_size: int, generation: int,
                      spec, dataset, train_cfg: dict, total_steps: int, src: int,
@@ -96,11 +108,14 @@ class RankWorker:
         t0 = time.time()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, train_cfg["collective_timeout_s"], generation)
+        t_join = time.time()
         self.build(spec, dataset, train_cfg, total_steps)
+        t_build = time.time()
         self.engine.broadcast_state(src)
         self.engine.set_schedule_step(committed_step)
         self.committed_step = committed_step
-        return {"rank": rank, "join_s": time.time() - t0}
+        return {"rank": rank, "join_s": t_join - t0, "build_s": t_build - t_join,
+                "state_s": time.time() - t_build}
 
     def send_state(self, src: int) -> bool:
         """The live ranks' side of a newcomer's ``join_running``."""
@@ -138,9 +153,13 @@ class RankWorker:
         self.spec, self.dataset, self.total_steps = spec, dataset, total_steps
         self.faults = {(f["rank"], f["step"], f["phase"], f.get("generation", 1))
                        for f in train_cfg.get("faults") or ()}
+        # A newcomer's model from its warm-up, if built for this plan's ZeRO stage.
+        on_meta, model = self.warm_model
+        self.warm_model = (None, None)
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
                                    train_cfg, total_steps,
-                                   bool(dataset is not None and dataset.line_by_line))
+                                   bool(dataset is not None and dataset.line_by_line),
+                                   model if on_meta == (self.plan.zero_stage == 3) else None)
         # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
         # share a seed (they compute the same replicated activations).
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
@@ -188,7 +207,8 @@ class RankWorker:
         to it so that its connections close. Only that releases a survivor blocked on
         data from this rank (gloo's abort and shutdown do not close them; a process
         group's connections close when its last reference goes). Queued by the driver
-        behind the call that failed; the rank's model and optimizer state stay.
+        behind the call that failed. A full replica keeps its model and optimizer state;
+        any other rank's engine is dropped (its model holds groups too).
 
         ``export``: first put this rank's state in Ray's object store, in checkpoint
         form (Engine.export_state), for the ranks of a new layout to read; returns what
@@ -203,8 +223,13 @@ class RankWorker:
             self.exported = self.engine.export_state()  # the objects live while we do
             out = {"metadata": self.exported, "step": self.committed_step,
                    "node_id": ray.get_runtime_context().get_node_id()}
-        if self.engine is not None:
-            self.engine.leave_group()
+        if self.engine is not None and self.engine.plan.full_replica_per_rank:
+            self.engine.leave_group()  # keeps the model and optimizer state (regroup)
+        else:
+            # The state of a rank that is not a full replica carries on elsewhere (its
+            # export above, a snapshot, a checkpoint), and its model holds groups of
+            # its own (pipeline stages and tied weights, FSDP): the engine goes whole.
+            self.engine = None
         self.mesh = None
         if dist.is_initialized():
             try:
