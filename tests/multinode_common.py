@@ -44,13 +44,13 @@ class RemoveNodeOfRank:
             self.rank_exit_s = 30 - (deadline - time.time())
 
 
-def start_cluster():
-    """A CPU-less head and two 1-CPU worker nodes that notice a lost node fast; the
-    driver's log at INFO on stderr."""
+def start_cluster(workers: int = 2):
+    """A CPU-less head and ``workers`` 1-CPU worker nodes that notice a lost node fast;
+    the driver's log at INFO on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
-    for _ in range(2):
+    for _ in range(workers):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)

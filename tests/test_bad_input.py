@@ -194,12 +194,16 @@ def assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root,
     (dict(tp=2, pp=2, num_workers=4, sequence_parallel=True, gradient_accumulation_steps=2),
      TINY_GPT2, "--sequence_parallel with --pp > 1"),
     (dict(tp=2, num_workers=3), TINY_GPT2, "does not equal --num_workers 3"),
+    # The test cluster's one node has 4 CPUs: one rank of 3.
+    (dict(tp=2, num_workers=2, cpus_per_worker=3), TINY_GPT2,
+     "--tp 2: a tensor-parallel group stays on one node, and the largest node here holds 1 "
+     "rank(s) of 3 CPU"),
 ])
 def test_tensor_layout_errors_before_any_actor(kw, overrides, message, ray_cluster, tmp_path,
                                                corpus_dir, cache_root):
     model_type = "llama" if "key-value" in message else "gpt2"
     assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, model_type,
-                                  overrides, cpus_per_worker=0.5, **kw)
+                                  overrides, **{"cpus_per_worker": 0.5, **kw})
 
 
 @pytest.mark.parametrize("kw,message", [

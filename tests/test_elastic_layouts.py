@@ -107,21 +107,24 @@ class WaitForNewcomers(Watch):
             ray.wait(warm, num_returns=len(warm), timeout=60)
 
 
-def test_a_pipeline_grows_onto_room_in_memory(single, ray_cluster, corpus_dir, cache_root,
-                                              tmp_path, caplog):
-    """dp=1 x pp=2 on 2 of the 4 CPUs with --max_workers 4: two newcomers warm up while
-    it trains, then the live ranks export their state and all four rebuild as dp=2 x
-    pp=2, reading it from the object store. Losses and gradient norms are single-process
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(tp=2)], ids=["pp2", "tp2"])
+def test_a_model_parallel_layout_grows_onto_room_in_memory(
+        layout, single, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """dp=1 x pp=2 (or x tp=2) on 2 of the 4 CPUs with --max_workers 4: two newcomers
+    (under tensor parallelism a group sharing one bundle, so one node) warm up while it
+    trains, then the live ranks export their state and all four rebuild as dp=2,
+    reading it from the object store. Losses and gradient norms are single-process
     training's, every sample once, nothing redone."""
     caplog.set_level("INFO", logger="raylm")
     watch = WaitForNewcomers()
     out = tmp_path / "out"
-    result = train(layout_config(out, corpus_dir, cache_root, num_workers=2, pp=2,
-                                 max_workers=4, gradient_accumulation_steps=4),
+    result = train(layout_config(out, corpus_dir, cache_root, num_workers=2, max_workers=4,
+                                 gradient_accumulation_steps=4, **layout),
                    callbacks=(watch,))
     log = caplog.text
     assert "grew in memory to 4 rank(s)" in log and "re-laid out from the live" in log
-    assert "re-planned: 4 rank(s): dp=2 x pp=2 x tp=1" in log
+    shape = "pp=2 x tp=1" if "pp" in layout else "pp=1 x tp=2"
+    assert f"re-planned: 4 rank(s): dp=2 x {shape}" in log
     sizes = [h["world_size"] for h in result.history]
     assert sizes[0] == 2 and sizes[-1] == 4, sizes
     assert result.failures == 0 and "restoring" not in log

@@ -40,11 +40,17 @@ class ObjectStoreWriter(StorageWriter):
     """DCP storage that ``ray.put``s the chunks (tensors, or the bytes of non-tensor
     values) in buckets of about BUCKET_BYTES; after ``dcp.save`` the writer's
     ``metadata`` lists the chunks and ``metadata.storage_data`` maps each chunk's
-    MetadataIndex to (ObjectRef of its bucket, its key in the bucket)."""
+    MetadataIndex to (ObjectRef of its bucket, its key in the bucket).
 
-    def __init__(self):
+    Every bucket is packed (copied out of the state's tensors) before the first put, and
+    ``on_copied()`` called in between: a snapshot written in a thread of its own lets
+    the rank's next optimizer step wait for that only (raylm.runtime.snapshots), with
+    one copy of the state, where staging it first (DCP's async_save) would add one."""
+
+    def __init__(self, on_copied=None):
         super().__init__()
         self.metadata = None
+        self.on_copied = on_copied
 
     def reset(self, checkpoint_id=None) -> None:
         self.metadata = None
@@ -59,13 +65,10 @@ class ObjectStoreWriter(StorageWriter):
         return plans
 
     def write_data(self, plan, planner) -> Future:
-        results, bucket, pending, filled = [], [], [], 0
+        packed, bucket, pending, filled = [], [], [], 0
 
-        def put():
-            ref = ray.put(_pack(bucket))
-            results.extend(WriteResult(index=index, size_in_bytes=size,
-                                       storage_data=(ref, key))
-                           for key, (index, size) in enumerate(pending))
+        def pack():
+            packed.append((_pack(bucket), pending))
 
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -79,10 +82,18 @@ class ObjectStoreWriter(StorageWriter):
             pending.append((item.index, size))
             filled += size
             if filled >= BUCKET_BYTES:
-                put()
+                pack()
                 bucket, pending, filled = [], [], 0
         if pending:
-            put()
+            pack()
+        if self.on_copied is not None:
+            self.on_copied()
+        results = []
+        for values, chunks in packed:
+            ref = ray.put(values)
+            results.extend(WriteResult(index=index, size_in_bytes=size,
+                                       storage_data=(ref, key))
+                           for key, (index, size) in enumerate(chunks))
         fut: Future = Future()
         fut.set_result(results)
         return fut

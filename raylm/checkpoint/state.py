@@ -44,20 +44,29 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
     """Collective: every rank of ``process_group`` calls this with the same ``path``.
     ``zero``: the checkpoint form of a ZeRO 1/2 partitioned optimizer (its state is
     saved in the same keys and global shapes as an unpartitioned one's)."""
-    state = _canonical_state(model, optimizer, adapter, zero)[2]
+    state = checkpoint_state(model, optimizer, adapter, zero)
     dcp.save(state, checkpoint_id=path, process_group=process_group)
     _save_rng(path, rank)
 
 
-def export_rank_state(model, optimizer, adapter, zero=None, planner=None):
-    """This rank's state, alone (no collective: its group may be broken), into Ray's
-    object store (raylm.checkpoint.memory): the DCP metadata of its chunks, with their
-    ObjectRefs as storage data. ``planner``: an ExportPlanner kept between exports."""
+def checkpoint_state(model, optimizer, adapter, zero=None) -> dict:
+    """The rank's state in checkpoint form, as ``save_rank_state`` writes it: views of
+    the live tensors where the form is the runtime's own. Collective where the form
+    gathers (ZeRO-3 with tensor parallelism: ``_tp_only``)."""
+    return _canonical_state(model, optimizer, adapter, zero)[2]
+
+
+def export_rank_state(state: dict, planner=None, on_copied=None):
+    """``state`` (``checkpoint_state``) into Ray's object store, by this rank alone (no
+    collective: its group may be broken, or the call runs in a thread of its own;
+    raylm.checkpoint.memory): the DCP metadata of its chunks, with their ObjectRefs as
+    storage data. ``planner``: an ExportPlanner kept between exports; ``on_copied``:
+    called once every chunk is copied out of ``state``'s tensors (before the copies go
+    into the object store)."""
     from raylm.checkpoint.memory import ObjectStoreWriter
 
-    writer = ObjectStoreWriter()
-    dcp.save(_canonical_state(model, optimizer, adapter, zero)[2], storage_writer=writer,
-             planner=planner, no_dist=True)
+    writer = ObjectStoreWriter(on_copied)
+    dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
     return writer.metadata
 
 

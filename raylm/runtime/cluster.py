@@ -8,6 +8,9 @@ import os
 import time
 
 import ray
+# Per node: Ray's public API (ray.available_resources) sums the free resources over the
+# cluster, and a tensor-parallel group must fit one node.
+from ray._private.state import available_resources_per_node
 from ray.util.placement_group import placement_group, remove_placement_group
 
 log = logging.getLogger("raylm")
@@ -38,7 +41,16 @@ def capacity(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
     Counted per node from total resources, in whole groups of ``group`` ranks (a
     tensor-parallel group never spans nodes; nor does a rank).
     """
-    total = 0
+    return sum(fit - fit % group for fit in _ranks_per_node(cpus_per_worker, use_gpu))
+
+
+def largest_node(cpus_per_worker: float, use_gpu: bool) -> int:
+    """The most rank actors one live node can hold."""
+    return max(_ranks_per_node(cpus_per_worker, use_gpu), default=0)
+
+
+def _ranks_per_node(cpus_per_worker: float, use_gpu: bool) -> list[int]:
+    fits = []
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
@@ -46,8 +58,8 @@ def capacity(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
         fit = math.floor(res.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 10**6
         if use_gpu:
             fit = min(fit, int(res.get("GPU", 0)))
-        total += fit - fit % group
-    return total
+        fits.append(fit)
+    return fits
 
 
 def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float, group: int = 1):
@@ -118,11 +130,15 @@ def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: i
     return n
 
 
-def free_ranks(cpus_per_worker: float, use_gpu: bool) -> int:
+def free_ranks(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
     """How many more rank actors the cluster could place now (its unreserved CPUs and
-    GPUs; a node that joined, or one the autoscaler launched, shows up here)."""
-    free = ray.available_resources()
-    n = math.floor(free.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 0
-    if use_gpu:
-        n = min(n, int(free.get("GPU", 0)))
-    return max(n, 0)
+    GPUs; a node that joined, or one the autoscaler launched, shows up here), in whole
+    groups of ``group`` per node (a tensor-parallel group never spans nodes)."""
+    total = 0
+    for free in available_resources_per_node().values():
+        n = math.floor(free.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 0
+        if use_gpu:
+            n = min(n, int(free.get("GPU", 0)))
+        n = max(n, 0)
+        total += n - n % group
+    return total

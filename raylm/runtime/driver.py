@@ -19,6 +19,7 @@ restarted on the live nodes). The global batch stays the run's throughout.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -132,6 +133,13 @@ class Driver:
             if cfg.min_workers and cap < cfg.min_workers:
                 cap = cluster.wait_for_workers(cfg.min_workers, cfg.cpus_per_worker,
                                                cfg.use_gpu, group, cfg.collective_timeout_s)
+            largest = cluster.largest_node(cfg.cpus_per_worker, cfg.use_gpu)
+            if 0 < largest < group:
+                raise ConfigError(
+                    f"--tp {group}: a tensor-parallel group stays on one node, and the "
+                    f"largest node here holds {largest} rank(s) of {cfg.cpus_per_worker:g} "
+                    f"CPU{' and 1 GPU' if cfg.use_gpu else ''}: lower --tp or "
+                    "--cpus_per_worker, or add larger nodes")
             if cfg.max_workers:
                 cap = min(cap, cfg.max_workers)
             plan = self.plan(inputs, cap)
@@ -390,6 +398,10 @@ class Driver:
                    "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
                    "data_wait_s": max(r["data_wait_s"] for r in results),
                    "snapshot_s": max(r.get("snapshot_s", 0.0) for r in results),
+                   # The step boundary's cost: the rank that answered last waited least.
+                   "boundary_idle_s": min((r["boundary_idle_s"] for r in results
+                                           if r.get("boundary_idle_s") is not None),
+                                          default=None),
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
                    "world_size": plan.world_size}
             run.history = [h for h in run.history if h["step"] < run.step] + [rec]
@@ -428,13 +440,12 @@ class Driver:
             if time.time() - self.last_grow_check < self.grow_check_s:
                 return False
             self.last_grow_check = time.time()
-            room = plan.world_size + len(self._free_slots()) + \
-                cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu)
+            group = plan.dims.node_group_size
+            room = plan.world_size + len(self._free_slots(group)) + \
+                cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu, group)
             n = self.scaling.grow_to(plan, room)
-            if n is None or not (plan.full_replica_per_rank or
-                                 plan.dims.node_group_size == 1):
-                return False
-            self._start_newcomers(plan, n - plan.world_size)
+            if n is not None:
+                self._start_newcomers(plan, n - plan.world_size)
             return False
         actors, pg, warm, slots = self.newcomers
         if len(ray.wait(warm, num_returns=len(warm), timeout=0)[0]) < len(warm):
@@ -526,15 +537,20 @@ class Driver:
         return True
 
     def _start_newcomers(self, plan: Plan, k: int) -> None:
-        """Place ``k`` new rank actors and start their warm-up; training goes on. They
-        take the bundles lost ranks left first, then a new placement group."""
-        slots, pg = self._free_slots()[:k], None
+        """Place ``k`` new rank actors (whole replicas) and start their warm-up; training
+        goes on. They take the places lost ranks left in the run's bundles first, then a
+        new placement group; a tensor-parallel group's newcomers share a bundle (a
+        node)."""
+        group = plan.dims.node_group_size
+        slots, pg = self._free_slots(group)[:k], None
         if len(slots) < k:
             pg = cluster.reserve(k - len(slots), plan.cpus_per_worker, plan.use_gpu,
-                                 timeout_s=2, group=plan.dims.node_group_size)
+                                 timeout_s=2, group=group)
             if pg is not None:
-                slots += [(pg, b) for b in range(k - len(slots))]
+                slots += [(pg, i // group) for i in range(k - len(slots))]
+        slots = slots[:len(slots) - len(slots) % plan.dims.replica_size]
         if not slots:
+            _remove(pg)
             return
         grown = plan.resized(plan.world_size + len(slots))
         actors = _rank_actors(grown, slots, range(plan.world_size, grown.world_size),
@@ -545,14 +561,18 @@ class Driver:
         log.info("capacity for %d more rank(s): starting them (they join at a step "
                  "boundary once warm)", len(slots))
 
-    def _free_slots(self) -> list:
-        """Bundles of the run's placement groups that no rank holds (a lost rank's)."""
-        taken = set(self.slots) | set(self.newcomers[3] if self.newcomers else ())
+    def _free_slots(self, group: int = 1) -> list:
+        """The places in the run's bundles that no rank holds (lost ranks'), one
+        (placement group, bundle) per rank, in whole groups of ``group`` per bundle (a
+        tensor-parallel group shares one)."""
+        taken = collections.Counter(self.slots + list(self.newcomers[3] if self.newcomers
+                                                      else ()))
+        cpus = self.record.plan.cpus_per_worker
         free = []
         for pg in [self.pg] + self.growth_pgs:
-            if pg is not None:
-                free += [(pg, b) for b in range(len(pg.bundle_specs))
-                         if (pg, b) not in taken]
+            for b, bundle in enumerate(pg.bundle_specs if pg is not None else ()):
+                places = round(bundle["CPU"] / cpus) - taken[(pg, b)]
+                free += [(pg, b)] * (places - places % group)
         return free
 
     def _drop_newcomers(self) -> None:

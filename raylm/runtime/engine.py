@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
-from raylm.checkpoint.state import (export_rank_state, import_rank_state, init_optimizer_state,
-                                    load_rank_state, save_rank_state)
+from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_rank_state,
+                                    init_optimizer_state, load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
@@ -75,7 +75,7 @@ class Engine:
         # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
         self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
-        self.export_planner = None  # kept between exports (snapshots)
+        self.export_planner = None  # kept between exports
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -267,14 +267,33 @@ class Engine:
                         zero=self._zero_form())
         self.set_schedule_step(step)
 
+    def checkpoint_state(self) -> dict:
+        """This rank's state in checkpoint form (raylm.checkpoint.state), views of the
+        live tensors where the form is the runtime's own; what a snapshot copies."""
+        return checkpoint_state(self.model, self.optimizer, self.canonical,
+                                zero=self._zero_form())
+
+    def snapshot_state(self) -> dict:
+        """``checkpoint_state`` less what another data-parallel rank of the same
+        snapshot writes: each key the dp replicas hold alike (every key at ZeRO-0, the
+        model's at ZeRO-1 and 2) is kept by one of them, spread by key, as DCP's own
+        collective save deduplicates replicas. A snapshot is used only whole (every
+        rank's of one step), so every key is in it once."""
+        state = self.checkpoint_state()
+        shared = {0: ("model", "optim"), 1: ("model",), 2: ("model",)}.get(self.zero_stage, ())
+        dp = self.plan.dp
+        for part in shared if dp > 1 else ():
+            state[part] = {k: state[part][k] for i, k in enumerate(sorted(state[part]))
+                           if i % dp == self.dp_rank}
+        return state
+
     def export_state(self):
         """This rank's state in Ray's object store, in checkpoint form, written alone (no
         collective): DCP metadata whose storage data are ObjectRefs
         (raylm.checkpoint.memory). Before ``leave_group``: the form needs the mesh."""
         if self.export_planner is None:
             self.export_planner = ExportPlanner()
-        return export_rank_state(self.model, self.optimizer, self.canonical,
-                                 zero=self._zero_form(), planner=self.export_planner)
+        return export_rank_state(self.checkpoint_state(), self.export_planner)
 
     def import_state(self, state, node_id: str, seed_rank: int) -> dict:
         """Collective over the world: take this layout's shards of a run's state in

@@ -1,15 +1,15 @@
 """Snapshots of the training state in memory on other nodes (``--snapshot_steps k``).
 
 State with no live copy (dp = 1, ZeRO's partitions of the optimizer state, gradients and
-parameters) dies with its rank. Every k committed steps each rank puts its state in
-checkpoint form in the object store (Engine.export_state: one copy of what it holds, the
-only part on the step's critical path) and hands it to two keepers: the one on its own
-node (which outlives the rank's process) and the one on the next node (which outlives
-the rank's node). Each keeper copies the chunks into objects it owns, off the critical
-path, and keeps the three newest snapshot steps. As in Gemini (Wang et al., SOSP '23), a
-failure then costs at most k steps instead of --save_steps, and nothing is read from
-disk: the survivors of any new layout read their shards from the keepers
-(raylm.checkpoint.memory).
+parameters) dies with its rank. Every k committed steps each rank snapshots its state in
+checkpoint form (``SnapshotSender``: in a thread of its own, the rank training on; only
+its next optimizer step waits, until the state is copied) into the object store, and
+hands it to two keepers: the one on its own node (which outlives the rank's process) and
+the one on the next node (which outlives the rank's node). Each keeper copies the chunks
+into objects it owns and keeps the three newest snapshot steps. As in Gemini (Wang et
+al., SOSP '23), a failure then costs at most k steps instead of --save_steps, and
+nothing is read from disk: the survivors of any new layout read their shards from the
+keepers (raylm.checkpoint.memory).
 
 Ray's object store has no replication of its own (an object dies with its owner), and
 DCP's storage is files: the keepers are what is written here.
@@ -18,12 +18,15 @@ DCP's storage is files: the keepers are what is written here.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raylm.checkpoint.memory import MemoryState, merge
+from raylm.checkpoint.memory import ExportPlanner, MemoryState, merge
+from raylm.checkpoint.state import export_rank_state
 
 log = logging.getLogger("raylm")
 
@@ -56,6 +59,52 @@ class SnapshotKeeper:
 
     def holdings(self) -> dict:
         return self.held
+
+
+class SnapshotSender:
+    """A rank's side: each snapshot is written to the object store and handed to the
+    keepers in a thread of its own while the rank trains on. The next step's forward and
+    backward read the state and change none of it; only its optimizer step must wait
+    until the state is copied (``wait_copied``), which the thread does first."""
+
+    def __init__(self):
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="raylm-snapshot")
+        self.planner = ExportPlanner()  # the thread's own: the rank's exports use another
+        self.job = None
+        self.copied = threading.Event()
+        self.copied.set()
+
+    def send(self, state: dict, keepers: list, step: int, generation: int, rank: int,
+             world_size: int) -> None:
+        """Start snapshotting ``state`` (Engine.checkpoint_state, views of the live
+        tensors) of committed ``step``. One snapshot in flight per rank: the keepers
+        hold the previous one before this one starts (so the older of a keeper's newest
+        steps is whole on every rank: KEEP). A keeper slower than k steps makes the rank
+        wait here."""
+        self.wait()
+        copied = self.copied = threading.Event()
+        self.job = self.executor.submit(self._send, state, copied, keepers,
+                                        (step, generation, rank, world_size))
+
+    def _send(self, state, copied, keepers, snapshot) -> None:
+        try:
+            metadata = export_rank_state(state, self.planner, on_copied=copied.set)
+        finally:
+            copied.set()
+        holding = [keeper.hold.remote(*snapshot, metadata) for keeper in keepers]
+        # (A keeper on a lost node never answers: the driver asks the live ones.)
+        ray.wait(holding, num_returns=len(holding))
+
+    def wait_copied(self) -> None:
+        self.copied.wait()
+
+    def wait(self) -> None:
+        if self.job is not None:
+            try:
+                self.job.result()
+            except Exception as e:  # a snapshot less; the driver takes the newest whole one
+                log.warning("a snapshot failed: %s", e)
+            self.job = None
 
 
 class Snapshots:

@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 
 from raylm.parallel.mesh import build_mesh
+from raylm.runtime.snapshots import SnapshotSender
 
 log = logging.getLogger("raylm")
 
@@ -44,8 +45,11 @@ class RankWorker:
         self.committed_step = None  # the last step this rank committed
         self.exported = None  # this rank's state in the object store (leave_group)
         self.keepers = []  # snapshot keepers (--snapshot_steps)
-        self.holding = []  # the keepers' calls taking this rank's latest snapshot
+        self.snapshots = None  # raylm.runtime.snapshots.SnapshotSender, once it snapshots
         self.snapshot_s = 0.0  # time the snapshots took on this rank's critical path
+        # When the last step returned, and the time of the calls run since (its commit,
+        # a checkpoint, an evaluation): boundary_idle_s.
+        self.returned_at, self.busy_s = None, 0.0
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -119,6 +123,7 @@ class RankWorker:
 
     def send_state(self, src: int) -> bool:
         """The live ranks' side of a newcomer's ``join_running``."""
+        self._state_settled()  # (the replicas other than ``src`` receive its state)
         self.engine.broadcast_state(src)
         return True
 
@@ -130,7 +135,7 @@ class RankWorker:
         import torch.distributed as dist
 
         t0 = time.time()
-        self.prepared = None
+        self.prepared, self.returned_at = None, None
         if dist.is_initialized():
             self.leave_group()
         self.rank, self.world_size = rank, world_size
@@ -254,7 +259,7 @@ class RankWorker:
         import torch.distributed as dist
 
         t0 = time.time()
-        self.prepared, self.committed_step = None, None
+        self.prepared, self.committed_step, self.returned_at = None, None, None
         if dist.is_initialized():
             self.leave_group()
         self.engine = None
@@ -282,6 +287,10 @@ class RankWorker:
     def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> dict:
         self._fault(step, "step")
         t0 = time.time()
+        # Since the last step returned, less the calls run since (its commit, a
+        # checkpoint, an evaluation): the rank idle at the step boundary, waiting for the
+        # driver to gather every rank's answer and send the commit and this call.
+        idle = t0 - self.returned_at - self.busy_s if self.returned_at else None
         e = self.engine
         batches = self.prefetcher.get(step, micro_batch_ids) if e.needs_data else []
         if next_ids is not None and e.needs_data:
@@ -298,11 +307,13 @@ class RankWorker:
         out["snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
         out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
                     "has_loss": e.has_loss, "local_tokens": local_tokens,
-                    "data_wait_s": t_data, "step_s": time.time() - t0})
+                    "data_wait_s": t_data, "step_s": time.time() - t0,
+                    "boundary_idle_s": idle})
         # Each sample once: from the first stage's first tensor-parallel rank.
         if self.cfg.get("log_sample_ids") and e.has_first and \
                 self.plan.dims.coords(self.rank)["tp"] == 0:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
+        self.returned_at, self.busy_s = time.time(), 0.0
         return out
 
     def commit(self, step: int, generation: int = 0) -> bool:
@@ -313,11 +324,14 @@ class RankWorker:
             raise RuntimeError(f"rank {self.rank}: commit of step {step}, but the prepared "
                                f"step is {self.prepared}")
         self._fault(step, "commit")
+        t0 = time.time()
+        self._state_settled()
         self.engine.apply_update()
         self.prepared, self.committed_step = None, step + 1  # steps done
         every = self.cfg.get("snapshot_steps") or 0
         if every and self.committed_step % every == 0 and self.keepers:
             self._snapshot()
+        self.busy_s += time.time() - t0
         return True
 
     def set_keepers(self, keepers: list) -> bool:
@@ -326,22 +340,23 @@ class RankWorker:
         return True
 
     def _snapshot(self) -> None:
-        """Put this rank's state of the committed step in the object store (one copy,
-        on the critical path) and hand it to the keepers, which copy it into objects of
-        their own while training goes on (the objects stay pinned until they have)."""
-        import ray
-
+        """Snapshot this rank's state of the committed step to the keepers, in the
+        background (raylm.runtime.snapshots.SnapshotSender); what it costs the step shows
+        in snapshot_s."""
         t0 = time.time()
-        # One snapshot in flight per rank: the keepers have this rank's previous one
-        # before it sends the next (so the older of a keeper's newest steps is whole on
-        # every rank; raylm.runtime.snapshots.KEEP). A keeper slower than k steps shows
-        # here, in snapshot_s.
-        ray.wait(self.holding, num_returns=len(self.holding))
-        metadata = self.engine.export_state()
-        self.holding = [keeper.hold.remote(self.committed_step, self.generation, self.rank,
-                                           self.world_size, metadata)
-                        for keeper in self.keepers]
+        if self.snapshots is None:
+            self.snapshots = SnapshotSender()
+        self.snapshots.send(self.engine.snapshot_state(), self.keepers, self.committed_step,
+                            self.generation, self.rank, self.world_size)
         self.snapshot_s += time.time() - t0
+
+    def _state_settled(self) -> None:
+        """Before anything writes the state: a snapshot in flight may still be copying
+        it (its wait counts in snapshot_s)."""
+        if self.snapshots is not None:
+            t0 = time.time()
+            self.snapshots.wait_copied()
+            self.snapshot_s += time.time() - t0
 
     def _fault(self, step: int, phase: str) -> None:
         """Fault injection for tests (``faults`` in the settings: rank, step, phase and
@@ -410,6 +425,7 @@ class RankWorker:
         from raylm.data.reader import BlockReader
         from raylm.parallel.data import all_reduce_sum
 
+        t0 = time.time()
         reader = self.reader
         if eval_dataset is not None:
             if self.eval_reader is None:
@@ -419,16 +435,20 @@ class RankWorker:
         loss_sum, tokens = e.evaluate(micro_batch_ids, reader.read)
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], e.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
+        self.busy_s += time.time() - t0
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700)),
                 "eval_tokens": int(tokens), "has_loss": e.has_loss}
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
         self._fault(self.committed_step, "checkpoint")
+        t0 = time.time()
         self.engine.save(path)
+        self.busy_s += time.time() - t0
         return True
 
     def load_checkpoint(self, path: str, step: int) -> bool:
+        self._state_settled()
         self.engine.load(path, step, self._seed_rank)
         self.committed_step = step
         return True

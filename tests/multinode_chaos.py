@@ -1,0 +1,102 @@
+"""Run by tests/test_multinode.py in its own process (one Ray connection per process).
+
+Chaos on a ray.cluster_utils.Cluster: a CPU-less head and three 1-CPU worker nodes, three
+data-parallel ranks of a tiny GPT-2 with dropout on (one per node). A few steps after
+each time the group is whole again, a seeded random choice: SIGKILL a random rank (its
+node stays), or remove the node of a random rank and add a fresh node in its place. The
+survivors carry on in memory; the freed CPU or the new node lets a newcomer warm up and
+join at a step boundary. A one-rank run of the same global batch on the same cluster is
+the reference. Prints one JSON line with what the test checks.
+"""
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import numpy as np
+import ray
+
+from raylm import TrainConfig, train
+from multinode_common import pid_alive, start_cluster
+
+corpus, cache_root = sys.argv[1], sys.argv[2]
+STEPS = 100
+
+
+def config(out, **kw):
+    base = dict(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
+                "n_positions=64", train_file=[corpus], block_size=32, cache_dir=cache_root,
+                output_dir=out, max_steps=STEPS, save_steps=1000, logging_steps=10,
+                disable_tqdm=True, learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
+                per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                do_eval=False, log_sample_ids=True, max_failures=50)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def samples(out):
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        return {r["step"]: sorted(i for ids in r["ranks"] for i in ids)
+                for r in map(json.loads, f)}
+
+
+class Chaos:
+    def __init__(self, cluster, seed: int):
+        self.cluster, self.rng = cluster, np.random.default_rng(seed)
+        self.next_event, self.events, self.pids, self.digests = 4, [], set(), None
+
+    def on_step_end(self, driver, step, record):
+        self.pids.update(driver.worker_pids)
+        driver.grow_check_s = 0.0  # look for room at every step boundary
+        size = driver.record.plan.world_size
+        if size < 3:
+            time.sleep(0.3)  # steps of a real size: newcomers warm up meanwhile
+        elif step >= self.next_event and step < STEPS - 8:
+            rank = int(self.rng.integers(size))
+            pid = driver.worker_pids[rank]
+            if self.rng.random() < 0.5:
+                os.kill(pid, signal.SIGKILL)
+                self.events.append(("rank", step, rank))
+            else:
+                node_id = driver.worker_info[rank]["node_id"]
+                [node] = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+                self.cluster.remove_node(node, allow_graceful=False)
+                # The node's processes exit once their raylet is gone: wait, so the next
+                # step meets a dead rank rather than racing it.
+                deadline = time.time() + 30
+                while pid_alive(pid) and time.time() < deadline:
+                    time.sleep(0.1)
+                self.cluster.add_node(num_cpus=1)
+                self.events.append(("node", step, rank))
+            self.next_event = step + int(self.rng.integers(3, 8))
+        if step == STEPS:
+            self.digests = ray.get([w.state_digest.remote() for w in driver.workers])
+
+
+cluster = start_cluster(workers=3)
+try:
+    ref_out, out = tempfile.mkdtemp() + "/ref", tempfile.mkdtemp() + "/out"
+    reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=6))
+    chaos = Chaos(cluster, seed=0)
+    hit = train(config(out), callbacks=(chaos,))
+    deadline = time.time() + 30
+    while any(pid_alive(p) for p in chaos.pids) and time.time() < deadline:
+        time.sleep(0.2)
+    print("RESULT " + json.dumps({
+        "events": chaos.events, "failures": hit.failures,
+        "reference": [h["loss"] for h in reference.history],
+        "hit": [h["loss"] for h in hit.history],
+        "hit_steps": [h["step"] for h in hit.history],
+        "samples_equal": samples(out) == samples(ref_out),
+        "samples_once": all(len(ids) == len(set(ids)) for ids in samples(out).values()),
+        "digests": chaos.digests,
+        "left_running": [p for p in chaos.pids if pid_alive(p)],
+        "placement_groups": sorted({t["state"] for t in
+                                    ray.util.placement_group_table().values()}),
+        "alive_nodes": len([n for n in ray.nodes() if n["Alive"]])}))
+finally:
+    ray.shutdown()
+    cluster.shutdown()
