@@ -86,15 +86,16 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("phase", ["between steps", "between steps, the last rank", "update",
-                                   "commit", "checkpoint"])
+@pytest.mark.parametrize("phase", ["between steps", "between steps, the last rank", "sync",
+                                   "update", "commit", "checkpoint"])
 def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
         phase, unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """``between steps``: SIGKILL after step FAIL_AT (rank 1; or rank 2, whose ring
     neighbour rank 0 then waits in the next step's first collective on rank 1, which
     failed: rank 1 leaving its group must release it, or rank 0 would be lost too);
-    ``update``: the rank dies after the gradient sync, before its step is prepared (the
-    step commits nowhere and runs again on the survivors); ``commit``: it dies applying
+    ``sync``: the rank dies while its gradient buckets are being all-reduced; ``update``:
+    it dies after the gradient sync, before its step is prepared (either way the step
+    commits nowhere and runs again on the survivors); ``commit``: it dies applying
     a step the others apply (the step counts); ``checkpoint``: it dies in the checkpoint
     save after step 6."""
     caplog.set_level("INFO", logger="raylm")

@@ -56,21 +56,25 @@ def test_tensor_parallel_group_stays_on_one_node(corpus_dir, cache_root):
 
 def test_state_with_no_live_copy_comes_back_from_a_snapshot_in_memory(corpus_dir,
                                                                        cache_root):
-    """ZeRO-1 over dp=2 with --snapshot_steps 2: the node of rank 1 is removed after step
-    5; the survivor is rebuilt on one rank from the keepers' snapshot of step 4 (one step
-    redone, nothing read from disk) and trains single-process training's losses."""
+    """ZeRO-1 and ZeRO-3 over dp=2 with --snapshot_steps 2: the node of rank 1 is removed
+    after step 5; the survivor is rebuilt on one rank from the keepers' snapshot of step
+    4 (one step redone, nothing read from disk) and trains single-process training's
+    losses."""
     r, proc = run_script("multinode_snapshot.py", corpus_dir, cache_root, 540)
-    assert r["removed"] and r["failures"] == 1
-    assert r["hit_steps"] == list(range(1, 9))
-    assert r["world_sizes"] == [2] * 4 + [1] * 4  # step 5 redone on one rank
-    np.testing.assert_allclose(r["hit"], r["base"], rtol=1e-5)
-    np.testing.assert_allclose(r["hit_grad_norm"], r["base_grad_norm"], rtol=1e-5)
-    # Every step's samples once (the redone step trained the same ones again).
-    assert sorted(int(s) for s in r["samples"]) == list(range(1, 9))
-    for ids in r["samples"].values():
-        assert len(ids) == 8 == len(set(ids))
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
-    assert any("at ZeRO-1 keeps one copy of each rank's state" in l for l in log), log
-    assert any("restored the snapshot of step 4 from memory: 1 step(s) will be redone" in l
-               for l in log), log
+    for stage in ("1", "3"):
+        run = r["runs"][stage]
+        assert run["removed"] and run["failures"] == 1
+        assert run["hit_steps"] == list(range(1, 9))
+        assert run["world_sizes"] == [2] * 4 + [1] * 4  # step 5 redone on one rank
+        np.testing.assert_allclose(run["hit"], r["base"], rtol=1e-5)
+        np.testing.assert_allclose(run["hit_grad_norm"], r["base_grad_norm"], rtol=1e-5)
+        # Every step's samples once (the redone step trained the same ones again).
+        assert sorted(int(s) for s in run["samples"]) == list(range(1, 9))
+        for ids in run["samples"].values():
+            assert len(ids) == 8 == len(set(ids))
+        assert any(f"at ZeRO-{stage} keeps one copy of each rank's state" in l
+                   for l in log), log
+    assert sum("restored the snapshot of step 4 from memory: 1 step(s) will be redone" in l
+               for l in log) == 2, log
     assert not any("restoring" in l for l in log), log

@@ -70,7 +70,8 @@ class Driver:
     def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = ()):
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
-        # ("step", "update", "commit", "checkpoint") and group generation (default 1).
+        # ("step": before its forward, "sync": during its gradient sync, "update": after
+        # it, "commit", "checkpoint", "recovery") and group generation (default 1).
         self.faults = [dict(f) for f in faults]
         # Each callback may define on_step_end(driver, step, record); tests use it to
         # kill a rank mid-run.

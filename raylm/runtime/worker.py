@@ -298,6 +298,8 @@ class RankWorker:
         t_data = time.time() - t0
         rounds = self.plan.micro_batches_per_rank
         batches = e.pad_rounds(batches, rounds, self.reader.read if self.reader else None)
+        if (self.rank, step, "sync", self.generation) in self.faults:
+            self._fault_in_gradient_sync(step, rounds)
         meter = self._meter()
         loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
         self._fault(step, "update")  # after the gradient sync, before the step is prepared
@@ -364,6 +366,19 @@ class RankWorker:
         if (self.rank, step, phase, self.generation) in self.faults:
             log.warning("rank %d: injected fault at step %d (%s)", self.rank, step + 1, phase)
             os._exit(1)
+
+    def _fault_in_gradient_sync(self, step: int, rounds: int) -> None:
+        """Fault injection: die while the step's gradient sync is under way, once the
+        last micro-batch's gradient of the first parameter the sync holds is ready (the
+        last to be, in backward: the buckets of every later layer were launched)."""
+        calls = []
+
+        def hook(_):
+            calls.append(1)
+            if len(calls) == rounds:
+                self._fault(step, "sync")
+
+        self.engine.grad_sync.params[0].register_post_accumulate_grad_hook(hook)
 
     def _check_generation(self, generation: int) -> None:
         # Fencing: a call meant for another group generation never runs a collective.
