@@ -53,8 +53,14 @@ class Chaos:
         driver.grow_check_s = 0.0  # look for room at every step boundary
         size = driver.record.plan.world_size
         if size < 3:
-            time.sleep(0.3)  # steps of a real size: newcomers warm up meanwhile
-        elif step >= self.next_event and step < STEPS - 8:
+            # Steps of a real size: the newcomers warm up meanwhile, and join at the next
+            # boundary once they have (so the group is whole again well before the end).
+            if driver.newcomers is not None:
+                warm = driver.newcomers[2]
+                ray.wait(warm, num_returns=len(warm), timeout=60)
+            else:
+                time.sleep(0.3)
+        elif step >= self.next_event and step < STEPS - 10:
             rank = int(self.rng.integers(size))
             pid = driver.worker_pids[rank]
             if self.rng.random() < 0.5:
@@ -71,9 +77,9 @@ class Chaos:
                     time.sleep(0.1)
                 self.cluster.add_node(num_cpus=1)
                 self.events.append(("node", step, rank))
-            self.next_event = step + int(self.rng.integers(3, 8))
+            self.next_event = step + int(self.rng.integers(5, 11))
         if step == STEPS:
-            self.digests = ray.get([w.state_digest.remote() for w in driver.workers])
+            self.digests = driver.state_digests()
 
 
 cluster = start_cluster(workers=3)
@@ -85,6 +91,7 @@ try:
     deadline = time.time() + 30
     while any(pid_alive(p) for p in chaos.pids) and time.time() < deadline:
         time.sleep(0.2)
+    print(f"events: {chaos.events}", file=sys.stderr)
     print("RESULT " + json.dumps({
         "events": chaos.events, "failures": hit.failures,
         "reference": [h["loss"] for h in reference.history],

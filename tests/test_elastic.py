@@ -63,8 +63,6 @@ class Watch:
         self.pids, self.digests, self.killed = set(), None, None
 
     def on_step_end(self, driver, step, record):
-        import ray
-
         self.pids.update(driver.worker_pids)
         # Look for room to grow at every step boundary from `grow_from` on (the driver
         # looks once a second; these steps take milliseconds).
@@ -75,7 +73,7 @@ class Watch:
             self.killed = driver.worker_pids[self.kill_rank]
             os.kill(self.killed, signal.SIGKILL)
         if step == STEPS:
-            self.digests = ray.get([w.state_digest.remote() for w in driver.workers])
+            self.digests = driver.state_digests()
 
 
 def _gone(pid: int) -> bool:

@@ -80,6 +80,10 @@ class Driver:
         self.workers: list = []
         self.worker_info: list[dict] = []
         self.inflight: list = []  # the ranks' calls of the step under way
+        # The step every rank prepared whose commit is not sent yet: it rides on the next
+        # step's call (one Ray call per rank and step), or goes on its own before anything
+        # else reads or changes the ranks' state (_send_commit).
+        self.uncommitted: Optional[int] = None
         # Growth: placement groups of ranks that joined a running group, and newcomers
         # warming up (actors, their placement group, their warm-up calls).
         self.growth_pgs: list = []
@@ -232,6 +236,20 @@ class Driver:
         """The settings a rank's engine is built from (and the injected faults)."""
         return {**self.cfg.to_dict(), "faults": self.faults}
 
+    def _send_commit(self) -> None:
+        """Send the decided commit on its own (before an evaluation, a checkpoint, the
+        saved model, a regroup); a commit that fails fails the rank's next call."""
+        if self.uncommitted is not None:
+            step, self.uncommitted = self.uncommitted, None
+            self.inflight = [w.commit.remote(step, self.record.generation)
+                             for w in self.workers]
+
+    def state_digests(self) -> list:
+        """Each rank's digest of its parameters and optimizer state at the last
+        committed step (RankWorker.state_digest; tests compare replicas)."""
+        self._send_commit()
+        return self._wait([w.state_digest.remote() for w in self.workers])
+
     def _teardown(self) -> None:
         _kill(self.workers)
         self.workers = []
@@ -317,6 +335,7 @@ class Driver:
                 # (from the final checkpoint, so nothing is redone).
                 if cfg.should_eval and data.eval is not None:
                     final.update(self._eval(data))
+                self._send_commit()
                 self._wait([w.save_pretrained.remote(os.path.abspath(cfg.output_dir))
                             for w in self.workers])
                 break
@@ -365,9 +384,10 @@ class Driver:
             # ones and, to prefetch, for the one after (every stage of a pipeline gets the
             # same ids).
             cur, nxt = schedule(step), schedule(step + 1)
+            commit, self.uncommitted = self.uncommitted, None
             return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
                                         nxt[plan.dims.index(r, "dp")] if nxt else None,
-                                        run.generation)
+                                        run.generation, commit)
                     for r, w in enumerate(self.workers)]
 
         def saves_after(step):
@@ -383,12 +403,12 @@ class Driver:
             if self._grow_at_boundary():
                 return  # the caller runs the remaining steps under the larger plan
             # Every rank prepares the step (forward, backward, gradient sync, clip); once
-            # all have, the commit is queued, and the next step behind it (an actor runs
-            # its calls in order). A step that fails on any rank commits on none.
+            # all have, it is committed: each rank applies it first thing in its next
+            # call, the next step's or a commit of its own. A step that fails on any rank
+            # commits on none.
             self.inflight = submit(run.step)
             results = self._wait(self.inflight)
-            # (a commit that failed fails the rank's next call)
-            self.inflight = [w.commit.remote(run.step, run.generation) for w in self.workers]
+            self.uncommitted = run.step
             run.step += 1
             out = _loss_result(results)
             now = time.time()
@@ -459,6 +479,7 @@ class Driver:
             self._drop_newcomers()
             return False
         self.newcomers = None
+        self._send_commit()
         n = plan.world_size + len(actors)
         if not plan.full_replica_per_rank:
             return self._grow_relayout(actors, pg, slots, t0)
@@ -631,6 +652,7 @@ class Driver:
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, fingerprint: dict) -> None:
         run = self.record
+        self._send_commit()
         tmp = self.ckpt.begin(run.step)
         self._wait([w.save_checkpoint.remote(tmp) for w in self.workers])
         path = self.ckpt.commit(tmp, run.step, {
@@ -646,6 +668,7 @@ class Driver:
 
     def _eval(self, data: Data) -> dict:
         plan = self.record.plan
+        self._send_commit()
         eval_ds = data.eval if data.eval is not data.train else None
         refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dims.index(r, "dp")),
                                   eval_ds)

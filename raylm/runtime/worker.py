@@ -182,9 +182,11 @@ class RankWorker:
 
     # -- the training step -----------------------------------------------------------------
     def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None,
-                   generation: int = 0) -> dict:
+                   generation: int = 0, commit: int | None = None) -> dict:
         """Prepare the optimizer step after ``step`` committed ones, over this rank's
-        micro-batches (sample ids from the driver); ``commit`` applies it.
+        micro-batches (sample ids from the driver); ``commit`` applies it. The driver's
+        commit of the step before, when it has not sent it on its own, comes with this
+        call (``commit``) and is applied first.
 
         Read top to bottom: data (the next step's prefetched meanwhile), forward and
         backward over the micro-batches with the gradients summed over dp (the engine's:
@@ -195,10 +197,12 @@ class RankWorker:
         committed step.
         """
         self._check_generation(generation)
-        if self.prepared is not None:  # a missed commit must never go unnoticed
-            raise RuntimeError(f"rank {self.rank}: step {self.prepared} was prepared and "
-                               "neither committed nor dropped")
         try:
+            if commit is not None:
+                self.commit(commit, generation)
+            if self.prepared is not None:  # a missed commit must never go unnoticed
+                raise RuntimeError(f"step {self.prepared} was prepared and neither "
+                                   "committed nor dropped")
             return self._train_step(step, micro_batch_ids, next_ids)
         except Exception as e:
             failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"
