@@ -63,12 +63,17 @@ class Watch:
         self.pids, self.digests, self.killed = set(), None, None
 
     def on_step_end(self, driver, step, record):
+        import ray
+
         self.pids.update(driver.worker_pids)
         # Look for room to grow at every step boundary from `grow_from` on (the driver
         # looks once a second; these steps take milliseconds).
         driver.grow_check_s = 0.0 if self.grow_from and step >= self.grow_from else 3600.0
         if driver.newcomers is not None:
-            time.sleep(1.0)  # steps of a real size: the newcomers warm up meanwhile
+            # Steps of a real size would cover the newcomers' warm-up: let it finish, so
+            # they join at the next boundary.
+            warm = driver.newcomers[2]
+            ray.wait(warm, num_returns=len(warm), timeout=60)
         if step == self.at_step and self.kill_rank is not None and self.killed is None:
             self.killed = driver.worker_pids[self.kill_rank]
             os.kill(self.killed, signal.SIGKILL)

@@ -93,20 +93,6 @@ def test_a_rank_lost_during_the_recovery_falls_back_to_the_checkpoint(
     assert_nothing_left(watch)
 
 
-class WaitForNewcomers(Watch):
-    """Looks for room at every step boundary; once newcomers are starting, lets their
-    warm-up finish before the next step (steps of a real size would cover it)."""
-
-    def on_step_end(self, driver, step, record):
-        import ray
-
-        self.pids.update(driver.worker_pids)
-        driver.grow_check_s = 0.0
-        if driver.newcomers is not None:
-            actors, _, warm, _ = driver.newcomers
-            ray.wait(warm, num_returns=len(warm), timeout=60)
-
-
 @pytest.mark.parametrize("layout", [dict(pp=2), dict(tp=2)], ids=["pp2", "tp2"])
 def test_a_model_parallel_layout_grows_onto_room_in_memory(
         layout, single, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
@@ -116,7 +102,7 @@ def test_a_model_parallel_layout_grows_onto_room_in_memory(
     reading it from the object store. Losses and gradient norms are single-process
     training's, every sample once, nothing redone."""
     caplog.set_level("INFO", logger="raylm")
-    watch = WaitForNewcomers()
+    watch = Watch(grow_from=1)  # looks for room at every step boundary
     out = tmp_path / "out"
     result = train(layout_config(out, corpus_dir, cache_root, num_workers=2, max_workers=4,
                                  gradient_accumulation_steps=4, **layout),
