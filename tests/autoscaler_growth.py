@@ -31,7 +31,14 @@ class Pace:
         if self.first_nodes_s is None and len([n for n in ray.nodes() if n["Alive"]]) > 1:
             self.first_nodes_s = time.time() - self.t0
         if driver.record.plan.world_size < 3:
-            time.sleep(0.25)
+            # Steps of a real size: the autoscaler launches nodes meanwhile (~10-13 s
+            # here, within the run's 50 steps), and the newcomers warm up, joining at the
+            # next boundary once they have.
+            if driver.newcomers is not None:
+                warm = driver.newcomers[2]
+                ray.wait(warm, num_returns=len(warm), timeout=60)
+            else:
+                time.sleep(0.5)
 
 
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
