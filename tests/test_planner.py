@@ -611,16 +611,17 @@ def _tp_shapes_rank(rank: int, port: int, queue) -> None:
 
 
 def test_ownership_shapes_are_the_runtimes_tensor_parallel_shards():
-    """The shapes ownership derives for tp=2 (GPT-2's Conv1D as nn.Linear, the vocabulary
-    of 101 padded to 102, colwise and rowwise splits, replicated norms) are those
-    apply_tensor_parallel gives each parameter on two real gloo ranks."""
-    from raylm.report.ownership import tensor_parallel_shapes
+    """The shapes the planner and the ownership table derive for tp=2 (GPT-2's Conv1D as
+    nn.Linear, the vocabulary of 101 padded to 102, colwise and rowwise splits,
+    replicated norms) are those apply_tensor_parallel gives each parameter on two real
+    gloo ranks (which also checks the global shapes and shard dims itself)."""
+    from raylm.models.tensor_plans import tensor_parallel_shapes
 
     results, procs = _two_gloo_ranks(_tp_shapes_rank)
     for name in MODELS:
-        model = _odd_vocab_model(name, "meta")
+        shapes = tensor_parallel_shapes(_odd_vocab_model(name, "meta"), 2)
         for rank in range(2):
-            assert tensor_parallel_shapes(model, 2, rank) == results[rank][name], (name, rank)
+            assert shapes.local(rank) == results[rank][name], (name, rank)
     assert results[0]["llama"]["lm_head.weight"] == (51, 64)  # 102 / 2 rows
 
 

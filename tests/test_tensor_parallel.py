@@ -191,7 +191,8 @@ def assert_close_runs(name, got, want, rel=1e-5):
 
 def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
     """tp (x dp) training equals one process on the global batch."""
-    from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
+    from raylm.parallel.checkpoint_form import canonical_adapter
+    from raylm.parallel.tensor import apply_tensor_parallel
 
     ref = build(name)
     data = [batches(ref.config, 2, seed=10 + s) for s in range(STEPS)]
@@ -396,7 +397,7 @@ def job_fsdp_tp_grads(rank, world, name):
     from raylm.models.objectives import objective_for
     from raylm.parallel.clip import global_norm, norm_pieces
     from raylm.parallel.tensor import apply_tensor_parallel
-    from raylm.parallel.shards import tp_shard_of
+    from raylm.parallel.checkpoint_form import tp_shard_of
     from raylm.parallel.zero.fsdp import apply_fsdp
 
     def backward(model, micro, total, tps=None):
@@ -533,7 +534,8 @@ CKPT_MODELS = ("gpt2", "llama_mha")
 def _layout(name, tp, dp_group=None):
     """Model, optimizer and adapter in a layout (tp None: one process, no tp)."""
     from raylm.parallel.data import GradientAllReduce
-    from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
+    from raylm.parallel.checkpoint_form import canonical_adapter
+    from raylm.parallel.tensor import apply_tensor_parallel
 
     model = build(name, seed=7)
     tps = apply_tensor_parallel(model, tp) if tp is not None else None
@@ -755,7 +757,7 @@ def test_checkpoint_across_tp_1_2_4(runs, family):
 
 def test_canonical_form_without_tp():
     """GPT-2 at tp=1: c_attn as [H, 3, H] / [3, H], everything else as it is."""
-    from raylm.parallel.tensor import canonical_adapter
+    from raylm.parallel.checkpoint_form import canonical_adapter
 
     model = build("gpt2")
     sd = model.state_dict()

@@ -12,11 +12,17 @@ raylm plan and a Hugging Face plan go through the same translation (STYLES below
 
 The vocabulary-parallel embedding and LM head are not in these plans: every family gets
 them from ``model.get_input_embeddings()`` / ``model.get_output_embeddings()``.
+
+``tensor_parallel_shapes`` is the one model of what a plan does to each parameter's shape
+(no process group: the planner's memory model and the ZeRO ownership table read it on the
+meta model); ``apply_tensor_parallel`` pads the vocabulary as it says and checks every
+parameter torch sharded against it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -256,3 +262,79 @@ def match(model: nn.Module, prefix: str, pattern: str, parameters: bool = False)
                 fnmatch.fnmatchcase(a, p) for a, p in zip(parts, atoms)):
             out.append(name)
     return out
+
+
+# -- what a plan does to each parameter's shape ---------------------------------------------
+@dataclass(frozen=True)
+class TensorParallelShapes:
+    """What tensor parallelism of degree ``tp`` makes of each distinct parameter of a model
+    (canonical names, ``named_parameters()``): ``shapes`` its global shape at run time
+    (GPT-2's Conv1D weights as nn.Linear, [out, in]; the input embedding, the LM head
+    and its bias padded on the vocabulary to a multiple of tp) and ``shard`` the dim tp
+    splits it on (DTensor ``Shard(dim)``, torch.chunk's split); a name not in ``shard``
+    is replicated."""
+
+    tp: int
+    vocab_size: int
+    padded_vocab_size: int
+    shapes: dict
+    shard: dict
+
+    def local(self, tp_rank: int) -> dict:
+        """{parameter name: local shape} on tensor-parallel rank ``tp_rank``."""
+        out = dict(self.shapes)
+        for name, dim in self.shard.items():
+            shape = out[name]
+            if dim < len(shape):
+                per = math.ceil(shape[dim] / self.tp)
+                start = min(tp_rank * per, shape[dim])
+                out[name] = shape[:dim] + (min(start + per, shape[dim]) - start,) + \
+                    shape[dim + 1:]
+        return out
+
+
+def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
+    """The shapes and shard dims ``tp``-way tensor parallelism gives ``model``'s
+    parameters (the whole model, before any pipeline cut; on the meta device or real).
+    The rules: GPT-2's Conv1D layers become nn.Linear (W transposed); a plan's colwise
+    layers shard weight and bias on dim 0 (an nn.Embedding on dim 1), rowwise layers the
+    weight on dim 1 (bias replicated, an nn.Embedding on dim 0), as ``STYLES`` lists;
+    the input embedding, the LM head and its bias are sharded on the vocabulary, padded
+    to a multiple of tp; everything else is replicated. tp <= 1: the model as it is."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = int(emb.weight.shape[0]) if emb is not None else 0
+    if tp <= 1:
+        return TensorParallelShapes(max(tp, 1), vocab, vocab, shapes, {})
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        if isinstance(module, Conv1D):
+            n = names[id(module.weight)]
+            shapes[n] = shapes[n][::-1]
+    shard: dict = {}
+    plan, _ = plan_for(model.config)
+    if plan is not None:
+        prefix = base_prefix(model)
+        for pattern, style in plan.layers.items():
+            if style not in STYLES:
+                continue  # refused by check_tensor_parallel before anything is built
+            for fqn in match(model, prefix, pattern):
+                module = model.get_submodule(fqn)
+                embedding = isinstance(module, nn.Embedding)
+                for pname, p in module.named_parameters(recurse=False):
+                    dim = shard_dim(style, embedding, pname)
+                    if dim is not None:
+                        shard[names[id(p)]] = dim
+    padded = math.ceil(vocab / tp) * tp
+    on_vocab = [emb.weight] if emb is not None else []
+    if head is not None:
+        on_vocab += [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None
+                                     else [])
+    for p in on_vocab:  # vocabulary-parallel, padded to a multiple of tp
+        n = names[id(p)]
+        shapes[n] = (math.ceil(shapes[n][0] / tp) * tp, *shapes[n][1:])
+        shard[n] = 0
+    return TensorParallelShapes(tp, vocab, padded, shapes, shard)

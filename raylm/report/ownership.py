@@ -11,12 +11,8 @@ applies:
   families and T5; for a model cut by torch.export, the planner's units (the blocks by
   module name, the output embedding with the last stage, everything else with the
   first);
-* tensor parallelism (raylm.parallel.tensor.apply): GPT-2's Conv1D weights become
-  nn.Linear ([out, in]); colwise layers shard weight and bias on dim 0 (an
-  nn.Embedding on dim 1), rowwise layers the weight on dim 1 (bias replicated, an
-  nn.Embedding on dim 0); the input embedding, the LM head and its bias are sharded on
-  the vocabulary, padded to a multiple of tp; everything else is replicated. A shard of
-  dim d is torch.chunk's (DTensor Shard(d)).
+* tensor parallelism: raylm.models.tensor_plans.tensor_parallel_shapes, the one model
+  of it (apply_tensor_parallel checks what torch sharded against it).
 
 Bytes are fp32 training with AdamW: 4 per parameter, 4 per gradient, 8 per optimizer
 state element (two moments), each counted for the elements the rank keeps of it: the
@@ -25,16 +21,15 @@ whole of what it holds, or its partition once the stage partitions that category
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from raylm.models.families import family_of
-from raylm.models.tensor_plans import base_prefix, match, plan_for, shard_dim
+from raylm.models.tensor_plans import tensor_parallel_shapes
 from raylm.models.units import is_t5, meta_model, model_units
 from raylm.parallel.pipeline.stages import cut
 from raylm.plan.partition import Partition, partition, stage_ranks
 from raylm.plan.text import human_bytes
-from raylm.plan.zero import STAGE_PARTITIONS, owned_partition, owned_rows
+from raylm.plan.zero import STAGE_PARTITIONS, owned_partition
 
 BYTES = {"parameters": 4, "gradients": 4, "optimizer": 8}
 CATEGORIES = ("parameters", "gradients", "optimizer")
@@ -43,49 +38,6 @@ CATEGORY_NAMES = {"parameters": "parameters", "gradients": "gradients",
 
 
 # -- what one rank holds --------------------------------------------------------------------
-def tensor_parallel_shapes(model, tp: int, tp_rank: int) -> dict:
-    """{parameter name: local shape} of every distinct parameter of ``model`` (the whole
-    meta model, canonical names) on tensor-parallel rank ``tp_rank`` of ``tp``."""
-    shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
-    if tp <= 1:
-        return shapes
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    for module in model.modules():  # GPT-2: Conv1D (W [in, out]) -> nn.Linear (W.T)
-        if isinstance(module, Conv1D):
-            n = names[id(module.weight)]
-            shapes[n] = shapes[n][::-1]
-    shard: dict = {}  # name -> the dim tensor parallelism splits
-    plan, _ = plan_for(model.config)
-    if plan is not None:
-        prefix = base_prefix(model)
-        for pattern, style in plan.layers.items():
-            for fqn in match(model, prefix, pattern):
-                module = model.get_submodule(fqn)
-                embedding = isinstance(module, nn.Embedding)
-                for pname, p in module.named_parameters(recurse=False):
-                    dim = shard_dim(style, embedding, pname)
-                    if dim is not None:
-                        shard[names[id(p)]] = dim
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    vocab = [emb.weight] if emb is not None else []
-    if head is not None:
-        vocab += [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None
-                                  else [])
-    for p in vocab:  # vocabulary-parallel, padded to a multiple of tp
-        n = names[id(p)]
-        padded = math.ceil(shapes[n][0] / tp) * tp
-        shapes[n] = (padded, *shapes[n][1:])
-        shard[n] = 0
-    for n, dim in shard.items():
-        if dim < len(shapes[n]):
-            start, stop = owned_rows(shapes[n][dim], tp, tp_rank)
-            shapes[n] = shapes[n][:dim] + (stop - start,) + shapes[n][dim + 1:]
-    return shapes
-
-
 def _partition(model, plan, seq_len: int):
     """The plan's Partition (pp > 1): its stage bounds, or balanced ones."""
     embed, blocks, head = model_units(model, seq_len)
@@ -139,9 +91,10 @@ def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
         holders = pipeline_holders(spec, _partition(model, plan, seq_len))
     else:
         holders = None
+    tp_shapes = tensor_parallel_shapes(model, plan.tp)
     out = {}
     for t in range(plan.tp):
-        shapes = tensor_parallel_shapes(model, plan.tp, t)
+        shapes = tp_shapes.local(t)
         for p in range(plan.pp):
             out[(p, t)] = ({n: s for n, s in shapes.items() if p in holders.get(n, ())}
                            if holders is not None else shapes)

@@ -38,16 +38,17 @@ from transformers import get_scheduler
 
 from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
 from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_rank_state,
-                                    init_optimizer_state, load_rank_state, save_rank_state)
+                                    load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
 from raylm.models.objectives import objective_for
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
+from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
 from raylm.parallel.pipeline.runtime import PipelineRuntime
 from raylm.parallel.pipeline.stages import cut
-from raylm.parallel.tensor import apply_tensor_parallel, canonical_adapter
+from raylm.parallel.tensor import apply_tensor_parallel
 from raylm.parallel.zero import gradient_sync
 from raylm.parallel.zero.fsdp import apply_fsdp, materialize
 from raylm.plan.partition import Partition, stage_ranks
@@ -68,7 +69,7 @@ class Engine:
         self.tensor_parallel = None  # TPState when tp > 1
         self.pipeline: Optional[PipelineRuntime] = None  # when pp > 1
         self.eval_stage_modules = None
-        self.canonical = None  # the layout-free checkpoint form
+        self.canonical = None  # the layout-free checkpoint form's adapter
         self.grad_sync = None
         self.optimizer = self.stepper = self.scheduler = None
         # Under a pipeline the last stage's loss is divided by the step's global token

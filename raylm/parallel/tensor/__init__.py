@@ -27,10 +27,10 @@ API
     ``.padded_vocab_size``, ``.tp``, ``.sequence_parallel``, ``.plan`` (module fqn ->
     style applied), ``.describe()``.
 
-``canonical_adapter(model, tps_or_None) -> CanonicalAdapter``
-    Checkpoint form (layout-independent global shapes; see ``canonical``):
-    ``.to_canonical(sd)``, ``.from_canonical(canon, sd)``, ``.hf_state_dict(model)``.
-    Exists for every model; identity where nothing needs translating.
+The checkpoint form of a tensor-parallel model (layout-independent global shapes:
+vocabulary unpadded, HF orientation, GPT-2's fused c_attn as [H, 3, H]) is
+``raylm.parallel.checkpoint_form.canonical_adapter(model, tps_or_None)``, built from the
+``TPState`` this returns, with the rest of the checkpoint form.
 
 The global gradient norm over tp shards (and dp rows, pipeline stages) is
 raylm.parallel.clip's, the one every layout uses.
@@ -43,6 +43,5 @@ LM heads) and T5. Sequence parallelism: GPT-2, GPT-Neo, Llama, Mistral, Qwen2.
 """
 
 from raylm.parallel.tensor.apply import TPState, apply_tensor_parallel
-from raylm.parallel.tensor.canonical import CanonicalAdapter, canonical_adapter
 
-__all__ = ["TPState", "apply_tensor_parallel", "CanonicalAdapter", "canonical_adapter"]
+__all__ = ["TPState", "apply_tensor_parallel"]

@@ -19,11 +19,14 @@ and fills in what torch has no notion of:
 5. Tied parameters (GPT-2's wte/lm_head, BERT's decoder weight and bias, T5's shared
    embeddings) are re-tied: ``parallelize_module`` distributes each module's parameter
    separately, so the holders are pointed back at one DTensor parameter.
+6. Every parameter's global shape and shard dim are checked against
+   ``raylm.models.tensor_plans.tensor_parallel_shapes``, the model of tensor parallelism
+   the planner's memory figures and the ZeRO ownership table use (no process group), so
+   the two cannot drift apart silently.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +45,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from raylm.errors import ConfigError
-from raylm.models.tensor_plans import base_prefix, check_tensor_parallel, match, plan_for
+from raylm.models.tensor_plans import (TensorParallelShapes, base_prefix, check_tensor_parallel,
+                                       match, plan_for, tensor_parallel_shapes)
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -237,6 +241,22 @@ def _mask_padded_logits(head: nn.Module, vocab: int, padded: int, mesh):
     return head.register_forward_hook(hook)
 
 
+def _check_shapes(model: nn.Module, expected: TensorParallelShapes) -> None:
+    """Each parameter as torch sharded it (global shape, the dim of its Shard placement)
+    against raylm's model of tensor parallelism; a style whose effect the model does not
+    know fails here, naming the parameter, instead of as a wrong memory figure."""
+    for name, p in model.named_parameters():
+        dims = [pl.dim for pl in p.placements if isinstance(pl, Shard)] \
+            if isinstance(p, DTensor) else []
+        got = (tuple(p.shape), dims[0] if dims else None)
+        want = (expected.shapes.get(name), expected.shard.get(name))
+        if got != want:
+            raise RuntimeError(
+                f"tensor parallelism made {name} of global shape {got[0]} sharded on dim "
+                f"{got[1]}, but raylm.models.tensor_plans.tensor_parallel_shapes says "
+                f"{want[0]} on dim {want[1]}: update that model with the style's rule")
+
+
 # -- the one entry point -------------------------------------------------------------------
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
                           src_data_rank=None) -> TPState:
@@ -251,6 +271,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
         raise ConfigError(f"model type '{config.model_type}' has no tensor-parallel plan")
     sp = plan.sequence_parallel if sequence_parallel else None
     prefix = base_prefix(model)
+    expected = tensor_parallel_shapes(model, tp)
 
     # 1-2. Layers torch can shard; fused rows per rank; local sizes.
     converted = _convert_conv1d(model)
@@ -273,8 +294,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
         raise ConfigError(f"--tp {tp}: the {config.model_type} model has no embedding / "
                           "linear LM head pair to shard over the vocabulary")
-    vocab = emb.weight.shape[0]
-    padded = math.ceil(vocab / tp) * tp
+    vocab, padded = expected.vocab_size, expected.padded_vocab_size
     holders = _holders(model)
     vocab_ids = {id(emb.weight), id(head.weight)}
     if head.bias is not None:
@@ -352,6 +372,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
 
     if padded != vocab:
         _mask_padded_logits(head, vocab, padded, tp_mesh)
+    _check_shapes(model, expected)  # 6.
     return TPState(mesh=tp_mesh, sequence_parallel=sp is not None, vocab_size=vocab,
                    padded_vocab_size=padded, source=source,
                    plan={k: repr(v) for k, v in styles.items()}, converted=tuple(converted),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from raylm.parallel.data import GradientSync
-from raylm.parallel.shards import contiguous_stride, write_rows_back
+from raylm.parallel.checkpoint_form import contiguous_stride, write_rows_back
 
 
 def transformer_blocks(model: nn.Module) -> list:

@@ -38,11 +38,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from raylm.parallel.clip import reduce_partial, sharded_groups
 from raylm.parallel.data import GradientAllReduce, GradientSync, bucket_params, local_tensor
-from raylm.parallel.shards import contiguous_stride
+from raylm.parallel.checkpoint_form import PartitionedOptimizerForm
 from raylm.plan.zero import owned_rows
 
 
@@ -330,8 +330,8 @@ class PartitionedOptimizer:
                            "params": [self.piece_of[id(p)] for p in g["params"]]})
         self.optimizer = torch.optim.AdamW(groups, **adamw)
 
-    def checkpoint_form(self, model, dp_mesh) -> "_CheckpointForm":
-        return _CheckpointForm(self, model, dp_mesh)
+    def checkpoint_form(self, model, dp_mesh) -> PartitionedOptimizerForm:
+        return PartitionedOptimizerForm(self, model, dp_mesh)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -368,74 +368,3 @@ class PartitionedOptimizer:
 def _unpack_gather(work, full, layout, locals_):
     work.wait()
     layout.unpack(full, locals_)
-
-
-class _CheckpointForm:
-    """The partitioned optimizer's state in the form every other layout saves it: the
-    flattened optimizer state dict of torch.distributed.checkpoint.state_dict
-    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), each state tensor a DTensor of
-    the parameter's full shape. Without tensor parallelism that is a ``Shard(0)``
-    DTensor over dp whose local part *is* the rank's state (no copy); a tensor-parallel
-    parameter's state is first gathered over dp into the tensor-parallel shard (a
-    transient copy of one replica's states, so DCP sees the DTensors a stage 0 run
-    would give it)."""
-
-    def __init__(self, popt: "PartitionedOptimizer", model, dp_mesh):
-        self.popt, self.model, self.dp_mesh = popt, model, dp_mesh
-        self.views: dict = {}  # key -> (rank's state tensor, owner param, gathered?)
-
-    def state_dict(self) -> dict:
-        popt = self.popt
-        fqn_of: dict = {}
-        for name, p in self.model.named_parameters():
-            fqn_of.setdefault(id(p), name)
-        param_of = {id(piece): p for p, piece in zip(popt.params, popt.pieces)}
-        out, self.views = {}, {}
-        for group in popt.optimizer.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            for piece in group["params"]:
-                p = param_of[id(piece)]
-                fqn = fqn_of[id(p)]
-                for k, v in popt.optimizer.state.get(piece, {}).items():
-                    key = f"state.{fqn}.{k}"
-                    if isinstance(v, torch.Tensor) and v.shape == piece.shape and v.ndim:
-                        out[key] = self._global(key, v, p)
-                    else:
-                        out[key] = v
-                for hk, hv in hyper.items():
-                    out[f"param_groups.{fqn}.{hk}"] = hv
-        return out
-
-    def _global(self, key: str, v: torch.Tensor, p) -> DTensor:
-        g = self.popt.grads
-        local = local_tensor(p)
-        if not isinstance(p, DTensor):
-            self.views[key] = (v, p, False)
-            return DTensor.from_local(v, self.dp_mesh, [Shard(0)], shape=local.shape,
-                                      stride=contiguous_stride(local.shape),
-                                      run_check=False)
-        rows = local.shape[0]
-        per = math.ceil(rows / g.size)
-        padded = torch.zeros((per, *local.shape[1:]), dtype=v.dtype, device=v.device)
-        padded[:v.shape[0]].copy_(v)
-        full = torch.empty((per * g.size, *local.shape[1:]), dtype=v.dtype, device=v.device)
-        dist.all_gather_into_tensor(full, padded, group=g.group)
-        full = full[:rows].contiguous()
-        self.views[key] = (v, p, full)
-        return DTensor.from_local(full, p.device_mesh, p.placements, shape=p.shape,
-                                  stride=p.stride(), run_check=False)
-
-    @torch.no_grad()
-    def load(self, loaded: dict) -> None:
-        """Copy loaded values (``loaded``: the dict ``state_dict()`` gave, after DCP and
-        the canonical adapter wrote into it) back into the rank's rows."""
-        g = self.popt.grads
-        for key, (v, p, gathered) in self.views.items():
-            src = loaded[key]
-            src = src.to_local() if isinstance(src, DTensor) else src
-            if gathered is not False:
-                a, b = owned_rows(local_tensor(p).shape[0], g.size, g.dp_rank)
-                src = src[a:b]
-            if src.data_ptr() != v.data_ptr():
-                v.copy_(src)
-
