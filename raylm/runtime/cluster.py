@@ -82,15 +82,21 @@ def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float, g
     return None
 
 
+def _poll_capacity(least: int, cpus_per_worker: float, use_gpu: bool, group: int,
+                   timeout_s: float, every_s: float) -> int:
+    """The cluster's capacity in ranks once it holds ``least``, or after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    n = capacity(cpus_per_worker, use_gpu, group)
+    while n < least and time.time() < deadline:
+        time.sleep(every_s)
+        n = capacity(cpus_per_worker, use_gpu, group)
+    return n
+
+
 def wait_for_capacity(target: int, cpus_per_worker: float, use_gpu: bool,
                       settle_s: float = 20.0, group: int = 1) -> int:
     """After a failure: wait until the cluster's view settles, return the usable ranks."""
-    deadline = time.time() + settle_s
-    n = capacity(cpus_per_worker, use_gpu, group)
-    while n < 1 and time.time() < deadline:
-        time.sleep(0.5)
-        n = capacity(cpus_per_worker, use_gpu, group)
-    return min(target, n)
+    return min(target, _poll_capacity(1, cpus_per_worker, use_gpu, group, settle_s, 0.5))
 
 
 def request_workers(num: int, cpus_per_worker: float, use_gpu: bool, group: int = 1) -> bool:
@@ -117,16 +123,13 @@ def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: i
     the capacity then, or an error naming --min_workers after ``timeout_s``."""
     from raylm.errors import ConfigError
 
-    deadline = time.time() + timeout_s
     n = capacity(cpus_per_worker, use_gpu, group)
     if n < least:
         log.info("waiting for the cluster to hold --min_workers %d rank(s) (now %d)", least, n)
-    while n < least:
-        if time.time() > deadline:
-            raise ConfigError(f"--min_workers {least}: the cluster holds only {n} rank "
-                              f"actor(s) of {cpus_per_worker} CPU(s) after {timeout_s:.0f} s")
-        time.sleep(1.0)
-        n = capacity(cpus_per_worker, use_gpu, group)
+        n = _poll_capacity(least, cpus_per_worker, use_gpu, group, timeout_s, 1.0)
+    if n < least:
+        raise ConfigError(f"--min_workers {least}: the cluster holds only {n} rank "
+                          f"actor(s) of {cpus_per_worker} CPU(s) after {timeout_s:.0f} s")
     return n
 
 

@@ -83,6 +83,12 @@ class Engine:
     # from the previous stage), computes the loss, and sees the step's first stage.
     needs_data = has_loss = has_first = True
 
+    @property
+    def speaks_for_replica(self) -> bool:
+        """Whether this rank reports its replica's samples: the first stage's first
+        tensor-parallel rank (each sample logged once per data-parallel replica)."""
+        return self.has_first and self.plan.dims.coords(self.rank)["tp"] == 0
+
     def pad_rounds(self, items: list, rounds: int, make=lambda ids: ids) -> list:
         """``items`` (micro-batches, or their sample ids) and, where every dp rank must
         run as many micro-batches (FSDP gathers in each forward), filler ones up to
@@ -423,12 +429,14 @@ def initial_model(spec, seed: int, on_meta: bool):
 
 
 def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int,
-                 line_by_line: bool = False, model=None) -> Engine:
+                 line_by_line: bool = False, warm=(None, None)) -> Engine:
     """The rank's engine for ``plan`` (see the module docstring for the order), from
-    ``model`` when given (``initial_model`` for this plan's ZeRO stage, built earlier)."""
+    ``warm`` = (on_meta, model) when it was built earlier by ``initial_model`` for this
+    plan's ZeRO stage (a newcomer's warm-up; the plan may have changed since)."""
     kind = PipelineEngine if plan.pp > 1 else Engine
     e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
-    if model is None:
+    on_meta, model = warm
+    if model is None or on_meta != (e.zero_stage == 3):
         model = initial_model(spec, cfg["seed"], e.zero_stage == 3)
     e.model = model if e.zero_stage == 3 else model.to(device)
     # Dropout per sample where the model is whole on the rank (data parallelism): a

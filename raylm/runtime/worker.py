@@ -158,13 +158,11 @@ class RankWorker:
         self.spec, self.dataset, self.total_steps = spec, dataset, total_steps
         self.faults = {(f["rank"], f["step"], f["phase"], f.get("generation", 1))
                        for f in train_cfg.get("faults") or ()}
-        # A newcomer's model from its warm-up, if built for this plan's ZeRO stage.
-        on_meta, model = self.warm_model
-        self.warm_model = (None, None)
+        # A newcomer's model from its warm-up (the engine takes it if it suits the plan).
+        warm, self.warm_model = self.warm_model, (None, None)
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
                                    train_cfg, total_steps,
-                                   bool(dataset is not None and dataset.line_by_line),
-                                   model if on_meta == (self.plan.zero_stage == 3) else None)
+                                   bool(dataset is not None and dataset.line_by_line), warm)
         # Dropout differs per rank, and is reproducible per rank; tensor-parallel peers
         # share a seed (they compute the same replicated activations).
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
@@ -316,8 +314,7 @@ class RankWorker:
                     "data_wait_s": t_data, "step_s": time.time() - t0,
                     "boundary_idle_s": idle})
         # Each sample once: from the first stage's first tensor-parallel rank.
-        if self.cfg.get("log_sample_ids") and e.has_first and \
-                self.plan.dims.coords(self.rank)["tp"] == 0:
+        if self.cfg.get("log_sample_ids") and e.speaks_for_replica:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         self.returned_at, self.busy_s = time.time(), 0.0
         return out
