@@ -11,8 +11,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+STRATEGIES = ("no", "steps", "epoch")  # TrainingArguments' IntervalStrategy
+# Older names of flags (TrainingArguments' deprecated spellings): old -> new.
+ALIASES = {"evaluation_strategy": "eval_strategy"}
 
 SCHEDULER_TYPES = (
     "linear",
@@ -23,6 +28,27 @@ SCHEDULER_TYPES = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
+
+
+def warmup_for(settings: dict, total_steps: int) -> int:
+    """Warm-up steps of a run of ``total_steps`` (``settings``: TrainConfig.to_dict(), as
+    the ranks get it): --warmup_steps, else ceil(--warmup_ratio x total_steps), as
+    TrainingArguments.get_warmup_steps."""
+    if settings["warmup_steps"] > 0:
+        return settings["warmup_steps"]
+    return math.ceil(total_steps * settings.get("warmup_ratio", 0.0))
+
+
+def scheduler_kwargs(settings: dict) -> dict:
+    """--lr_scheduler_kwargs as a dict ({} when unset); ValueError when it is no JSON
+    object."""
+    value = settings.get("lr_scheduler_kwargs")
+    if value is None or value == "":
+        return {}
+    out = dict(value) if isinstance(value, dict) else json.loads(value)
+    if not isinstance(out, dict):
+        raise ValueError("not a JSON object")
+    return out
 
 
 def _f(default: Any, help: str, group: str = "training", **extra: Any) -> Any:
@@ -99,18 +125,43 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
     lr_scheduler_type: str = _f("linear", "Learning-rate schedule.", choices=SCHEDULER_TYPES)
     warmup_steps: int = _f(0, "Linear warm-up steps.")
+    warmup_ratio: float = _f(
+        0.0, "Linear warm-up over this fraction of the training steps, rounded up (used "
+        "when --warmup_steps is 0, as TrainingArguments does).")
+    lr_scheduler_kwargs: Optional[str] = _f(
+        None, "Extra arguments of the schedule, a JSON object, e.g. '{\"num_cycles\": 2}' "
+        "for cosine_with_restarts or '{\"power\": 2.0, \"lr_end\": 1e-6}' for polynomial "
+        "(TrainingArguments' lr_scheduler_kwargs).")
     num_train_epochs: float = _f(3.0, "Epochs to train (ignored when --max_steps > 0).")
     max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs.")
     seed: int = _f(42, "Seed for model init, data order and dropout.")
+    data_seed: Optional[int] = _f(
+        None, "Seed for the data order alone (default: --seed), as TrainingArguments: the "
+        "same samples in another order with the same initial model.")
 
     # --- logging, evaluation and checkpoints ---------------------------------------------
     output_dir: str = _f("raylm-output", "Where the model, metrics and checkpoints go.", "output")
     overwrite_output_dir: bool = _f(
         False, "Start afresh in an existing output_dir instead of resuming from it.", "output")
+    logging_strategy: str = _f(
+        "steps", "When to log loss, learning rate and tokens/s: every --logging_steps "
+        "(steps), at each epoch's end (epoch), or never (no).", "output",
+        choices=STRATEGIES)
     logging_steps: int = _f(10, "Log loss, learning rate and tokens/s every N steps.", "output")
+    eval_strategy: Optional[str] = _f(
+        None, "When to evaluate during training: every --eval_steps (steps), at each "
+        "epoch's end (epoch), or not (no); with --do_eval the end of training always "
+        "evaluates. Default: steps when --eval_steps is given, else no. "
+        "--evaluation_strategy is the older name.", "output", choices=STRATEGIES,
+        aliases=("evaluation_strategy",))
     eval_steps: Optional[int] = _f(
         None, "Evaluate every N steps as well as at the end (default: only at the end).",
         "output")
+    save_strategy: str = _f(
+        "steps", "When to write a checkpoint: every --save_steps and at the end (steps), "
+        "at each epoch's end and at the end (epoch), or never (no; the model is still "
+        "saved, and a failure recovers from memory or restarts from the beginning).",
+        "output", choices=STRATEGIES)
     save_steps: int = _f(
         500, "Write a checkpoint every N steps (and at the end of training).", "output")
     save_total_limit: Optional[int] = _f(
@@ -238,7 +289,31 @@ class TrainConfig:
         "warmup_steps", "num_train_epochs", "max_steps", "seed",
     )
 
+    # Run-defining settings added later: in the fingerprint only when set, so a run
+    # started before they existed resumes as the same run.
+    RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None}
+
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}
+        d.update({k: getattr(self, k) for k, unset in self.RUN_DEFINING_IF_SET.items()
+                  if getattr(self, k) != unset})
         d["digest"] = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return d
+
+    # -- what the flags mean, once -----------------------------------------------------------
+    @property
+    def order_seed(self) -> int:
+        """The seed of the data order: --data_seed, else --seed."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def eval_strategy_now(self) -> str:
+        return self.eval_strategy or ("steps" if self.eval_steps else "no")
+
+    @staticmethod
+    def at(strategy: str, every: int, step: int, steps_per_epoch: int) -> bool:
+        """Whether a --*_strategy of ``strategy`` acts after ``step`` (1-based)."""
+        if strategy == "steps":
+            return bool(every) and step % every == 0
+        if strategy == "epoch":
+            return step % steps_per_epoch == 0
+        return False

@@ -1,7 +1,9 @@
 """Flags from TrainConfig's fields, run files (YAML/JSON), one-line errors.
 
-Booleans follow Hugging Face's HfArgumentParser: ``--do_train`` alone or
-``--do_train true|false``.
+As Hugging Face's HfArgumentParser: booleans are ``--do_train`` alone or
+``--do_train true|false``, and every flag is also spelled with hyphens
+(``--per-device-train-batch-size``). A Trainer or run_clm flag raylm has no use for is
+one line saying what to use instead (``FOREIGN``), not "unrecognized".
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import sys
 import typing
 
-from raylm.config import TrainConfig
+from raylm.config import ALIASES, TrainConfig
 from raylm.errors import ConfigError
 
 GROUP_TITLES = {
@@ -24,6 +26,59 @@ GROUP_TITLES = {
     "output": "logging, evaluation and checkpoints",
     "cluster": "raylm: cluster and layout",
 }
+
+
+_ZERO = "raylm shards data-parallel state itself: use --zero_stage 1, 2 or 3 (3 is FSDP2)"
+_NOT_YET = "is not built in raylm yet"
+# Flags of TrainingArguments, run_clm.py and the Habana examples that raylm does not take:
+# flag (underscore spelling) -> what to do instead.
+FOREIGN = {
+    "deepspeed": _ZERO + ", with --cpu_offload for ZeRO-Offload",
+    "fsdp": _ZERO, "fsdp_config": _ZERO,
+    "push_to_hub": "raylm does not upload: the model in --output_dir loads with "
+                   "from_pretrained; push it with huggingface_hub's upload_folder",
+    "hub_model_id": "raylm does not upload (see --push_to_hub)",
+    "hub_token": "raylm does not upload (see --push_to_hub)",
+    "hub_strategy": "raylm does not upload (see --push_to_hub)",
+    "local_rank": "raylm starts one Ray actor per rank itself: give --num_workers "
+                  "(and --dp/--tp/--pp), not a launcher's rank",
+    "ddp_backend": "raylm picks gloo on CPU and NCCL with --use_gpu",
+    "ddp_timeout": "use --collective_timeout_s",
+    "ddp_find_unused_parameters": "raylm's data parallelism needs no such setting",
+    "no_cuda": "raylm runs on CPUs unless --use_gpu is given",
+    "use_cpu": "raylm runs on CPUs unless --use_gpu is given",
+    "use_habana": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "use_lazy_mode": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "gaudi_config_name": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "fp16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
+    "bf16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
+    "torch_dtype": f"loading in another dtype {_NOT_YET}: raylm trains in fp32",
+    "gradient_checkpointing": f"activation checkpointing {_NOT_YET}",
+    "torch_compile": f"compile {_NOT_YET}",
+    "dataset_name": f"Hub datasets {_NOT_YET}: give the files with --train_file "
+                    "(txt, jsonl, csv, parquet; local or s3:// / gs://)",
+    "dataset_config_name": f"Hub datasets {_NOT_YET}: give the files with --train_file",
+    "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
+                 "(`raylm tokenize` builds it ahead)",
+    "report_to": f"--report_to {_NOT_YET}: metrics go to output_dir/metrics.jsonl",
+    "load_best_model_at_end": f"keeping the best model {_NOT_YET}",
+    "metric_for_best_model": f"keeping the best model {_NOT_YET}",
+    "greater_is_better": f"keeping the best model {_NOT_YET}",
+    "early_stopping_patience": f"early stopping {_NOT_YET}",
+    "save_only_model": f"model-only checkpoints {_NOT_YET}",
+    "max_train_samples": f"{_NOT_YET}: give fewer files or --max_steps",
+    "max_eval_samples": f"{_NOT_YET}: give a smaller --validation_file",
+}
+
+
+def foreign_flag(word: str):
+    """The one line for a flag raylm does not take but the Trainer does, else None."""
+    if not word.startswith("--"):
+        return None
+    name = word[2:].split("=")[0].replace("-", "_")
+    if name in FOREIGN:
+        return f"--{name}: {FOREIGN[name]}"
+    return None
 
 
 def str2bool(value) -> bool:
@@ -37,6 +92,17 @@ def str2bool(value) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
+class CanonicalNameFormatter(argparse.HelpFormatter):
+    """--help shows each flag by its first name only (``--eval_strategy``), not every
+    spelling it also takes (``--eval-strategy``, ``--evaluation_strategy``)."""
+
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{action.option_strings[0]} {metavar}"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but errors are one line (with a did-you-mean) and exit status 2.
 
@@ -46,10 +112,16 @@ class OneLineParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", CanonicalNameFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
+            for word in message.split(":", 1)[1].split():
+                line = foreign_flag(word)
+                if line is not None:
+                    sys.stderr.write(f"{self.prog}: error: {line}\n")
+                    sys.exit(2)
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             hints = []
             for word in message.split(":", 1)[1].split():
@@ -95,7 +167,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> N
                 kwargs["choices"] = meta["choices"]
         if default not in (None, [], False) and "default:" not in kwargs["help"].lower():
             kwargs["help"] += f" (default: {default})"
-        group.add_argument(f"--{f.name}", **kwargs)
+        names = (f.name, *meta.get("aliases", ()))
+        flags = [f"--{n}" for n in names]
+        flags += [f"--{n.replace('_', '-')}" for n in names if "_" in n]
+        group.add_argument(*flags, dest=f.name, **kwargs)
 
 
 def load_run_file(path: str) -> dict:
@@ -116,8 +191,12 @@ def load_run_file(path: str) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"run file {path} must hold a mapping of flag names to values")
     names = set(TrainConfig.field_names())
+    values = {ALIASES.get(k.replace("-", "_"), k.replace("-", "_")): v
+              for k, v in values.items()}
     for key in values:
         if key not in names:
+            if key in FOREIGN:
+                raise ConfigError(f"run file {path}: {key}: {FOREIGN[key]}")
             close = difflib.get_close_matches(key, names, n=1)
             raise ConfigError(f"run file {path}: unknown key '{key}'"
                               + (f" (did you mean '{close[0]}'?)" if close else ""))
@@ -136,6 +215,8 @@ def _coerce(name: str, value):
             return tp(value)
         if tp is list or typing.get_origin(tp) is list:
             return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        if tp is str and isinstance(value, dict):  # e.g. lr_scheduler_kwargs
+            return json.dumps(value)
         return tp(value)
     except (TypeError, ValueError, argparse.ArgumentTypeError):
         raise ConfigError(f"run file: '{name}' should be {getattr(tp, '__name__', tp)}, "

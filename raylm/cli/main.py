@@ -28,7 +28,8 @@ def build_parser() -> OneLineParser:
         "train", help="train or fine-tune a causal language model",
         description="Train or fine-tune a Hugging Face causal LM on a Ray cluster. With no "
         "flags: a tiny GPT-2 on the built-in Shakespeare sample, on a local Ray cluster. "
-        "Flags mirror Hugging Face's run_clm.py.")
+        "Flags mirror Hugging Face's run_clm.py and TrainingArguments, in either spelling "
+        "(--per_device_train_batch_size or --per-device-train-batch-size).")
     train.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag "
                        "values (flags given on the command line win)")
     add_config_arguments(train)

@@ -300,7 +300,7 @@ class Driver:
     # -- training --------------------------------------------------------------------------
     def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
         cfg = self.cfg
-        sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.seed)
+        sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.order_seed)
         steps = total_steps(cfg, sampler.steps_per_epoch)
         self.ckpt = CheckpointManager(cfg.output_dir)
         self.metrics = MetricsLog(cfg.output_dir)
@@ -390,12 +390,20 @@ class Driver:
                                         run.generation, commit)
                     for r, w in enumerate(self.workers)]
 
-        def saves_after(step):
-            return step % cfg.save_steps == 0 or step == steps
+        per_epoch = sampler.steps_per_epoch
+
+        def saves_after(step):  # --save_strategy; "steps" and "epoch" save the end too
+            return cfg.save_strategy != "no" and (
+                step == steps or cfg.at(cfg.save_strategy, cfg.save_steps, step, per_epoch))
 
         def evaluates_after(step):  # mid-run evaluations; the final one follows the loop
-            return bool(cfg.eval_steps and step % cfg.eval_steps == 0 and step < steps
-                        and cfg.should_eval and data.eval is not None)
+            return bool(cfg.at(cfg.eval_strategy_now(), cfg.eval_steps, step, per_epoch)
+                        and step < steps and cfg.should_eval and data.eval is not None)
+
+        def logs_after(step):
+            return cfg.logging_strategy != "no" and (
+                step == steps or cfg.at(cfg.logging_strategy, cfg.logging_steps, step,
+                                        per_epoch))
 
         t_last = time.time()
         self.last_grow_check = time.time()
@@ -434,7 +442,7 @@ class Driver:
                 self._memory_report(results)
             window_tokens += out["tokens"]
             self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
-            if run.step % cfg.logging_steps == 0 or run.step == steps:
+            if logs_after(run.step):
                 tps = window_tokens / max(time.time() - window_start, 1e-9)
                 self.metrics.append({"step": run.step, "epoch": rec["epoch"],
                                      "loss": rec["loss"], "learning_rate": rec["learning_rate"],

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
-from raylm.config import TrainConfig
+from raylm.config import TrainConfig, scheduler_kwargs
 from raylm.errors import ConfigError
 
 log = logging.getLogger("raylm")
@@ -100,7 +100,34 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--max_failures must be >= 0")
     if cfg.snapshot_steps < 0:
         raise ConfigError("--snapshot_steps must be >= 0 (0: no snapshots)")
+    if not 0 <= cfg.warmup_ratio <= 1:
+        raise ConfigError(f"--warmup_ratio must be in [0, 1] (got {cfg.warmup_ratio})")
+    if cfg.eval_strategy == "steps" and not cfg.eval_steps:
+        raise ConfigError("--eval_strategy steps needs --eval_steps N")
+    _check_schedule(cfg)
     _check_elastic_bounds(cfg)
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """--lr_scheduler_kwargs: a JSON object the schedule accepts (built once here on a
+    throwaway optimizer, so a wrong name fails before any actor)."""
+    import torch
+
+    from raylm.runtime.engine import make_scheduler
+
+    settings = cfg.to_dict()
+    try:
+        scheduler_kwargs(settings)
+    except ValueError as e:
+        raise ConfigError(f"--lr_scheduler_kwargs must be a JSON object, e.g. "
+                          f"'{{\"num_cycles\": 2}}' ({e})") from None
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        make_scheduler(probe, settings, 10)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--lr_scheduler_kwargs {cfg.lr_scheduler_kwargs} does not suit "
+                          f"--lr_scheduler_type {cfg.lr_scheduler_type}: "
+                          f"{str(e).splitlines()[0]}") from None
 
 
 def _check_elastic_bounds(cfg: TrainConfig) -> None:

@@ -1,0 +1,161 @@
+"""Hugging Face Trainer flags as run_clm users type them: hyphen spellings and old names,
+one line for a flag raylm does not take, --warmup_ratio, --lr_scheduler_kwargs,
+--data_seed, and the logging / evaluation / save strategies (one small real run)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raylm import ConfigError
+from raylm.cli.args import config_from_namespace, load_run_file
+from raylm.cli.main import build_parser, main
+from raylm.data.sampler import GlobalBatchSampler
+from raylm.runtime.engine import make_scheduler
+from tests.conftest import SHAKESPEARE, TINY_GPT2
+
+
+def parse(*args):
+    ns = build_parser().parse_args(["train", *args])
+    return config_from_namespace(ns, {})
+
+
+def test_hyphen_spellings_and_the_old_evaluation_strategy_name():
+    cfg = parse("--per-device-train-batch-size", "3", "--learning-rate", "0.01",
+                "--evaluation_strategy", "epoch", "--save-strategy", "no",
+                "--do-eval", "false", "--warmup-ratio", "0.1")
+    assert (cfg.per_device_train_batch_size, cfg.learning_rate) == (3, 0.01)
+    assert (cfg.eval_strategy, cfg.save_strategy, cfg.do_eval) == ("epoch", "no", False)
+    assert cfg.warmup_ratio == 0.1
+    assert parse("--eval-strategy", "steps", "--eval_steps", "5").eval_strategy == "steps"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--deepspeed", "ds_config.json"], "--deepspeed: raylm shards data-parallel state "
+                                        "itself: use --zero_stage 1, 2 or 3"),
+    (["--fsdp", "full_shard"], "--fsdp: raylm shards data-parallel state itself"),
+    (["--push-to-hub"], "--push_to_hub: raylm does not upload"),
+    (["--fp16"], "--fp16: mixed precision is not built in raylm yet"),
+    (["--local_rank=0"], "--local_rank: raylm starts one Ray actor per rank itself"),
+])
+def test_a_trainer_flag_raylm_does_not_take_is_one_line_saying_what_instead(
+        args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--max_steps", "2", *args])
+    assert e.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"raylm: error: {says}"), line
+
+
+def test_run_file_keys_take_old_names_and_refuse_foreign_ones(tmp_path):
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"evaluation_strategy": "epoch",
+                                "lr_scheduler_kwargs": {"num_cycles": 2}}))
+    cfg = config_from_namespace(build_parser().parse_args(["train"]), load_run_file(str(good)))
+    assert cfg.eval_strategy == "epoch" and json.loads(cfg.lr_scheduler_kwargs) == \
+        {"num_cycles": 2}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"deepspeed": "ds.json"}))
+    with pytest.raises(ConfigError, match="deepspeed: raylm shards"):
+        load_run_file(str(bad))
+
+
+def lrs(settings: dict, total: int) -> list:
+    """The learning rate of each of ``total`` steps under raylm's schedule."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = make_scheduler(opt, settings, total)
+    out = []
+    for _ in range(total):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_ratio_and_scheduler_kwargs_shape_the_schedule():
+    base = {"lr_scheduler_type": "linear", "warmup_steps": 0, "warmup_ratio": 0.0}
+    # 0.25 of 8 steps: 2 warm-up steps (0, 1/2), then linear decay from the peak
+    assert lrs({**base, "warmup_ratio": 0.25}, 8)[:3] == [0.0, 0.5, 1.0]
+    assert lrs(base, 8)[0] == 1.0  # no warm-up
+    # --warmup_steps wins over the ratio, as in TrainingArguments
+    assert lrs({**base, "warmup_steps": 4, "warmup_ratio": 0.25}, 8)[:3] == [0.0, 0.25, 0.5]
+    # cosine with two hard restarts: back at the peak half-way, not with one cycle
+    restarts = {**base, "lr_scheduler_type": "cosine_with_restarts"}
+    two = lrs({**restarts, "lr_scheduler_kwargs": json.dumps({"num_cycles": 2})}, 10)
+    one = lrs(restarts, 10)
+    assert two[5] == pytest.approx(1.0) and one[5] < 0.6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr_scheduler_kwargs", "{num_cycles: 2}"], "--lr_scheduler_kwargs must be a JSON "
+                                                   "object"),
+    (["--lr_scheduler_kwargs", '{"num_cycle": 2}', "--lr_scheduler_type",
+      "cosine_with_restarts"], "does not suit --lr_scheduler_type cosine_with_restarts"),
+    (["--warmup_ratio", "1.5"], "--warmup_ratio must be in [0, 1]"),
+    (["--eval_strategy", "steps"], "--eval_strategy steps needs --eval_steps N"),
+])
+def test_bad_schedule_or_strategy_is_one_line_before_any_actor(args, message, tmp_path,
+                                                               capsys):
+    rc = main(["train", "--output_dir", str(tmp_path / "out"), "--disable_tqdm", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    [line] = [line for line in err.splitlines() if "error:" in line]
+    assert message in line, line
+
+
+@pytest.fixture(scope="module")
+def epoch_run(ray_cluster, cache_root, tmp_path_factory):
+    """Three epochs of a 3-step-per-epoch corpus (2 ranks), strategies at epoch ends, a
+    warm-up ratio and a data seed of its own."""
+    root = tmp_path_factory.mktemp("epochs")
+    text = (SHAKESPEARE / "macbeth.txt").read_text()[:6000]
+    (root / "train.txt").write_text(text[:4000])
+    (root / "valid.txt").write_text(text[4000:])
+    out = root / "out"
+    rc = main(["train", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
+               "--train_file", str(root / "train.txt"),
+               "--validation_file", str(root / "valid.txt"), "--block_size", "32",
+               "--per_device_train_batch_size", "4", "--num_workers", "2",
+               "--cpus_per_worker", "0.5", "--num_train_epochs", "3",
+               "--logging_strategy", "epoch", "--eval_strategy", "epoch",
+               "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
+               "--log_sample_ids", "--cache_dir", cache_root, "--output_dir", str(out),
+               "--disable_tqdm"])
+    assert rc == 0
+    with open(out / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    with open(out / "samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    return out, recs, samples
+
+
+def test_epoch_strategies_log_evaluate_and_save_at_epoch_ends(epoch_run):
+    out, recs, samples = epoch_run
+    steps = len(samples)
+    per_epoch = steps // 3
+    assert steps == 3 * per_epoch and per_epoch >= 2
+    ends = [per_epoch * k for k in (1, 2, 3)]
+    assert [r["step"] for r in recs if "loss" in r] == ends
+    assert [r["step"] for r in recs if "eval_loss" in r] == ends  # the last is the final one
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step-{s:08d}" for s in ends]
+    # --warmup_ratio 0.5: the learning rate climbs over ceil(steps / 2) steps, then falls
+    # linearly to 0 (each record: the rate step s trained at, the schedule's (s - 1)th)
+    peak, warm = 5e-4, int(np.ceil(steps * 0.5))
+    lr = {r["step"]: r["learning_rate"] for r in recs if "loss" in r}
+    assert lr[ends[0]] == pytest.approx(peak * (ends[0] - 1) / warm)
+    assert lr[ends[1]] == pytest.approx(peak * (steps - ends[1] + 1) / (steps - warm))
+
+
+def test_data_seed_orders_the_samples_and_not_the_model(epoch_run):
+    _, _, samples = epoch_run
+    trained = [sorted(i for rank in s["ranks"] for i in rank) for s in samples]
+    n = sum(len(t) for t in trained[:len(trained) // 3])
+    batch = len(trained[0])
+    ours = GlobalBatchSampler(np.arange(n), batch, 7)
+    default = GlobalBatchSampler(np.arange(n), batch, 42)
+    assert trained == [sorted(ours.global_batch(k).tolist()) for k in range(len(trained))]
+    assert trained != [sorted(default.global_batch(k).tolist()) for k in range(len(trained))]
