@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,27 +27,6 @@ SCHEDULER_TYPES = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
-
-
-def warmup_for(settings: dict, total_steps: int) -> int:
-    """Warm-up steps of a run of ``total_steps`` (``settings``: TrainConfig.to_dict(), as
-    the ranks get it): --warmup_steps, else ceil(--warmup_ratio x total_steps), as
-    TrainingArguments.get_warmup_steps."""
-    if settings["warmup_steps"] > 0:
-        return settings["warmup_steps"]
-    return math.ceil(total_steps * settings.get("warmup_ratio", 0.0))
-
-
-def scheduler_kwargs(settings: dict) -> dict:
-    """--lr_scheduler_kwargs as a dict ({} when unset); ValueError when it is no JSON
-    object."""
-    value = settings.get("lr_scheduler_kwargs")
-    if value is None or value == "":
-        return {}
-    out = dict(value) if isinstance(value, dict) else json.loads(value)
-    if not isinstance(out, dict):
-        raise ValueError("not a JSON object")
-    return out
 
 
 def _f(default: Any, help: str, group: str = "training", **extra: Any) -> Any:

@@ -15,7 +15,7 @@ from raylm import ConfigError
 from raylm.cli.args import config_from_namespace, load_run_file
 from raylm.cli.main import build_parser, main
 from raylm.data.sampler import GlobalBatchSampler
-from raylm.runtime.engine import make_scheduler
+from raylm.runtime.schedule import make_scheduler
 from tests.conftest import SHAKESPEARE, TINY_GPT2
 
 

@@ -34,12 +34,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import get_scheduler
 
 from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
 from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_rank_state,
                                     load_rank_state, save_rank_state)
-from raylm.config import scheduler_kwargs, warmup_for
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
@@ -53,6 +51,7 @@ from raylm.parallel.tensor import apply_tensor_parallel
 from raylm.parallel.zero import gradient_sync
 from raylm.parallel.zero.fsdp import apply_fsdp, materialize
 from raylm.plan.partition import Partition, stage_ranks
+from raylm.runtime.schedule import make_scheduler
 
 
 class Engine:
@@ -463,16 +462,6 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     e.optimizer, e.stepper = e.grad_sync.make_optimizer(groups, **hyper)
     e.scheduler = make_scheduler(e.optimizer, cfg, total_steps)
     return e
-
-
-def make_scheduler(optimizer, cfg: dict, total_steps: int):
-    """The LR schedule of a run of ``total_steps`` (transformers' get_scheduler):
-    --lr_scheduler_type, its warm-up (--warmup_steps or --warmup_ratio) and
-    --lr_scheduler_kwargs."""
-    return get_scheduler(cfg["lr_scheduler_type"], optimizer,
-                         num_warmup_steps=warmup_for(cfg, max(1, total_steps)),
-                         num_training_steps=max(1, total_steps),
-                         scheduler_specific_kwargs=scheduler_kwargs(cfg))
 
 
 def _adamw(model, cfg: dict) -> tuple:

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
-from raylm.config import TrainConfig, scheduler_kwargs
+from raylm.config import TrainConfig
 from raylm.errors import ConfigError
 
 log = logging.getLogger("raylm")
@@ -113,7 +113,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     throwaway optimizer, so a wrong name fails before any actor)."""
     import torch
 
-    from raylm.runtime.engine import make_scheduler
+    from raylm.runtime.schedule import make_scheduler, scheduler_kwargs
 
     settings = cfg.to_dict()
     try:
