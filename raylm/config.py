@@ -288,10 +288,15 @@ class TrainConfig:
         return self.eval_strategy or ("steps" if self.eval_steps else "no")
 
     @staticmethod
-    def at(strategy: str, every: int, step: int, steps_per_epoch: int) -> bool:
-        """Whether a --*_strategy of ``strategy`` acts after ``step`` (1-based)."""
+    def at(strategy: str, every: int, step: int, steps_per_epoch: int,
+           last: Optional[int] = None) -> bool:
+        """Whether a --*_strategy of ``strategy`` acts after ``step`` (1-based): every
+        ``every`` steps, at epoch ends, or never; unless it is "no", also after the run's
+        ``last`` step when given (logging and saving do, evaluation's last is its own)."""
+        if strategy == "no":
+            return False
+        if step == last:
+            return True
         if strategy == "steps":
             return bool(every) and step % every == 0
-        if strategy == "epoch":
-            return step % steps_per_epoch == 0
-        return False
+        return step % steps_per_epoch == 0

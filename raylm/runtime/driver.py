@@ -392,18 +392,16 @@ class Driver:
 
         per_epoch = sampler.steps_per_epoch
 
-        def saves_after(step):  # --save_strategy; "steps" and "epoch" save the end too
-            return cfg.save_strategy != "no" and (
-                step == steps or cfg.at(cfg.save_strategy, cfg.save_steps, step, per_epoch))
+        def saves_after(step):
+            return cfg.at(cfg.save_strategy, cfg.save_steps, step, per_epoch, last=steps)
 
         def evaluates_after(step):  # mid-run evaluations; the final one follows the loop
             return bool(cfg.at(cfg.eval_strategy_now(), cfg.eval_steps, step, per_epoch)
                         and step < steps and cfg.should_eval and data.eval is not None)
 
         def logs_after(step):
-            return cfg.logging_strategy != "no" and (
-                step == steps or cfg.at(cfg.logging_strategy, cfg.logging_steps, step,
-                                        per_epoch))
+            return cfg.at(cfg.logging_strategy, cfg.logging_steps, step, per_epoch,
+                          last=steps)
 
         t_last = time.time()
         self.last_grow_check = time.time()
