@@ -49,17 +49,21 @@ def largest_node(cpus_per_worker: float, use_gpu: bool) -> int:
     return max(_ranks_per_node(cpus_per_worker, use_gpu), default=0)
 
 
+def ranks_fitting(resources: dict, cpus_per_worker: float, use_gpu: bool,
+                  unbounded: int) -> int:
+    """How many rank actors ``resources`` (a node's, or a placement-group bundle's) hold:
+    by CPUs, and by GPUs with ``use_gpu``; ``unbounded`` stands for the CPU bound when a
+    rank takes no CPU."""
+    fit = math.floor(resources.get("CPU", 0) / cpus_per_worker + 1e-9) \
+        if cpus_per_worker > 0 else unbounded
+    if use_gpu:
+        fit = min(fit, int(resources.get("GPU", 0)))
+    return max(fit, 0)
+
+
 def _ranks_per_node(cpus_per_worker: float, use_gpu: bool) -> list[int]:
-    fits = []
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        res = node.get("Resources", {})
-        fit = math.floor(res.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 10**6
-        if use_gpu:
-            fit = min(fit, int(res.get("GPU", 0)))
-        fits.append(fit)
-    return fits
+    return [ranks_fitting(node.get("Resources", {}), cpus_per_worker, use_gpu, 10**6)
+            for node in ray.nodes() if node.get("Alive")]
 
 
 def reserve(num: int, cpus_per_worker: float, use_gpu: bool, timeout_s: float, group: int = 1):
@@ -137,11 +141,6 @@ def free_ranks(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
     """How many more rank actors the cluster could place now (its unreserved CPUs and
     GPUs; a node that joined, or one the autoscaler launched, shows up here), in whole
     groups of ``group`` per node (a tensor-parallel group never spans nodes)."""
-    total = 0
-    for free in available_resources_per_node().values():
-        n = math.floor(free.get("CPU", 0) / cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 0
-        if use_gpu:
-            n = min(n, int(free.get("GPU", 0)))
-        n = max(n, 0)
-        total += n - n % group
-    return total
+    fits = [ranks_fitting(free, cpus_per_worker, use_gpu, 0)
+            for free in available_resources_per_node().values()]
+    return sum(n - n % group for n in fits)

@@ -595,11 +595,12 @@ class Driver:
         tensor-parallel group shares one)."""
         taken = collections.Counter(self.slots + list(self.newcomers[3] if self.newcomers
                                                       else ()))
-        cpus = self.record.plan.cpus_per_worker
+        plan = self.record.plan
         free = []
         for pg in [self.pg] + self.growth_pgs:
             for b, bundle in enumerate(pg.bundle_specs if pg is not None else ()):
-                places = round(bundle["CPU"] / cpus) - taken[(pg, b)]
+                places = cluster.ranks_fitting(bundle, plan.cpus_per_worker, plan.use_gpu,
+                                               0) - taken[(pg, b)]
                 free += [(pg, b)] * (places - places % group)
         return free
 
