@@ -3,13 +3,15 @@
     from raylm import TrainConfig, train
     result = train(TrainConfig(max_steps=50, num_workers=2))
     print(result.metrics, result.output_dir)
+    plot_run(result.output_dir)  # output_dir/metrics.png
 """
 
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError, TrainingFailed
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "train", "TrainResult", "ConfigError", "TrainingFailed"]
+__all__ = ["TrainConfig", "train", "TrainResult", "plot_run", "ConfigError",
+           "TrainingFailed"]
 
 
 def __getattr__(name):
@@ -18,4 +20,8 @@ def __getattr__(name):
         from raylm.runtime import driver
 
         return getattr(driver, name)
+    if name == "plot_run":
+        from raylm.cli.plot import plot_run
+
+        return plot_run
     raise AttributeError(name)

@@ -151,6 +151,16 @@ class TrainConfig:
         False, "Also write the sample ids each data-parallel rank trained on, per step, to "
         "output_dir/samples.jsonl (a data audit).", "output")
     disable_tqdm: bool = _f(False, "No progress bar (logs only).", "output")
+    report_to: list = _f(
+        [], "Where to send the logged metrics besides output_dir/metrics.jsonl: "
+        "tensorboard (event files under --logging_dir), wandb (offline unless WANDB_MODE "
+        "says otherwise; needs the wandb package), all (those installed), or none "
+        "(the default).", "output", metavar="NAME", choices=("tensorboard", "wandb", "all",
+                                                             "none"))
+    logging_dir: Optional[str] = _f(
+        None, "TensorBoard event directory (default: output_dir/runs).", "output")
+    run_name: Optional[str] = _f(
+        None, "The run's name in TensorBoard and W&B (default: output_dir's name).", "output")
 
     # --- raylm: cluster and layout -------------------------------------------------------
     address: Optional[str] = _f(
@@ -211,6 +221,11 @@ class TrainConfig:
     collective_timeout_s: float = _f(
         300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
 
+    peak_tflops: float = _f(
+        0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "
+        "FLOPs utilisation (mfu) logged with each step. 0: the device's own for known GPUs "
+        "(fp32: A100, H100, H200, L4, L40S, ...); none on CPUs.", "cluster")
+
     # --- raylm: the layout planner's cost model (used when --dp/--tp/--pp are all 0) ----
     worker_memory_gb: float = _f(
         0.0, "Memory one rank actor may use, GiB; the planner drops layouts that need more. "
@@ -232,7 +247,7 @@ class TrainConfig:
 
     # ---------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        for name in ("train_file", "validation_file"):
+        for name in ("train_file", "validation_file", "report_to"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [value])

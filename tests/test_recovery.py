@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
+from raylm.cli.main import main
 from tests.conftest import TINY_GPT2_DROPOUT
+from tests.dashboards import tensorboard_scalars, wandb_history
 
 STEPS = 20
 SAVE = 10
@@ -64,7 +66,8 @@ def test_rank_killed_mid_run_recovers_with_same_losses(uninterrupted, ray_cluste
     has the in-memory shrink): the group restarts from the latest checkpoint."""
     killer = KillRank(at_step=13, rank=1)
     caplog.set_level("INFO", logger="raylm")
-    result = train(run_config(tmp_path / "out", corpus_dir, cache_root, min_workers=2),
+    result = train(run_config(tmp_path / "out", corpus_dir, cache_root, min_workers=2,
+                              report_to=["tensorboard", "wandb"]),
                    callbacks=(killer,))
 
     assert killer.killed is not None
@@ -86,6 +89,33 @@ def test_rank_killed_mid_run_recovers_with_same_losses(uninterrupted, ray_cluste
     failed = int(re.search(r"rank failure at step (\d+)", log).group(1))
     assert failed >= 14
     assert f"step-{SAVE:08d}: {failed - 1 - SAVE} step(s) will be redone" in log
+
+    # The failure is an event in metrics.jsonl, at the last step done before it.
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        events = [r for r in map(json.loads, f) if "event" in r]
+    assert [(e["event"], e["step"], e["world_size"]) for e in events] == \
+        [("failure", failed - 1, 2)]
+    # TensorBoard shows each step once, the redone steps' values replacing the lost
+    # ones (the restore purged them); W&B has every step, redone ones logged again at
+    # their global_step, the last of each the uninterrupted loss.
+    shown = tensorboard_scalars(os.path.join(result.output_dir, "runs"))
+    assert sorted(shown["train/loss"]) == steps
+    np.testing.assert_allclose([shown["train/loss"][s] for s in steps],
+                               [uninterrupted[s] for s in steps], rtol=1e-5)
+    assert {"train/learning_rate", "train/grad_norm", "train/tokens_per_second",
+            "train/step_time_s"} <= set(shown)
+    import wandb
+
+    wandb.teardown()  # the wandb service process this test's run started
+    rows = [r for r in wandb_history(result.output_dir) if "train/loss" in r]
+    assert len(rows) == STEPS + failed - 1 - SAVE
+    last = {r["train/global_step"]: r["train/loss"] for r in rows}
+    np.testing.assert_allclose([last[s] for s in steps], [uninterrupted[s] for s in steps],
+                               rtol=1e-5)
+    # raylm plot draws it, the failure marked.
+    assert main(["plot", result.output_dir]) == 0
+    png = os.path.join(result.output_dir, "metrics.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
 def test_killed_driver_resumes_by_rerunning_the_command(uninterrupted, ray_cluster, corpus_dir,

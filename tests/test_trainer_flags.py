@@ -17,6 +17,7 @@ from raylm.cli.main import build_parser, main
 from raylm.data.sampler import GlobalBatchSampler
 from raylm.runtime.schedule import make_scheduler
 from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.dashboards import tensorboard_scalars
 
 
 def parse(*args):
@@ -107,10 +108,14 @@ def test_bad_schedule_or_strategy_is_one_line_before_any_actor(args, message, tm
     assert message in line, line
 
 
+PEAK_TFLOPS = 0.05
+
+
 @pytest.fixture(scope="module")
 def epoch_run(ray_cluster, cache_root, tmp_path_factory):
     """Three epochs of a 3-step-per-epoch corpus (2 ranks), strategies at epoch ends, a
-    warm-up ratio and a data seed of its own."""
+    warm-up ratio and a data seed of its own, reported to TensorBoard with a peak for
+    the mfu."""
     root = tmp_path_factory.mktemp("epochs")
     text = (SHAKESPEARE / "macbeth.txt").read_text()[:6000]
     (root / "train.txt").write_text(text[:4000])
@@ -124,6 +129,7 @@ def epoch_run(ray_cluster, cache_root, tmp_path_factory):
                "--logging_strategy", "epoch", "--eval_strategy", "epoch",
                "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
                "--log_sample_ids", "--cache_dir", cache_root, "--output_dir", str(out),
+               "--report_to", "tensorboard", "--peak_tflops", str(PEAK_TFLOPS),
                "--disable_tqdm"])
     assert rc == 0
     with open(out / "metrics.jsonl") as f:
@@ -159,3 +165,39 @@ def test_data_seed_orders_the_samples_and_not_the_model(epoch_run):
     default = GlobalBatchSampler(np.arange(n), batch, 42)
     assert trained == [sorted(ours.global_batch(k).tolist()) for k in range(len(trained))]
     assert trained != [sorted(default.global_batch(k).tolist()) for k in range(len(trained))]
+
+
+def test_logged_steps_carry_grad_norm_step_time_and_mfu_and_reach_tensorboard(epoch_run):
+    out, recs, _ = epoch_run
+    train_recs = [r for r in recs if "loss" in r]
+    config = json.loads((out / "config.json").read_text())
+    # PaLM's model FLOPs per token, from the saved model's own shapes: 6 per weight of
+    # every matrix it multiplies by (the blocks' and the output head's, which GPT-2 ties
+    # to the token embedding; not the position table), and 12 x layers x width x
+    # sequence for attention.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    matrices = sum(p.numel() for n, p in model.named_parameters()
+                   if p.ndim >= 2 and "wpe" not in n)
+    flops = 6 * matrices + 12 * config["n_layer"] * config["n_embd"] * 32
+    for r in train_recs:
+        assert r["grad_norm"] > 0 and r["step_time_s"] > 0 and r["world_size"] == 2
+        assert r["mfu"] == pytest.approx(r["tokens_per_second"] * flops
+                                         / (PEAK_TFLOPS * 1e12 * 2), rel=1e-6)
+    shown = tensorboard_scalars(str(out / "runs"))
+    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"):
+        assert shown[f"train/{key}"] == pytest.approx({r["step"]: r[key] for r in train_recs})
+    evals = [r for r in recs if "eval_loss" in r]
+    assert shown["eval/loss"] == pytest.approx({r["step"]: r["eval_loss"] for r in evals})
+    assert shown["eval/perplexity"] == pytest.approx({r["step"]: r["perplexity"]
+                                                      for r in evals}, rel=1e-5)
+
+
+def test_raylm_plot_writes_the_png(epoch_run, tmp_path, capsys):
+    out, _, _ = epoch_run
+    png = tmp_path / "curves.png"
+    assert main(["plot", str(out), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path)]) == 2  # no metrics.jsonl: one line
+    assert "no metrics.jsonl here" in capsys.readouterr().err

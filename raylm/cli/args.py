@@ -60,7 +60,6 @@ FOREIGN = {
     "dataset_config_name": f"Hub datasets {_NOT_YET}: give the files with --train_file",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
-    "report_to": f"--report_to {_NOT_YET}: metrics go to output_dir/metrics.jsonl",
     "load_best_model_at_end": f"keeping the best model {_NOT_YET}",
     "metric_for_best_model": f"keeping the best model {_NOT_YET}",
     "greater_is_better": f"keeping the best model {_NOT_YET}",
@@ -160,7 +159,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> N
         if tp is bool:
             kwargs.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
         elif tp is list or typing.get_origin(tp) is list:
-            kwargs.update(nargs="+", action="extend", metavar="PATH")
+            kwargs.update(nargs="+", action="extend", metavar=meta.get("metavar", "PATH"))
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
         else:
             kwargs.update(type=tp)
             if "choices" in meta:

@@ -1,4 +1,4 @@
-"""``raylm`` command line: train, plan, tokenize, tokenizer train.
+"""``raylm`` command line: train, plan, tokenize, plot, tokenizer train.
 
 Every error the user can fix is one line, ``raylm: error: ...``, exit status 2, printed
 before any actor starts.
@@ -63,6 +63,16 @@ def build_parser() -> OneLineParser:
         "block size reuses.")
     tok.add_argument("run_file", nargs="?", help="optional YAML or JSON file of flag values")
     add_config_arguments(tok, only=TOKENIZE_FIELDS)
+
+    pl = sub.add_parser(
+        "plot", help="draw a run's loss, learning rate, perplexity and throughput",
+        description="Write a PNG of the curves in OUTPUT_DIR/metrics.jsonl: training and "
+        "evaluation loss (each validation file too), learning rate, perplexity and "
+        "throughput (with MFU when logged), failures and resizes marked. Works on a "
+        "finished run or one still going.")
+    pl.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output_dir of a run")
+    pl.add_argument("-o", "--output", default=None,
+                    help="the PNG to write (default: OUTPUT_DIR/metrics.png)")
 
     tk = sub.add_parser("tokenizer", help="tokenizer tools")
     tk_sub = tk.add_subparsers(dest="tokenizer_command", metavar="COMMAND",
@@ -167,6 +177,13 @@ def cmd_tokenizer_train(ns) -> int:
     return 0
 
 
+def cmd_plot(ns) -> int:
+    from raylm.cli.plot import plot_run
+
+    print(f"raylm: wrote {plot_run(ns.output_dir, ns.output)}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
@@ -189,6 +206,8 @@ def main(argv=None) -> int:
             return cmd_plan(ns)
         if ns.command == "tokenize":
             return cmd_tokenize(ns)
+        if ns.command == "plot":
+            return cmd_plot(ns)
         return cmd_tokenizer_train(ns)
     except ConfigError as e:
         sys.stderr.write(f"raylm: error: {e}\n")

@@ -128,3 +128,25 @@ def hardware_for(cfg, cluster: dict | None = None) -> Hardware:
         latency_network=20e-6 if gpu else 200e-6,
         memory_bw=2e12 if gpu else 10e9, mask_bytes=1 if gpu else 4,
         stage_overhead=0.2e-3 if gpu else 4e-3, use_gpu=gpu, source=source)
+
+
+# Dense fp32 peak TFLOP/s of one GPU (vendor datasheets; raylm trains in fp32 and leaves
+# TF32 off, torch's default), by a piece of torch.cuda.get_device_name(): more specific
+# names first. The denominator of the model FLOPs utilisation (mfu) in the logs.
+FP32_PEAK_TFLOPS = (
+    ("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0),
+    ("GH200", 67.0), ("B200", 80.0), ("A100", 19.5), ("A10G", 31.2), ("A10", 31.2),
+    ("L40S", 91.6), ("L40", 90.5), ("L4", 30.3), ("V100", 15.7), ("T4", 8.1),
+)
+
+
+def peak_flops(device_name: str, peak_tflops: float = 0.0):
+    """FLOP/s one rank's device peaks at: ``peak_tflops`` (--peak_tflops) when given,
+    else the table's figure for a known GPU name, else None (a CPU's peak depends on its
+    vector units and clocks, which nothing here reads reliably)."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12
+    for name, tflops in FP32_PEAK_TFLOPS:
+        if name.lower() in (device_name or "").lower():
+            return tflops * 1e12
+    return None

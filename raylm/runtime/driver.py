@@ -41,7 +41,7 @@ from raylm.errors import ConfigError, TrainingFailed
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
-from raylm.runtime.metrics import MetricsLog, Progress
+from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
@@ -101,6 +101,7 @@ class Driver:
         self.scaling: Optional[ScalingPolicy] = None  # from the first plan's size
         self.ckpt: Optional[CheckpointManager] = None
         self.metrics: Optional[MetricsLog] = None
+        self.flops_per_token = self.peak_flops = None  # for the mfu, when the peak is known
         self.progress: Optional[Progress] = None
         self.spec, self.block_size = None, None
         self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
@@ -166,6 +167,8 @@ class Driver:
             return self._evaluate_only(inputs, data, plan)
         finally:
             self._teardown()
+            if self.metrics is not None:
+                self.metrics.close()  # (the sinks a failed run left open)
             if asked:
                 cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
             if owns_ray:
@@ -303,11 +306,11 @@ class Driver:
         sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.order_seed)
         steps = total_steps(cfg, sampler.steps_per_epoch)
         self.ckpt = CheckpointManager(cfg.output_dir)
-        self.metrics = MetricsLog(cfg.output_dir)
         restore = inputs.resume_from
         start_step = read_trainer_state(restore)["step"] if restore else 0
         fingerprint = start_output_dir(cfg, plan.global_batch_size)
         self.ckpt.clear_partial()
+        self.metrics = open_metrics(cfg, start_step)
         self.metrics.truncate_after(start_step)
         if restore:
             log.info("resuming from %s at step %d of %d", restore, start_step, steps)
@@ -320,6 +323,7 @@ class Driver:
         run.checkpoint = restore
         run.plan = self._start_group(plan, inputs, data, steps, restore, start_step)
         run.step = start_step
+        self.flops_per_token = self._flops_per_token()
         self.progress = Progress(steps, start_step, cfg.disable_tqdm)
         t_start = time.time()
         if run.step >= steps:
@@ -340,13 +344,19 @@ class Driver:
                             for w in self.workers])
                 break
             except WorkerFailure as failure:
+                size = run.plan.world_size
                 while failure is not None:  # a failure during a recovery recovers again
+                    self._event("failure", _first_line(failure))
                     try:
                         self._recover(failure, inputs, data, steps)
                         failure = None
                     except WorkerFailure as again:
                         failure = again
+                if run.plan.world_size != size:
+                    self._event("resize", f"{size} -> {run.plan.world_size} rank(s) "
+                                f"({run.plan.dims.describe()})")
         self.progress.close()
+        self.metrics.close()
         self._save_tokenizer(inputs)
         trained = [h for h in run.history]
         tokens = sum(h["tokens"] for h in trained)
@@ -369,7 +379,7 @@ class Driver:
                    fingerprint: dict) -> None:
         cfg, run = self.cfg, self.record
         plan = run.plan
-        window_tokens, window_start = 0, time.time()
+        window_tokens, window_start, window_steps = 0, time.time(), 0
 
         def schedule(step):
             if step >= steps:
@@ -407,6 +417,8 @@ class Driver:
         self.last_grow_check = time.time()
         while run.step < steps:
             if self._grow_at_boundary():
+                self._event("resize", f"{plan.world_size} -> {run.plan.world_size} "
+                            f"rank(s) ({run.plan.dims.describe()})")
                 return  # the caller runs the remaining steps under the larger plan
             # Every rank prepares the step (forward, backward, gradient sync, clip); once
             # all have, it is committed: each rank applies it first thing in its next
@@ -439,15 +451,27 @@ class Driver:
             if "memory" in results[0]:
                 self._memory_report(results)
             window_tokens += out["tokens"]
+            window_steps += 1
             self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
             if logs_after(run.step):
-                tps = window_tokens / max(time.time() - window_start, 1e-9)
-                self.metrics.append({"step": run.step, "epoch": rec["epoch"],
-                                     "loss": rec["loss"], "learning_rate": rec["learning_rate"],
-                                     "tokens_per_second": tps})
-                self.progress.write(f"step {run.step}/{steps}  loss {rec['loss']:.4f}  "
-                                    f"lr {rec['learning_rate']:.3g}  {tps:,.0f} tokens/s")
-                window_tokens, window_start = 0, time.time()
+                # Speed over the steps since the last log (with their boundaries).
+                elapsed = max(time.time() - window_start, 1e-9)
+                entry = {"step": run.step, "epoch": rec["epoch"], "loss": rec["loss"],
+                         "learning_rate": rec["learning_rate"],
+                         "grad_norm": rec["grad_norm"],
+                         "step_time_s": elapsed / window_steps,
+                         "tokens_per_second": window_tokens / elapsed,
+                         "world_size": plan.world_size}
+                mfu = self._mfu(entry["tokens_per_second"], plan.world_size)
+                if mfu is not None:
+                    entry["mfu"] = mfu
+                self.metrics.append(entry)
+                self.progress.write(
+                    f"step {run.step}/{steps}  loss {rec['loss']:.4f}  "
+                    f"lr {rec['learning_rate']:.3g}  grad_norm {rec['grad_norm']:.3g}  "
+                    f"{entry['tokens_per_second']:,.0f} tokens/s"
+                    + (f"  mfu {mfu:.1%}" if mfu is not None else ""))
+                window_tokens, window_start, window_steps = 0, time.time(), 0
             if evaluates_after(run.step):
                 self._eval(data)
             if saves_after(run.step):
@@ -611,6 +635,32 @@ class Driver:
         _kill(actors)
         _remove(pg)
         self.newcomers = None
+
+    def _flops_per_token(self) -> Optional[float]:
+        """Training FLOPs per token (3x the forward's: the backward is twice it) when the
+        ranks' peak is known (--peak_tflops, or a known GPU), else None: no mfu."""
+        from raylm.plan.hardware import peak_flops
+
+        self.peak_flops = peak_flops(self.worker_info[0].get("device", "cpu"),
+                                     self.cfg.peak_tflops)
+        if self.peak_flops is None:
+            return None
+        from raylm.plan.planner import shape_of
+
+        shape = shape_of(self.spec, self.block_size)
+        return 3 * sum(u.flops for u in (shape.embed, *shape.blocks, shape.head))
+
+    def _mfu(self, tokens_per_second: float, world_size: int) -> Optional[float]:
+        """Model FLOPs utilisation: the model's training FLOPs at this speed over the
+        ranks' peak (activation recomputation not counted, as PaLM defines it)."""
+        if self.flops_per_token is None:
+            return None
+        return tokens_per_second * self.flops_per_token / (self.peak_flops * world_size)
+
+    def _event(self, event: str, detail: str) -> None:
+        """A failure or a resize in metrics.jsonl (``raylm plot`` marks them)."""
+        self.metrics.append({"step": self.record.step, "event": event,
+                             "world_size": self.record.plan.world_size, "detail": detail})
 
     def _memory_report(self, results: list) -> None:
         """Log each rank's measured memory next to the planner's prediction, and keep both
@@ -927,7 +977,7 @@ class Driver:
     # -- evaluation only -------------------------------------------------------------------
     def _evaluate_only(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
         os.makedirs(self.cfg.output_dir, exist_ok=True)
-        self.metrics = MetricsLog(self.cfg.output_dir)
+        self.metrics = open_metrics(self.cfg)
         self.progress = Progress(0, 0, True)
         self.record.plan = self._start_group(plan, inputs, data, 1, None, 0)
         self.record.step = 0
@@ -935,6 +985,7 @@ class Driver:
         out = self._eval(data)
         with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
             json.dump(out, f, indent=2)
+        self.metrics.close()
         self._enter("finished", f"eval_loss {out['eval_loss']:.4f}, perplexity "
                     f"{out['perplexity']:.2f}")
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)

@@ -28,6 +28,7 @@ state, and ``broadcast_state`` gives a newcomer a live replica's.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 from typing import Optional
 
@@ -188,9 +189,10 @@ class Engine:
         the step changes is touched yet; ``apply_update`` commits the step, ``leave_group``
         drops it. Returns the learning rate the step will use, the norm before clipping
         and the process's peak resident memory."""
-        grad_norm = None
-        if self.cfg["max_grad_norm"] and self.cfg["max_grad_norm"] > 0:
-            grad_norm = self.clip(self.cfg["max_grad_norm"])
+        # The norm is logged whether or not it clips (--max_grad_norm 0: an infinite
+        # bound, which leaves the gradients as they are).
+        max_norm = self.cfg["max_grad_norm"]
+        grad_norm = self.clip(max_norm if max_norm and max_norm > 0 else math.inf)
         # Peak resident memory of this rank's process so far (Linux reports KiB).
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"learning_rate": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,

@@ -20,6 +20,7 @@ import numpy as np
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError
+from raylm.runtime.metrics import reporting_to
 
 log = logging.getLogger("raylm")
 RUN_RECORD = "raylm_run.json"
@@ -92,6 +93,9 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError(f"--learning_rate must be > 0 (got {cfg.learning_rate})")
     if not 0 <= cfg.validation_split_percentage < 100:
         raise ConfigError("--validation_split_percentage must be in [0, 100)")
+    if cfg.peak_tflops < 0:
+        raise ConfigError(f"--peak_tflops must be >= 0 (got {cfg.peak_tflops})")
+    reporting_to(cfg.report_to)  # a sink named whose package is missing
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise ConfigError("give --max_steps > 0 or --num_train_epochs > 0")
     if cfg.cpus_per_worker < 0:

@@ -57,7 +57,8 @@ class RankWorker:
 
         return {"rank": self.rank, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "generation": self.generation, "committed_step": self.committed_step}
+                "generation": self.generation, "committed_step": self.committed_step,
+                "device": _device_name()}
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -490,3 +491,10 @@ class RankWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
+
+
+def _device_name() -> str:
+    """The device a rank computes on: the GPU's name (peak FLOP/s for the mfu), or cpu."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
