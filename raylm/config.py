@@ -144,6 +144,27 @@ class TrainConfig:
         500, "Write a checkpoint every N steps (and at the end of training).", "output")
     save_total_limit: Optional[int] = _f(
         None, "Keep at most N checkpoints, deleting the oldest.", "output")
+    save_only_model: bool = _f(
+        False, "Checkpoints hold the model alone (a Hugging Face model directory each, with "
+        "its tokenizer), no optimizer, schedule or RNG state: smaller, but the run cannot "
+        "resume from them (a failure recovers in memory or restarts from the beginning).",
+        "output")
+    load_best_model_at_end: bool = _f(
+        False, "At the end, save the model of the checkpoint with the best "
+        "--metric_for_best_model instead of the last one. Needs --save_strategy equal to "
+        "--eval_strategy (and --save_steps a multiple of --eval_steps).", "output")
+    metric_for_best_model: Optional[str] = _f(
+        None, "The evaluation metric that ranks checkpoints: loss (default), perplexity, "
+        "or <file>_loss for one of several --validation_file.", "output")
+    greater_is_better: Optional[bool] = _f(
+        None, "Whether a larger --metric_for_best_model is better (default: false for a "
+        "loss or perplexity, true otherwise).", "output")
+    early_stopping_patience: Optional[int] = _f(
+        None, "Stop training when --metric_for_best_model has not improved for this many "
+        "evaluations in a row (the Trainer's EarlyStoppingCallback).", "output")
+    early_stopping_threshold: float = _f(
+        0.0, "How much an evaluation must beat the best by to count as an improvement for "
+        "--early_stopping_patience.", "output")
     resume_from_checkpoint: Optional[str] = _f(
         None, "Checkpoint directory to resume from. Re-running the same command on the same "
         "output_dir resumes from its latest checkpoint anyway.", "output")

@@ -1,6 +1,8 @@
 """Hugging Face Trainer flags as run_clm users type them: hyphen spellings and old names,
 one line for a flag raylm does not take, --warmup_ratio, --lr_scheduler_kwargs,
---data_seed, and the logging / evaluation / save strategies (one small real run)."""
+--data_seed, the logging / evaluation / save strategies, --report_to tensorboard and the
+logged grad_norm and mfu, raylm plot (one small real run), and --load_best_model_at_end,
+--early_stopping_patience and --save_only_model (two more)."""
 
 from __future__ import annotations
 
@@ -201,3 +203,94 @@ def test_raylm_plot_writes_the_png(epoch_run, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert main(["plot", str(tmp_path)]) == 2  # no metrics.jsonl: one line
     assert "no metrics.jsonl here" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def best_runs(ray_cluster, cache_root, tmp_path_factory):
+    """The same run twice (2 ranks), evaluated and saved every 2 steps, ranking the
+    checkpoints by the highest evaluation loss (--greater_is_better true: as the loss
+    falls, the first evaluation is the best, and the next ones do not improve on it),
+    with a patience of 2: once with whole checkpoints, once with --save_only_model."""
+    root = tmp_path_factory.mktemp("best")
+    text = (SHAKESPEARE / "macbeth.txt").read_text()[:12000]
+    (root / "train.txt").write_text(text[:10000])
+    (root / "valid.txt").write_text(text[10000:])
+    runs = {}
+    for name, extra in (("whole", []), ("model_only", ["--save_only_model"])):
+        out = root / name
+        rc = main(["train", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
+                   "--train_file", str(root / "train.txt"),
+                   "--validation_file", str(root / "valid.txt"), "--block_size", "32",
+                   "--per_device_train_batch_size", "4", "--num_workers", "2",
+                   "--cpus_per_worker", "0.5", "--max_steps", "20", "--learning_rate", "3e-3",
+                   "--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2",
+                   "--save_total_limit", "1", "--load_best_model_at_end",
+                   "--metric_for_best_model", "loss", "--greater_is_better", "true",
+                   "--early_stopping_patience", "2", *extra,
+                   "--cache_dir", cache_root, "--output_dir", str(out), "--disable_tqdm"])
+        assert rc == 0
+        runs[name] = out
+    return runs
+
+
+def weights(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_early_stopping_stops_and_the_best_checkpoint_is_the_model_saved(best_runs):
+    for name, out in best_runs.items():
+        results = json.loads((out / "all_results.json").read_text())
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        evals = {r["step"]: r["eval_loss"] for r in recs if "eval_loss" in r}
+        # The loss falls, so evaluations 2 and 3 do not beat the first: stop at step 6
+        # (no second evaluation of step 6 at the end).
+        assert list(evals) == [2, 4, 6] and evals[2] > evals[4] > evals[6], evals
+        assert results["global_step"] == 6 and results["stopped_early"] is True
+        assert (results["best_global_step"], results["best_metric"]) == (2, evals[2])
+        # --save_total_limit 1 keeps the newest checkpoint and, besides, the best.
+        assert sorted(os.listdir(out / "checkpoints")) == ["step-00000002", "step-00000006"]
+        assert results["best_model_checkpoint"] == str(out / "checkpoints" / "step-00000002")
+    # The model-only checkpoints are Hugging Face model directories: step 2's is the
+    # model both runs saved at the end (the whole-state run loaded step 2's checkpoint
+    # into its ranks and saved from there).
+    step2 = best_runs["model_only"] / "checkpoints" / "step-00000002"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(step2))
+    best = weights(step2)
+    for out in best_runs.values():
+        final = weights(out)
+        assert final.keys() == best.keys()
+        for k in best:
+            torch.testing.assert_close(final[k], best[k], rtol=0, atol=1e-6)
+    last = weights(best_runs["model_only"] / "checkpoints" / "step-00000006")
+    assert any(not torch.equal(last[k], best[k]) for k in best)
+
+
+def test_a_model_only_checkpoint_is_not_resumed(best_runs, capsys):
+    out = best_runs["model_only"]
+    state = json.loads((out / "checkpoints" / "step-00000006" / "trainer_state.json")
+                       .read_text())
+    assert state["model_only"] is True and state["evaluations"][0] == [2, pytest.approx(
+        state["best_metric"])]
+    rc = main(["train", "--resume_from_checkpoint", str(out / "checkpoints" / "step-00000006"),
+               "--output_dir", str(out.parent / "again"), "--disable_tqdm"])
+    assert rc == 2
+    assert "holds the model only (--save_only_model)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--load_best_model_at_end"], "--load_best_model_at_end needs evaluations during "
+                                   "training"),
+    (["--load_best_model_at_end", "--eval_steps", "5", "--save_strategy", "epoch"],
+     "needs --save_strategy equal to --eval_strategy (they are epoch and steps)"),
+    (["--load_best_model_at_end", "--eval_steps", "4", "--save_steps", "6"],
+     "needs --save_steps (6) to be a multiple of --eval_steps (4)"),
+    (["--early_stopping_patience", "0", "--eval_steps", "5"],
+     "--early_stopping_patience must be >= 1"),
+])
+def test_best_model_flags_that_cannot_work_are_one_line(args, message, tmp_path, capsys):
+    rc = main(["train", "--output_dir", str(tmp_path / "out"), "--disable_tqdm", *args])
+    assert rc == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert message in line, line

@@ -2,7 +2,8 @@
 
 Layout: ``<output_dir>/checkpoints/step-00000010/`` holding the distributed checkpoint
 of model and optimizer (torch.distributed.checkpoint), one RNG file per rank and
-``trainer_state.json``. Ranks write into a hidden ``.tmp-*`` directory; only when every
+``trainer_state.json`` (with --save_only_model: a Hugging Face model directory and
+``trainer_state.json`` marked ``model_only``, which no run restores). Ranks write into a hidden ``.tmp-*`` directory; only when every
 rank has finished does the driver rename it to its ``step-*`` name. A rename is atomic on
 POSIX file systems, so a crash leaves at worst a ``.tmp-*`` directory, which is never
 loaded (and is cleared by the next run).
@@ -28,8 +29,9 @@ class CheckpointManager:
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step:08d}")
 
-    def list(self) -> list[tuple[int, str]]:
-        """Committed checkpoints, oldest first."""
+    def list(self, model_only: Optional[bool] = None) -> list[tuple[int, str]]:
+        """Committed checkpoints, oldest first: all, or those that hold the model alone
+        (``model_only=True``: --save_only_model) or the whole state (False)."""
         if not os.path.isdir(self.root):
             return []
         found = []
@@ -37,11 +39,14 @@ class CheckpointManager:
             m = STEP_DIR.match(name)
             path = os.path.join(self.root, name)
             if m and os.path.isfile(os.path.join(path, TRAINER_STATE)):
-                found.append((int(m.group(1)), path))
+                if model_only is None or \
+                        bool(read_trainer_state(path).get("model_only")) == model_only:
+                    found.append((int(m.group(1)), path))
         return sorted(found)
 
     def latest(self) -> Optional[str]:
-        found = self.list()
+        """The newest checkpoint a run can restore (not a model-only one)."""
+        found = self.list(model_only=False)
         return found[-1][1] if found else None
 
     def clear_partial(self) -> None:
@@ -69,11 +74,14 @@ class CheckpointManager:
         os.rename(tmp, final)
         return final
 
-    def rotate(self, keep: Optional[int]) -> None:
+    def rotate(self, keep: Optional[int], protect: Optional[str] = None) -> None:
+        """Keep the newest ``keep`` checkpoints, and ``protect`` (the best one, as the
+        Trainer keeps it) besides."""
         if not keep or keep <= 0:
             return
         for _, path in self.list()[:-keep]:
-            self._discard(path)
+            if path != protect:
+                self._discard(path)
 
     def _discard(self, path: str) -> None:
         # Rename first so that a crash during the delete cannot leave a partial

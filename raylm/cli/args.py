@@ -60,11 +60,6 @@ FOREIGN = {
     "dataset_config_name": f"Hub datasets {_NOT_YET}: give the files with --train_file",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
-    "load_best_model_at_end": f"keeping the best model {_NOT_YET}",
-    "metric_for_best_model": f"keeping the best model {_NOT_YET}",
-    "greater_is_better": f"keeping the best model {_NOT_YET}",
-    "early_stopping_patience": f"early stopping {_NOT_YET}",
-    "save_only_model": f"model-only checkpoints {_NOT_YET}",
     "max_train_samples": f"{_NOT_YET}: give fewer files or --max_steps",
     "max_eval_samples": f"{_NOT_YET}: give a smaller --validation_file",
 }

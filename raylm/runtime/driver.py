@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,7 +34,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
+from raylm.checkpoint.manager import TRAINER_STATE, CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
@@ -41,6 +42,7 @@ from raylm.errors import ConfigError, TrainingFailed
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
+from raylm.runtime.best import BestTracker
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
@@ -102,6 +104,9 @@ class Driver:
         self.ckpt: Optional[CheckpointManager] = None
         self.metrics: Optional[MetricsLog] = None
         self.flops_per_token = self.peak_flops = None  # for the mfu, when the peak is known
+        self.best: Optional[BestTracker] = None  # the evaluations and the best of them
+        self.stopped_early = False  # --early_stopping_patience ran out
+        self.last_eval = (None, {})  # (step, results) of the latest evaluation
         self.progress: Optional[Progress] = None
         self.spec, self.block_size = None, None
         self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
@@ -307,7 +312,12 @@ class Driver:
         steps = total_steps(cfg, sampler.steps_per_epoch)
         self.ckpt = CheckpointManager(cfg.output_dir)
         restore = inputs.resume_from
-        start_step = read_trainer_state(restore)["step"] if restore else 0
+        state = read_trainer_state(restore) if restore else {}
+        start_step = state.get("step", 0)
+        self.best = BestTracker(cfg.metric_for_best_model, cfg.greater_is_better,
+                                cfg.early_stopping_patience, cfg.early_stopping_threshold,
+                                state.get("evaluations", ()), state.get("saved", ()))
+        self.stopped_early = False
         fingerprint = start_output_dir(cfg, plan.global_batch_size)
         self.ckpt.clear_partial()
         self.metrics = open_metrics(cfg, start_step)
@@ -331,17 +341,19 @@ class Driver:
         final, train_runtime = {}, 0.0
         while True:
             try:
-                while run.step < steps:  # again after the group grew
+                while run.step < steps and not self.stopped_early:  # again after growth
                     self._enter("running", f"step {run.step + 1} of {steps}")
                     self._run_steps(sampler, steps, data, fingerprint)
                 train_runtime = time.time() - t_start
                 # The end of the run: evaluate and save; a failure here recovers too
                 # (from the final checkpoint, so nothing is redone).
                 if cfg.should_eval and data.eval is not None:
-                    final.update(self._eval(data))
+                    if self.last_eval[0] != run.step:  # (an early stop just evaluated)
+                        self._eval(data)
+                        self.best.observe(run.step, self.last_eval[1])
+                    final.update(self.last_eval[1])
                 self._send_commit()
-                self._wait([w.save_pretrained.remote(os.path.abspath(cfg.output_dir))
-                            for w in self.workers])
+                self._save_model()
                 break
             except WorkerFailure as failure:
                 size = run.plan.world_size
@@ -357,7 +369,7 @@ class Driver:
                                 f"({run.plan.dims.describe()})")
         self.progress.close()
         self.metrics.close()
-        self._save_tokenizer(inputs)
+        self._save_tokenizer(cfg.output_dir)
         trained = [h for h in run.history]
         tokens = sum(h["tokens"] for h in trained)
         final.update({
@@ -369,6 +381,12 @@ class Driver:
             "failures": run.failures,
             "world_size": run.plan.world_size,
         })
+        if self.best.evaluations:  # the Trainer's trainer_state names
+            final.update({"best_metric": self.best.best_metric,
+                          "best_global_step": self.best.best_step,
+                          "best_model_checkpoint": self._best_path()})
+        if self.stopped_early:
+            final["stopped_early"] = True
         with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
             json.dump(final, f, indent=2)
         self._enter("finished", f"step {run.step}, output in {cfg.output_dir}")
@@ -473,9 +491,15 @@ class Driver:
                     + (f"  mfu {mfu:.1%}" if mfu is not None else ""))
                 window_tokens, window_start, window_steps = 0, time.time(), 0
             if evaluates_after(run.step):
-                self._eval(data)
+                self.best.observe(run.step, self._eval(data))
             if saves_after(run.step):
                 self._save_checkpoint(sampler, fingerprint)
+            if self.best.should_stop():
+                self.stopped_early = True
+                log.warning("early stopping at step %d of %d: %s (--early_stopping_patience "
+                            "%d)", run.step, steps, self.best.describe(),
+                            cfg.early_stopping_patience)
+                return
             for cb in self.callbacks:
                 if hasattr(cb, "on_step_end"):
                     cb.on_step_end(self, run.step, rec)
@@ -711,17 +735,58 @@ class Driver:
         run = self.record
         self._send_commit()
         tmp = self.ckpt.begin(run.step)
-        self._wait([w.save_checkpoint.remote(tmp) for w in self.workers])
+        model_only = self.cfg.save_only_model
+        if model_only:  # a Hugging Face model directory, as the final model is saved
+            self._wait([w.save_pretrained.remote(tmp) for w in self.workers])
+            self._save_tokenizer(tmp)
+        else:
+            self._wait([w.save_checkpoint.remote(tmp) for w in self.workers])
         path = self.ckpt.commit(tmp, run.step, {
             "step": run.step, "epoch": sampler.epoch_of(run.step),
             "global_batch_size": run.plan.global_batch_size,
             "world_size": run.plan.world_size,
             "layout": run.plan.dims.to_dict(),
             "run": fingerprint,
+            "model_only": model_only,
+            # The evaluations so far (the best one and the patience follow from them),
+            # as the Trainer keeps best_metric in its trainer_state.json.
+            "evaluations": self.best.evaluations,
+            "saved": self.best.saved + [run.step],
+            "best_metric": self.best.best_metric,
+            "best_global_step": self.best.best_step,
         })
-        run.checkpoint = path
-        self.ckpt.rotate(self.cfg.save_total_limit)
-        log.info("checkpoint saved: %s", path)
+        self.best.mark_saved(run.step)
+        if not model_only:
+            run.checkpoint = path
+        self.ckpt.rotate(self.cfg.save_total_limit, protect=self._best_path())
+        log.info("checkpoint saved: %s%s", path, " (model only)" if model_only else "")
+
+    def _best_path(self) -> Optional[str]:
+        """The checkpoint of the best evaluation that has one (kept by rotation)."""
+        step = self.best.best_checkpoint_step
+        return self.ckpt.path_for(step) if step is not None else None
+
+    def _save_model(self) -> None:
+        """The final model into output_dir: with --load_best_model_at_end that of the
+        best checkpoint (loaded into the ranks, in whatever layout they have now, or
+        copied as it is when the checkpoint is model-only), else the ranks' own."""
+        out = os.path.abspath(self.cfg.output_dir)
+        best, step = self._best_path(), self.best.best_checkpoint_step
+        if self.cfg.load_best_model_at_end and best and step != self.record.step:
+            if not os.path.isfile(os.path.join(best, TRAINER_STATE)):
+                log.warning("the best checkpoint %s is gone: saving the last model", best)
+            elif read_trainer_state(best).get("model_only"):
+                for name in os.listdir(best):
+                    if name != TRAINER_STATE:
+                        shutil.copy2(os.path.join(best, name), os.path.join(out, name))
+                log.info("saved the model of the best checkpoint, %s (%s)", best,
+                         self.best.describe())
+                return
+            else:
+                self._wait([w.load_checkpoint.remote(best, step) for w in self.workers])
+                log.info("loaded the best checkpoint, %s, to save its model (%s)", best,
+                         self.best.describe())
+        self._wait([w.save_pretrained.remote(out) for w in self.workers])
 
     def _eval(self, data: Data) -> dict:
         plan = self.record.plan
@@ -736,7 +801,9 @@ class Driver:
                              "perplexity": out["perplexity"]})
         self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
                             f"perplexity {out['perplexity']:.2f}")
-        return {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
+        results = {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
+        self.last_eval = (step, results)
+        return results
 
     def _eval_batches(self, eval_ids, dp_index: int) -> list:
         plan = self.record.plan
@@ -802,6 +869,7 @@ class Driver:
         run.plan = self._start_group(plan, inputs, data, steps, restore, restore_step)
         run.step, run.checkpoint = restore_step, restore
         run.history = [h for h in run.history if h["step"] <= restore_step]
+        self.best.truncate_after(restore_step)
         self.metrics.truncate_after(restore_step)
         self.progress.reset_to(restore_step)
 
@@ -897,6 +965,7 @@ class Driver:
         redo = run.step - state.step
         run.step = state.step
         run.history = [h for h in run.history if h["step"] <= state.step]
+        self.best.truncate_after(state.step)
         self.metrics.truncate_after(state.step)
         self.progress.reset_to(state.step)
         log.warning("restored the snapshot of step %d from memory: %d step(s) will be "
@@ -990,11 +1059,11 @@ class Driver:
                     f"{out['perplexity']:.2f}")
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
 
-    def _save_tokenizer(self, inputs: Inputs) -> None:
+    def _save_tokenizer(self, directory: str) -> None:
         from raylm.data.tokenized import load_tokenizer
 
         # The tokenizer resolve_model loaded (cached), saved beside the model.
-        load_tokenizer(inputs.spec.tokenizer_dir).save_pretrained(self.cfg.output_dir)
+        load_tokenizer(self.spec.tokenizer_dir).save_pretrained(directory)
 
 
 def _rank_actors(plan: Plan, slots: list, ranks, world_size: int) -> list:

@@ -109,7 +109,32 @@ def _check_numbers(cfg: TrainConfig) -> None:
     if cfg.eval_strategy == "steps" and not cfg.eval_steps:
         raise ConfigError("--eval_strategy steps needs --eval_steps N")
     _check_schedule(cfg)
+    _check_best_model(cfg)
     _check_elastic_bounds(cfg)
+
+
+def _check_best_model(cfg: TrainConfig) -> None:
+    """--load_best_model_at_end and --early_stopping_patience need evaluations during
+    training (and the first, checkpoints at them: the Trainer's rule)."""
+    evals = cfg.eval_strategy_now()
+    for flag in ("load_best_model_at_end", "early_stopping_patience"):
+        if getattr(cfg, flag) and (evals == "no" or not cfg.should_eval):
+            raise ConfigError(f"--{flag} needs evaluations during training: give "
+                              "--eval_strategy steps with --eval_steps N, or epoch")
+    if cfg.early_stopping_patience is not None and cfg.early_stopping_patience < 1:
+        raise ConfigError(f"--early_stopping_patience must be >= 1 (got "
+                          f"{cfg.early_stopping_patience})")
+    if cfg.early_stopping_threshold < 0:
+        raise ConfigError("--early_stopping_threshold must be >= 0")
+    if not cfg.load_best_model_at_end:
+        return
+    if cfg.save_strategy != evals:
+        raise ConfigError(f"--load_best_model_at_end needs --save_strategy equal to "
+                          f"--eval_strategy (they are {cfg.save_strategy} and {evals}): "
+                          "a checkpoint is kept at each evaluation")
+    if evals == "steps" and cfg.save_steps % cfg.eval_steps:
+        raise ConfigError(f"--load_best_model_at_end needs --save_steps ({cfg.save_steps}) "
+                          f"to be a multiple of --eval_steps ({cfg.eval_steps})")
 
 
 def _check_schedule(cfg: TrainConfig) -> None:
@@ -165,6 +190,10 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
         if not os.path.isfile(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")):
             raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} is not "
                               "a raylm checkpoint (no trainer_state.json)")
+        if read_trainer_state(cfg.resume_from_checkpoint).get("model_only"):
+            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} holds "
+                              "the model only (--save_only_model): no optimizer state to "
+                              "resume; fine-tune from it with --model_name_or_path instead")
         inputs.resume_from = os.path.abspath(cfg.resume_from_checkpoint)
         inputs.run_record = read_trainer_state(inputs.resume_from).get("run")
     if not os.path.isdir(out) or not os.listdir(out):
@@ -183,10 +212,14 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                           f"{', '.join(differs) or 'settings'}); use --overwrite_output_dir "
                           "or another --output_dir")
     if inputs.resume_from is None:
-        latest = CheckpointManager(out).latest()
+        ckpt = CheckpointManager(out)
+        latest = ckpt.latest()
         if latest:
             inputs.resume_from = latest
             inputs.run_record = record
+        elif ckpt.list(model_only=True):
+            log.warning("the checkpoints in %s hold the model only (--save_only_model): "
+                        "the run starts from the beginning", out)
 
 
 def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
@@ -194,7 +227,7 @@ def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
     out = cfg.output_dir
     if cfg.overwrite_output_dir and os.path.isdir(out):
         for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", RUN_RECORD,
-                     "all_results.json", "eval_results.json"):
+                     "all_results.json", "eval_results.json", "runs", "metrics.png"):
             p = os.path.join(out, name)
             if os.path.isdir(p):
                 shutil.rmtree(p)
