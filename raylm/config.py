@@ -76,6 +76,17 @@ class TrainConfig:
     line_by_line: bool = _f(
         False, "Treat each line (or row) as one sample, padded/truncated to block_size, "
         "instead of concatenating and chunking.", "data")
+    keep_linebreaks: bool = _f(
+        True, "Keep each line's line break in .txt files (run_clm's default; false joins the "
+        "lines' tokens with no break between them).", "data")
+    max_train_samples: Optional[int] = _f(
+        None, "Train on the first N training samples (blocks) only, for debugging or a "
+        "quicker run, as run_clm.", "data")
+    max_eval_samples: Optional[int] = _f(
+        None, "Evaluate on the first N validation samples (blocks) only.", "data")
+    overwrite_cache: bool = _f(
+        False, "Tokenize again even when the cache holds these inputs (the new build "
+        "replaces the old atomically).", "data")
     preprocessing_num_workers: Optional[int] = _f(
         None, "Parallel tokenization tasks (default: Ray Data decides).", "data")
     cache_dir: Optional[str] = _f(
@@ -305,7 +316,8 @@ class TrainConfig:
 
     # Run-defining settings added later: in the fingerprint only when set, so a run
     # started before they existed resumes as the same run.
-    RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None}
+    RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None,
+                           "keep_linebreaks": True, "max_train_samples": None}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

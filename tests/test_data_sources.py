@@ -222,9 +222,14 @@ def test_text_lines_match_splitlines_whatever_the_chunk_size(tmp_path, chunk_byt
     text = "α line\r\nsecond ✓✓\n\nthird\rfourth\n" + "x" * 50 + "\nlast, no newline"
     path = write(tmp_path / "t.txt", text)
     lines = [line for batch in iter_texts(path, chunk_bytes=chunk_bytes) for line in batch]
-    # What the `datasets` text loader gives: universal newlines, then splitlines.
+    kept = [line for batch in iter_texts(path, chunk_bytes=chunk_bytes, keep_linebreaks=True)
+            for line in batch]
+    # What the `datasets` text loader gives: universal newlines, then splitlines (keeping
+    # the ends with keep_linebreaks).
     with open(path, encoding="utf-8") as f:
-        assert lines == f.read().splitlines()
+        text = f.read()
+    assert lines == text.splitlines()
+    assert kept == text.splitlines(keepends=True)
 
 
 def test_table_texts_in_row_order_with_nulls_as_empty(tmp_path):
@@ -249,3 +254,15 @@ def test_builtin_sample_is_three_or_four_plays_and_a_4096_bpe_tokenizer():
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
     text = "Is this a dagger which I see before me?"
     assert tok.decode(tok(text)["input_ids"]) == text
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_text_lines_are_what_the_datasets_text_loader_gives(tmp_path, keep):
+    # run_clm reads .txt files with load_dataset("text", keep_linebreaks=...).
+    import datasets
+
+    path = write(tmp_path / "t.txt", "α line\r\nsecond ✓✓\n\nthird\rfourth\nlast")
+    loaded = datasets.load_dataset("text", data_files=path, keep_linebreaks=keep,
+                                   cache_dir=str(tmp_path / "hf"), split="train")
+    ours = [line for batch in iter_texts(path, keep_linebreaks=keep) for line in batch]
+    assert ours == loaded["text"]

@@ -74,6 +74,11 @@ def expected_blocks(tok, texts_per_file, block_size=BLOCK):
     return np.array(out, dtype=np.int64).reshape(-1, block_size)
 
 
+def as_read(texts):
+    """A text file's lines as run_clm's loader reads them: each with its line break."""
+    return [t + "\n" for t in texts]
+
+
 def expected_line_by_line(tok, texts_per_file, block_size=BLOCK):
     rows, lengths = [], []
     for texts in texts_per_file:
@@ -102,12 +107,15 @@ def write_txt(path, texts, newline="\n"):
 
 # --- every input format gives the exact expected blocks ------------------------------------
 
+TXT_FORMATS = ("txt", "dir", "glob", "uri")
+
+
 def write_format(tmp_path, fmt: str) -> tuple[list[str], list[list[str]], dict]:
     """Files of format `fmt` holding TEXTS; returns (specs, texts per file in order, kwargs)."""
     d = tmp_path / "data"
     d.mkdir()
     kwargs = {}
-    if fmt in ("txt", "dir", "glob", "uri"):
+    if fmt in TXT_FORMATS:
         # b.txt uses Windows line ends; lines become texts either way.
         paths = [write_txt(d / f"{k}.txt", v, "\r\n" if k == "b" else "\n")
                  for k, v in TEXTS.items()]
@@ -140,6 +148,8 @@ def test_each_format_gives_the_expected_blocks(ray_local, tok, tmp_path, fmt):
     files = resolve_files(specs)
     assert len(files) == 3
     ds = build(files, tmp_path / "cache", **kwargs)
+    if fmt in TXT_FORMATS:  # lines keep their breaks (--keep_linebreaks, run_clm's default)
+        texts = [as_read(t) for t in texts]
     want = expected_blocks(tok, texts)
     assert ds.num_samples == len(want) > 3
     got = all_samples(ds)
@@ -244,7 +254,8 @@ def test_changed_input_gives_a_new_cache(ray_local, tok, tmp_path, three_files):
     changed = build(three_files, root)
     assert not changed.reused and changed.cache_dir not in (first.cache_dir, touched.cache_dir)
     assert torch.equal(all_samples(changed)["input_ids"],
-                       torch.from_numpy(expected_blocks(tok, list(texts.values()))))
+                       torch.from_numpy(expected_blocks(tok, [as_read(t) for t in
+                                                              texts.values()])))
 
 
 def test_leftover_temporary_directory_is_never_used(ray_local, tok, tmp_path, three_files):
@@ -265,7 +276,7 @@ def test_leftover_temporary_directory_is_never_used(ray_local, tok, tmp_path, th
     assert not rebuilt.reused
     assert rebuilt.cache_dir == good.cache_dir
     assert torch.equal(all_samples(rebuilt)["input_ids"],
-                       torch.from_numpy(expected_blocks(tok, list(TEXTS.values()))))
+                       torch.from_numpy(expected_blocks(tok, [as_read(t) for t in TEXTS.values()])))
     assert leftover.exists()  # maybe a build still running: not ours to delete or read
 
     # Idle for longer than any build runs: left by a crash, and cleared by the next build.
@@ -315,7 +326,7 @@ def test_reader_returns_rows_in_the_order_asked_across_shards(ray_local, tok, tm
                                                               three_files):
     ds = build(three_files, tmp_path / "cache")
     assert len(ds.shard_files) == 3
-    want = expected_blocks(tok, list(TEXTS.values()))
+    want = expected_blocks(tok, [as_read(t) for t in TEXTS.values()])
     reader = BlockReader(ds)
     rng = np.random.default_rng(0)
     for ids in (rng.permutation(ds.num_samples), [ds.num_samples - 1, 0, 5, 5, 2],
@@ -365,3 +376,27 @@ def test_cache_dir_can_be_moved(ray_local, tmp_path, three_files):
 def test_unloadable_tokenizer_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot load a tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+def test_keep_linebreaks_false_joins_the_lines_without_breaks(ray_local, tok, tmp_path,
+                                                              three_files):
+    kept = build(three_files, tmp_path / "cache")
+    joined = build(three_files, tmp_path / "cache", keep_linebreaks=False)
+    assert joined.cache_dir != kept.cache_dir  # another cache
+    assert torch.equal(all_samples(joined)["input_ids"],
+                       torch.from_numpy(expected_blocks(tok, list(TEXTS.values()))))
+    assert not torch.equal(all_samples(kept)["input_ids"][:3],
+                           all_samples(joined)["input_ids"][:3])
+
+
+def test_overwrite_cache_tokenizes_again_and_replaces_the_build(ray_local, tmp_path,
+                                                                three_files):
+    root = tmp_path / "cache"
+    first = build(three_files, root)
+    manifest = os.path.join(first.cache_dir, "manifest.json")
+    before = os.stat(manifest).st_ino
+    again = build(three_files, root, overwrite=True)
+    assert not again.reused and again.cache_dir == first.cache_dir
+    assert os.stat(manifest).st_ino != before  # a new build took the old one's place
+    assert os.listdir(root) == [os.path.basename(first.cache_dir)]  # nothing left over
+    assert torch.equal(all_samples(again)["input_ids"], all_samples(first)["input_ids"])

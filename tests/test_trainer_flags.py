@@ -115,9 +115,9 @@ PEAK_TFLOPS = 0.05
 
 @pytest.fixture(scope="module")
 def epoch_run(ray_cluster, cache_root, tmp_path_factory):
-    """Three epochs of a 3-step-per-epoch corpus (2 ranks), strategies at epoch ends, a
+    """Three epochs of a 2-step-per-epoch corpus (2 ranks), strategies at epoch ends, a
     warm-up ratio and a data seed of its own, reported to TensorBoard with a peak for
-    the mfu."""
+    the mfu, on the first 16 training and 3 validation samples."""
     root = tmp_path_factory.mktemp("epochs")
     text = (SHAKESPEARE / "macbeth.txt").read_text()[:6000]
     (root / "train.txt").write_text(text[:4000])
@@ -132,7 +132,7 @@ def epoch_run(ray_cluster, cache_root, tmp_path_factory):
                "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
                "--log_sample_ids", "--cache_dir", cache_root, "--output_dir", str(out),
                "--report_to", "tensorboard", "--peak_tflops", str(PEAK_TFLOPS),
-               "--disable_tqdm"])
+               "--max_train_samples", "16", "--max_eval_samples", "3", "--disable_tqdm"])
     assert rc == 0
     with open(out / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
@@ -294,3 +294,15 @@ def test_best_model_flags_that_cannot_work_are_one_line(args, message, tmp_path,
     assert rc == 2
     [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert message in line, line
+
+
+def test_max_train_and_eval_samples_train_and_evaluate_on_the_first_n(epoch_run):
+    out, recs, samples = epoch_run
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["train_samples"] == 16
+    per_epoch = len(samples) // 3
+    for epoch in range(3):
+        ids = [i for s in samples[epoch * per_epoch:(epoch + 1) * per_epoch]
+               for rank in s["ranks"] for i in rank]
+        assert sorted(ids) == list(range(16))  # each of the first 16 once an epoch
+    assert {r["eval_samples"] for r in recs if "eval_loss" in r} == {3}

@@ -60,8 +60,6 @@ FOREIGN = {
     "dataset_config_name": f"Hub datasets {_NOT_YET}: give the files with --train_file",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
-    "max_train_samples": f"{_NOT_YET}: give fewer files or --max_steps",
-    "max_eval_samples": f"{_NOT_YET}: give a smaller --validation_file",
 }
 
 

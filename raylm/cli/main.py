@@ -16,7 +16,7 @@ from raylm.errors import ConfigError, TrainingFailed
 TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "config_name",
                    "model_type", "config_overrides", "tokenizer_name", "block_size",
                    "line_by_line", "text_column", "preprocessing_num_workers", "cache_dir",
-                   "address")
+                   "keep_linebreaks", "overwrite_cache", "address")
 
 
 def build_parser() -> OneLineParser:

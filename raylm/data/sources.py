@@ -353,15 +353,19 @@ def _read_error(path: str, e: Exception, flag: Optional[str]) -> ConfigError:
 
 
 def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[str] = None,
-               chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[list[str]]:
+               chunk_bytes: int = TEXT_CHUNK_BYTES,
+               keep_linebreaks: bool = False) -> Iterator[list[str]]:
     """The texts of one file, in order, in batches (lists of strings).
 
-    Texts are lines for .txt/.text files and rows of the text column otherwise; a missing
-    (null) value is an empty text.
+    Texts are lines for .txt/.text files (ending with their "\\n" with
+    ``keep_linebreaks``: the `datasets` text loader's option, which run_clm turns on) and
+    rows of the text column otherwise; a missing (null) value is an empty text.
     """
     if extension(path) in TEXT_EXTENSIONS:
         for chunk in iter_text_chunks(path, chunk_bytes, flag):
-            yield chunk.splitlines()
+            if keep_linebreaks:  # universal newlines, as the loader's open() reads them
+                chunk = chunk.replace("\r\n", "\n").replace("\r", "\n")
+            yield chunk.splitlines(keepends=keep_linebreaks)
         return
     try:
         column = resolve_text_column(_table_info(path)[0], text_column, path, flag)

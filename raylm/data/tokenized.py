@@ -111,12 +111,17 @@ def default_cache_root() -> str:
 def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: int, *,
                             line_by_line: bool = False, text_column: Optional[str] = None,
                             cache_root: Optional[str] = None,
-                            num_workers: Optional[int] = None) -> TokenizedDataset:
+                            num_workers: Optional[int] = None, keep_linebreaks: bool = True,
+                            overwrite: bool = False) -> TokenizedDataset:
     """Tokenize ``files`` into the cache, or return the cache built earlier from the same inputs.
 
     Default: run_clm's ``group_texts`` per file (concatenate the token ids of all its texts,
-    cut ``block_size`` blocks, drop the remainder). ``line_by_line``: one sample per
-    non-empty line or row, truncated to ``block_size`` and padded. Ray must be initialised.
+    cut ``block_size`` blocks, drop the remainder); a text file's texts are its lines, with
+    their line breaks unless ``keep_linebreaks`` is False (run_clm's --keep_linebreaks).
+    ``line_by_line``: one sample per non-empty line or row, truncated to ``block_size`` and
+    padded (lines without their breaks, as run_mlm reads them). ``overwrite``: build anew
+    even when the cache holds these inputs (--overwrite_cache), replacing the old build
+    atomically. Ray must be initialised.
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ConfigError(f"--block_size: must be a positive integer, got {block_size!r}")
@@ -130,12 +135,14 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
         tokenizer_dir = os.path.abspath(tokenizer_dir)
 
     root = cache_root or default_cache_root()
-    key = cache_key(files, tokenizer_dir, block_size, line_by_line, text_column)
+    keep_linebreaks = keep_linebreaks and not line_by_line
+    key = cache_key(files, tokenizer_dir, block_size, line_by_line, text_column,
+                    keep_linebreaks)
     fs, root_path = filesystem_for(root)
     final_path = posixpath.join(root_path, CACHE_PREFIX + key)
     local = isinstance(fs, pafs.LocalFileSystem)
     final = final_path if local else _join(root, CACHE_PREFIX + key)
-    if _has_manifest(fs, final_path):
+    if _has_manifest(fs, final_path) and not overwrite:
         return dataclasses.replace(TokenizedDataset.load(final), reused=True)
 
     if local:
@@ -150,7 +157,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     try:
         shards, per_file = _tokenize_into(tmp_path, fs, files, tokenizer_dir, block_size,
                                           line_by_line, text_column, pad_token_id,
-                                          num_workers)
+                                          num_workers, keep_linebreaks)
         num_samples = sum(per_file)
         if num_samples == 0:
             raise ConfigError(_no_samples_message(files, block_size, line_by_line))
@@ -160,6 +167,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
             "num_samples": num_samples,
             "block_size": block_size,
             "line_by_line": line_by_line,
+            "keep_linebreaks": keep_linebreaks,
             "pad_token_id": pad_token_id,
             "text_column": text_column,
             "tokenizer": tokenizer_dir,
@@ -168,7 +176,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
         }
         with fs.open_output_stream(posixpath.join(tmp_path, MANIFEST)) as f:
             f.write(json.dumps(manifest, indent=1).encode("utf-8"))
-        _commit(fs, tmp_path, final_path)
+        _commit(fs, tmp_path, final_path, replace=overwrite)
     finally:
         # After a local commit the directory is gone already; otherwise (failure, lost race,
         # object-store copy) it is removed here.
@@ -195,7 +203,7 @@ def _remove_stale_tmp(root_path: str, key: str) -> None:
 # --- cache identity ------------------------------------------------------------------------
 
 def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_line: bool,
-              text_column: Optional[str]) -> str:
+              text_column: Optional[str], keep_linebreaks: bool = True) -> str:
     """Digest of everything the cached samples depend on.
 
     Files are identified by path, size and modification time (what the filesystem reports
@@ -215,6 +223,7 @@ def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_lin
         "block_size": block_size,
         "line_by_line": bool(line_by_line),
         "text_column": text_column,
+        "keep_linebreaks": bool(keep_linebreaks),
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -249,16 +258,30 @@ def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name + (f"?{query}" if query else "")
 
 
-def _commit(fs: pafs.FileSystem, tmp_path: str, final_path: str) -> None:
+def _commit(fs: pafs.FileSystem, tmp_path: str, final_path: str,
+            replace: bool = False) -> None:
     """Move a finished cache directory into place.
 
     Locally this is one rename(2): atomic. Object stores have no directory rename, so the
     files are copied with the manifest last; since a cache counts only once its manifest
-    exists, a crash midway still leaves nothing that is read as a cache.
+    exists, a crash midway still leaves nothing that is read as a cache. ``replace``: an
+    existing build is moved aside first (locally a rename, so a reader sees the old
+    build or the new one, never a mix; on an object store it is deleted, manifest first).
     """
     if _has_manifest(fs, final_path):
-        # Another build of the same inputs finished first; its result is identical.
-        return
+        if not replace:
+            # Another build of the same inputs finished first; its result is identical.
+            return
+        if isinstance(fs, pafs.LocalFileSystem):
+            # (named as a build's temporary directory: one a crash leaves is cleared)
+            old = posixpath.join(posixpath.dirname(final_path), TMP_PREFIX
+                                 + posixpath.basename(final_path)[len(CACHE_PREFIX):]
+                                 + f"-old-{uuid.uuid4().hex[:8]}")
+            fs.move(final_path, old)
+            fs.move(tmp_path, final_path)
+            fs.delete_dir(old)
+            return
+        fs.delete_file(posixpath.join(final_path, MANIFEST))
     if fs.get_file_info(final_path).type != pafs.FileType.NotFound:
         # A directory without a manifest is an interrupted object-store commit: replace it.
         fs.delete_dir(final_path)
@@ -306,13 +329,15 @@ def _pad_token_id(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
 
 def tokenize_file(path: str, tokenizer, block_size: int, line_by_line: bool,
                   text_column: Optional[str], pad_token_id: int,
-                  chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                  chunk_bytes: int = TEXT_CHUNK_BYTES,
+                  keep_linebreaks: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The samples of one file, in order, as (input_ids [n, block_size] int32, length [n]).
 
     Streams: memory holds one batch of texts plus fewer than ``block_size`` carried tokens.
     """
     pending = np.empty(0, dtype=np.int32)  # tokens not yet filling a block
-    for texts in iter_texts(path, text_column, chunk_bytes=chunk_bytes):
+    for texts in iter_texts(path, text_column, chunk_bytes=chunk_bytes,
+                            keep_linebreaks=keep_linebreaks):
         if line_by_line:
             texts = [t for t in texts if t and not t.isspace()]
             if not texts:
@@ -344,14 +369,15 @@ def _flatten(ids: list[list[int]], total: int) -> np.ndarray:
 
 def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
                    line_by_line: bool, text_column: Optional[str],
-                   pad_token_id: int) -> Iterator[pa.Table]:
+                   pad_token_id: int, keep_linebreaks: bool) -> Iterator[pa.Table]:
     """Ray Data UDF: tokenize the files listed in ``batch`` (columns index, path)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     for index, path in zip(batch.column("index").to_pylist(), batch.column("path").to_pylist()):
         seq = 0
         try:
             for blocks, lengths in tokenize_file(path, tokenizer, block_size, line_by_line,
-                                                 text_column, pad_token_id):
+                                                 text_column, pad_token_id,
+                                                 keep_linebreaks=keep_linebreaks):
                 yield _task_table(index, seq, blocks, lengths)
                 seq += len(blocks)
         except ConfigError as e:
@@ -380,7 +406,7 @@ def _error_table(index: int, message: str) -> pa.Table:
 
 def _tokenize_into(out_path: str, fs: pafs.FileSystem, files: list[str], tokenizer_dir: str,
                    block_size: int, line_by_line: bool, text_column: Optional[str],
-                   pad_token_id: int, num_workers: Optional[int]):
+                   pad_token_id: int, num_workers: Optional[int], keep_linebreaks: bool):
     """Run the Ray Data job and write its output as shards under ``out_path``.
 
     Returns the shard list for the manifest (in global-id order, with offsets) and the
@@ -404,7 +430,7 @@ def _tokenize_into(out_path: str, fs: pafs.FileSystem, files: list[str], tokeniz
         _tokenize_task, batch_size=1, batch_format="pyarrow",
         fn_kwargs=dict(tokenizer_dir=tokenizer_dir, block_size=block_size,
                        line_by_line=line_by_line, text_column=text_column,
-                       pad_token_id=pad_token_id),
+                       pad_token_id=pad_token_id, keep_linebreaks=keep_linebreaks),
         num_cpus=TASK_NUM_CPUS,
         compute=ray.data.TaskPoolStrategy(size=num_workers) if num_workers else None)
 

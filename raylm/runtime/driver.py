@@ -374,6 +374,7 @@ class Driver:
         tokens = sum(h["tokens"] for h in trained)
         final.update({
             "global_step": run.step,
+            "train_samples": sampler.num_samples,
             "train_loss": (sum(h["loss"] for h in trained) / len(trained)) if trained else None,
             "final_loss": trained[-1]["loss"] if trained else None,
             "train_runtime": train_runtime,
@@ -797,11 +798,11 @@ class Driver:
                 for r, w in enumerate(self.workers)]
         out = _loss_result(self._wait(refs))
         step = self.record.step
-        self.metrics.append({"step": step, "eval_loss": out["eval_loss"],
-                             "perplexity": out["perplexity"]})
+        results = {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"],
+                   "eval_samples": len(data.eval_ids)}
+        self.metrics.append({"step": step, **results})
         self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
                             f"perplexity {out['perplexity']:.2f}")
-        results = {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"]}
         self.last_eval = (step, results)
         return results
 

@@ -87,6 +87,9 @@ def _check_numbers(cfg: TrainConfig) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
+    for name in ("max_train_samples", "max_eval_samples"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.eval_steps is not None and cfg.eval_steps < 1:
         raise ConfigError(f"--eval_steps must be >= 1 (got {cfg.eval_steps})")
     if cfg.learning_rate <= 0:
@@ -252,7 +255,8 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
         return build_tokenized_dataset(
             files, inputs.spec.tokenizer_dir, inputs.block_size,
             line_by_line=cfg.line_by_line, text_column=cfg.text_column,
-            cache_root=cfg.cache_dir, num_workers=cfg.preprocessing_num_workers)
+            cache_root=cfg.cache_dir, num_workers=cfg.preprocessing_num_workers,
+            keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache)
 
     train = build(inputs.train_files) if inputs.train_files else None
     if train is not None:
@@ -270,6 +274,11 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
         if not cfg.should_train and pct == 0:  # evaluate a model on all of --train_file
             train_ids, eval_ids = train_ids[:0], train_ids
         eval_ds = train if len(eval_ids) else None
+    # run_clm's --max_train_samples / --max_eval_samples: the first N samples.
+    if cfg.max_train_samples is not None:
+        train_ids = train_ids[:cfg.max_train_samples]
+    if cfg.max_eval_samples is not None:
+        eval_ids = eval_ids[:cfg.max_eval_samples]
     if cfg.should_train and len(train_ids) == 0:
         raise ConfigError("no training samples left after the validation split; give more "
                           "data, a smaller --block_size or --validation_split_percentage")
