@@ -108,7 +108,8 @@ def main() -> None:
 
     def cfg(name, **kw):
         base = dict(model_type="gpt2", config_overrides=f"{size},n_positions=64",
-                    train_file=[corpus], block_size=64, cache_dir=os.path.join(work, "cache"),
+                    train_file=[corpus], block_size=64,
+                    data_cache_dir=os.path.join(work, "cache"),
                     output_dir=os.path.join(work, name), max_steps=args.steps,
                     save_steps=10**6, logging_steps=10**6, disable_tqdm=True,
                     learning_rate=1e-3, num_workers=3, cpus_per_worker=1,

@@ -84,7 +84,7 @@ def run_config(args, name, dp, cache, work, **layout):
 
     return TrainConfig(
         model_type="gpt2", config_overrides=overrides(args), block_size=args.block_size,
-        cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
+        data_cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.global_batch // (dp * args.micro_batch),
         max_steps=args.warmup + args.steps, do_eval=False, disable_tqdm=True,

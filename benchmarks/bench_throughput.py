@@ -93,7 +93,7 @@ def train_config(args, workers: int, out: str, cache: str):
     return TrainConfig(
         model_type="gpt2", config_overrides=config_overrides(args),
         train_file=list(args.train_file or []), block_size=args.block_size,
-        cache_dir=cache, output_dir=out, overwrite_output_dir=True,
+        data_cache_dir=cache, output_dir=out, overwrite_output_dir=True,
         per_device_train_batch_size=args.global_batch // workers,
         gradient_accumulation_steps=1, max_steps=args.warmup + args.steps,
         learning_rate=5e-4, seed=42, do_eval=False, disable_tqdm=True,

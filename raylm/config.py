@@ -40,9 +40,11 @@ def _f(default: Any, help: str, group: str = "training", **extra: Any) -> Any:
 class TrainConfig:
     # --- model -------------------------------------------------------------------------
     model_name_or_path: Optional[str] = _f(
-        None, "Pretrained model directory to fine-tune (config, weights, tokenizer).", "model")
+        None, "Pretrained model to fine-tune (config, weights, tokenizer): a directory saved "
+        "with save_pretrained, or a Hugging Face Hub id (gpt2, org/name).", "model")
     config_name: Optional[str] = _f(
-        None, "Model config to train from scratch: a directory or a config.json file.", "model")
+        None, "Model config to train from scratch: a directory, a config.json file or a Hub "
+        "id.", "model")
     model_type: Optional[str] = _f(
         None, "Model type to train from scratch when no config is given (e.g. gpt2, llama). "
         "Default when nothing names a model: a tiny GPT-2.", "model")
@@ -54,10 +56,31 @@ class TrainConfig:
         "model continues the first half of each block). Default: the model's own "
         "(raylm.models.objectives).", "model")
     tokenizer_name: Optional[str] = _f(
-        None, "Tokenizer directory, if not the model's. Default for a model trained from "
-        "scratch: the tokenizer shipped with the built-in sample corpus.", "model")
+        None, "Tokenizer directory or Hub id, if not the model's. Default for a model "
+        "trained from scratch: the tokenizer shipped with the built-in sample corpus.",
+        "model")
+    cache_dir: Optional[str] = _f(
+        None, "Where models, tokenizers and datasets from the Hugging Face Hub are stored "
+        "(as in run_clm; default: Hugging Face's cache, $HF_HOME). Tokenized blocks have "
+        "--data_cache_dir.", "model")
+    model_revision: str = _f(
+        "main", "Hub revision of the model, config and tokenizer: a branch, tag or commit "
+        "id.", "model")
+    token: Optional[str] = _f(
+        None, "Hub token for private or gated models and datasets (default: $HF_TOKEN or "
+        "the one `hf auth login` stored).", "model")
+    trust_remote_code: bool = _f(
+        False, "Run the Python code a Hub model or dataset repository ships (its own "
+        "model class). Off: such a repository is refused. Read the code first.", "model")
 
     # --- data --------------------------------------------------------------------------
+    dataset_name: Optional[str] = _f(
+        None, "Data through datasets.load_dataset, as run_clm: a Hub dataset id, a local "
+        "dataset directory, or json / csv / text / parquet to read --train_file and "
+        "--validation_file with that builder. Its train and validation splits are used.",
+        "data")
+    dataset_config_name: Optional[str] = _f(
+        None, "The dataset's configuration (e.g. wikitext-2-raw-v1).", "data")
     train_file: list = _f(
         [], "Training data: files, directories or globs (.txt, .jsonl/.json, .csv, .parquet; "
         "local paths or s3://, gs://, file:// URIs). Several allowed. Default: the built-in "
@@ -89,7 +112,7 @@ class TrainConfig:
         "replaces the old atomically).", "data")
     preprocessing_num_workers: Optional[int] = _f(
         None, "Parallel tokenization tasks (default: Ray Data decides).", "data")
-    cache_dir: Optional[str] = _f(
+    data_cache_dir: Optional[str] = _f(
         None, "Where tokenized blocks are cached (default: $RAYLM_CACHE_DIR or "
         "~/.cache/raylm).", "data")
 
@@ -317,7 +340,9 @@ class TrainConfig:
     # Run-defining settings added later: in the fingerprint only when set, so a run
     # started before they existed resumes as the same run.
     RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None,
-                           "keep_linebreaks": True, "max_train_samples": None}
+                           "keep_linebreaks": True, "max_train_samples": None,
+                           "model_revision": "main", "dataset_name": None,
+                           "dataset_config_name": None}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

@@ -28,7 +28,7 @@ STEPS = 100
 
 def config(out, **kw):
     base = dict(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
-                "n_positions=64", train_file=[corpus], block_size=32, cache_dir=cache_root,
+                "n_positions=64", train_file=[corpus], block_size=32, data_cache_dir=cache_root,
                 output_dir=out, max_steps=STEPS, save_steps=1000, logging_steps=10,
                 disable_tqdm=True, learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2,

@@ -27,7 +27,7 @@ corpus, cache_root = sys.argv[1], sys.argv[2]
 def config(out, **kw):
     return TrainConfig(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
                        "n_positions=64,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
-                       train_file=[corpus], block_size=32, cache_dir=cache_root,
+                       train_file=[corpus], block_size=32, data_cache_dir=cache_root,
                        output_dir=out, max_steps=8, save_steps=100, logging_steps=1,
                        disable_tqdm=True, learning_rate=1e-3, num_workers=2,
                        per_device_train_batch_size=2, gradient_accumulation_steps=2,

@@ -39,7 +39,7 @@ try:
         result = train(TrainConfig(
             model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
             "n_positions=64,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
-            train_file=[corpus], block_size=32, cache_dir=cache_root, output_dir=out,
+            train_file=[corpus], block_size=32, data_cache_dir=cache_root, output_dir=out,
             max_steps=2, logging_steps=1, disable_tqdm=True, do_eval=False, dp=2, tp=2,
             num_workers=4, per_device_train_batch_size=2), callbacks=(seen,))
     print("RESULT " + json.dumps({"nodes": seen.nodes, "steps": len(result.history)}),

@@ -25,7 +25,7 @@ def run_cli(capsys, *args):
 
 def base_args(tmp_path, data, cache_root):
     return ["--model_type", "gpt2", "--config_overrides", TINY_GPT2, "--train_file", str(data),
-            "--block_size", "32", "--cache_dir", cache_root, "--output_dir",
+            "--block_size", "32", "--data_cache_dir", cache_root, "--output_dir",
             str(tmp_path / "out"), "--max_steps", "2", "--disable_tqdm"]
 
 
@@ -124,7 +124,7 @@ def test_output_dir_not_empty(tmp_path, capsys, corpus_dir, cache_root):
 def test_more_workers_than_the_cluster_can_place(ray_cluster, tmp_path, corpus_dir,
                                                  cache_root):
     cfg = TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2,
-                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      train_file=[str(corpus_dir)], block_size=32, data_cache_dir=cache_root,
                       output_dir=str(tmp_path / "out"), max_steps=2, num_workers=9)
     driver = Driver(cfg)
     with pytest.raises(ConfigError, match="--num_workers 9: the cluster can place only 4"):
@@ -175,7 +175,7 @@ def assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root,
     """A run of the tiny model with ``kw`` fails with one line holding ``message``,
     raised while planning: no rank actor was started."""
     cfg = TrainConfig(model_type=model_type, config_overrides=config_overrides,
-                      train_file=[str(corpus_dir)], block_size=32, cache_dir=cache_root,
+                      train_file=[str(corpus_dir)], block_size=32, data_cache_dir=cache_root,
                       output_dir=str(tmp_path / "out"), max_steps=2, **kw)
     driver = Driver(cfg)
     with pytest.raises(ConfigError) as err:

@@ -29,7 +29,7 @@ FAIL_AT = 4  # committed steps before the failure
 
 def elastic_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2_DROPOUT,
-                train_file=[str(corpus)], block_size=32, cache_dir=cache_root,
+                train_file=[str(corpus)], block_size=32, data_cache_dir=cache_root,
                 output_dir=str(out), max_steps=STEPS, save_steps=6, logging_steps=1,
                 # 3 x 1.3 of the 4 CPUs: no room for a rank to join (growth is tested
                 # on its own below)

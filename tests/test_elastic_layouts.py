@@ -24,7 +24,7 @@ STEPS = 6
 
 def layout_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(corpus)],
-                block_size=32, cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
+                block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 save_steps=2, logging_steps=1, disable_tqdm=True, learning_rate=1e-3,
                 cpus_per_worker=1, per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, do_eval=False, log_sample_ids=True)

@@ -29,7 +29,7 @@ def default_run(ray_cluster, cache_root, tmp_path_factory):
     """`raylm train` with the built-in defaults (model, tokenizer, corpus), cut short."""
     out = tmp_path_factory.mktemp("default") / "raylm-output"
     rc = main(["train", "--max_steps", "4", "--logging_steps", "2", "--output_dir", str(out),
-               "--cache_dir", cache_root, "--disable_tqdm"])
+               "--data_cache_dir", cache_root, "--disable_tqdm"])
     assert rc == 0
     return out
 
@@ -81,13 +81,13 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
     pretrained = pretrained_dir
     out = tmp_path / "finetuned"
     args = ["train", "--model_name_or_path", pretrained, "--max_steps", "2",
-            "--logging_steps", "1", "--output_dir", str(out), "--cache_dir", cache_root,
+            "--logging_steps", "1", "--output_dir", str(out), "--data_cache_dir", cache_root,
             "--num_workers", "2", "--per_device_train_batch_size", "2",
             "--block_size", "64", "--disable_tqdm", "--do_eval", "false"]
     assert main(args) == 0
 
     # Expected first loss: the pretrained model on the first global batch.
-    cfg = TrainConfig(model_name_or_path=pretrained, block_size=64, cache_dir=cache_root,
+    cfg = TrainConfig(model_name_or_path=pretrained, block_size=64, data_cache_dir=cache_root,
                       output_dir=str(out), per_device_train_batch_size=2)
     inputs = check_inputs(cfg, check_output_dir=False)
     data = prepare_data(cfg, inputs)
@@ -102,7 +102,7 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
     # Evaluate only: the fine-tuned model on the held-out split, no training.
     eval_out = tmp_path / "eval"
     assert main(["train", "--do_eval", "--model_name_or_path", str(out), "--block_size", "64",
-                 "--cache_dir", cache_root, "--output_dir", str(eval_out),
+                 "--data_cache_dir", cache_root, "--output_dir", str(eval_out),
                  "--num_workers", "2"]) == 0
     with open(eval_out / "eval_results.json") as f:
         res = json.load(f)
@@ -132,7 +132,7 @@ def test_run_file_with_flags_winning(ray_cluster, cache_root, tmp_path, caplog):
                    "disable_tqdm: true\n")
     out = tmp_path / "out"
     assert main(["train", str(run), "--max_steps", "2", "--output_dir", str(out),
-                 "--cache_dir", cache_root]) == 0
+                 "--data_cache_dir", cache_root]) == 0
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
     with open(out / "raylm_run.json") as f:
@@ -144,7 +144,7 @@ def test_tokenize_command_builds_the_cache_train_reuses(ray_cluster, corpus_dir,
                                                         capsys):
     cache = str(tmp_path / "cache")
     args = ["tokenize", "--train_file", str(corpus_dir), "--block_size", "48",
-            "--cache_dir", cache]
+            "--data_cache_dir", cache]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert "raylm: train:" in first and "(tokenized)" in first

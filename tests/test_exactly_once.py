@@ -18,7 +18,7 @@ WORKERS = 4
 
 def config(out, data, cache_root, pct, workers):
     return TrainConfig(model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(data)],
-                       block_size=32, cache_dir=cache_root, output_dir=str(out),
+                       block_size=32, data_cache_dir=cache_root, output_dir=str(out),
                        num_train_epochs=1, validation_split_percentage=pct,
                        per_device_train_batch_size=1,
                        gradient_accumulation_steps=WORKERS // workers, num_workers=workers,

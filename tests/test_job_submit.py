@@ -51,7 +51,7 @@ def test_ray_job_submit_trains_and_leaves_nothing_running(tmp_path):
         "--train_file", train_file, "--block_size", "32",
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
         "--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", "2",
-        "--output_dir", str(out), "--cache_dir", str(cache),
+        "--output_dir", str(out), "--data_cache_dir", str(cache),
         "--num_workers", "2", "--cpus_per_worker", "0.5",
         "--do_eval", "false", "--disable_tqdm",
     ]

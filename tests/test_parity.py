@@ -25,7 +25,7 @@ GLOBAL_BATCH = 8
 
 def tiny_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(corpus)],
-                block_size=32, cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
+                block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
                 warmup_steps=2, per_device_train_batch_size=2)
     base.update(kw)

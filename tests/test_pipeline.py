@@ -42,7 +42,7 @@ MODELS = {
 def pp_config(out, corpus, cache_root, model="gpt2", models=None, **kw) -> TrainConfig:
     model_type, overrides = (models or MODELS)[model]
     base = dict(model_type=model_type, config_overrides=overrides, train_file=[str(corpus)],
-                block_size=32, cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
+                block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
                 warmup_steps=1, per_device_train_batch_size=MICRO,
                 gradient_accumulation_steps=GLOBAL_BATCH // MICRO)

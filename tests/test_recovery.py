@@ -28,7 +28,7 @@ SAVE = 10
 
 def run_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2_DROPOUT,
-                train_file=[str(corpus)], block_size=32, cache_dir=cache_root,
+                train_file=[str(corpus)], block_size=32, data_cache_dir=cache_root,
                 output_dir=str(out), max_steps=STEPS, save_steps=SAVE, logging_steps=1,
                 disable_tqdm=True, learning_rate=1e-3, num_workers=2,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -124,7 +124,7 @@ def test_killed_driver_resumes_by_rerunning_the_command(uninterrupted, ray_clust
     address = ray_cluster.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "raylm.cli.main", "train", "--model_type", "gpt2",
            "--config_overrides", TINY_GPT2_DROPOUT, "--train_file", str(corpus_dir),
-           "--block_size", "32", "--cache_dir", cache_root, "--output_dir", str(out),
+           "--block_size", "32", "--data_cache_dir", cache_root, "--output_dir", str(out),
            "--max_steps", str(STEPS), "--save_steps", str(SAVE), "--logging_steps", "1",
            "--learning_rate", "1e-3", "--num_workers", "2",
            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",

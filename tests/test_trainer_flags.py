@@ -117,20 +117,23 @@ PEAK_TFLOPS = 0.05
 def epoch_run(ray_cluster, cache_root, tmp_path_factory):
     """Three epochs of a 2-step-per-epoch corpus (2 ranks), strategies at epoch ends, a
     warm-up ratio and a data seed of its own, reported to TensorBoard with a peak for
-    the mfu, on the first 16 training and 3 validation samples."""
+    the mfu, on the first 16 training samples and the first 3 of each of two validation
+    files."""
     root = tmp_path_factory.mktemp("epochs")
     text = (SHAKESPEARE / "macbeth.txt").read_text()[:6000]
     (root / "train.txt").write_text(text[:4000])
     (root / "valid.txt").write_text(text[4000:])
+    (root / "caesar.txt").write_text((SHAKESPEARE / "julius_caesar.txt").read_text()[:3000])
     out = root / "out"
     rc = main(["train", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
                "--train_file", str(root / "train.txt"),
-               "--validation_file", str(root / "valid.txt"), "--block_size", "32",
+               "--validation_file", str(root / "valid.txt"), str(root / "caesar.txt"),
+               "--block_size", "32",
                "--per_device_train_batch_size", "4", "--num_workers", "2",
                "--cpus_per_worker", "0.5", "--num_train_epochs", "3",
                "--logging_strategy", "epoch", "--eval_strategy", "epoch",
                "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
-               "--log_sample_ids", "--cache_dir", cache_root, "--output_dir", str(out),
+               "--log_sample_ids", "--data_cache_dir", cache_root, "--output_dir", str(out),
                "--report_to", "tensorboard", "--peak_tflops", str(PEAK_TFLOPS),
                "--max_train_samples", "16", "--max_eval_samples", "3", "--disable_tqdm"])
     assert rc == 0
@@ -227,7 +230,7 @@ def best_runs(ray_cluster, cache_root, tmp_path_factory):
                    "--save_total_limit", "1", "--load_best_model_at_end",
                    "--metric_for_best_model", "loss", "--greater_is_better", "true",
                    "--early_stopping_patience", "2", *extra,
-                   "--cache_dir", cache_root, "--output_dir", str(out), "--disable_tqdm"])
+                   "--data_cache_dir", cache_root, "--output_dir", str(out), "--disable_tqdm"])
         assert rc == 0
         runs[name] = out
     return runs
@@ -288,6 +291,8 @@ def test_a_model_only_checkpoint_is_not_resumed(best_runs, capsys):
      "needs --save_steps (6) to be a multiple of --eval_steps (4)"),
     (["--early_stopping_patience", "0", "--eval_steps", "5"],
      "--early_stopping_patience must be >= 1"),
+    (["--metric_for_best_model", "accuracy"],
+     "--metric_for_best_model accuracy: the evaluation reports loss, perplexity"),
 ])
 def test_best_model_flags_that_cannot_work_are_one_line(args, message, tmp_path, capsys):
     rc = main(["train", "--output_dir", str(tmp_path / "out"), "--disable_tqdm", *args])
@@ -305,4 +310,23 @@ def test_max_train_and_eval_samples_train_and_evaluate_on_the_first_n(epoch_run)
         ids = [i for s in samples[epoch * per_epoch:(epoch + 1) * per_epoch]
                for rank in s["ranks"] for i in rank]
         assert sorted(ids) == list(range(16))  # each of the first 16 once an epoch
-    assert {r["eval_samples"] for r in recs if "eval_loss" in r} == {3}
+    assert {r["eval_samples"] for r in recs if "eval_loss" in r} == {6}  # 3 of each file
+
+
+def test_several_validation_files_are_reported_each_and_together(epoch_run):
+    out, recs, _ = epoch_run
+    evals = [r for r in recs if "eval_loss" in r]
+    for r in evals:
+        # Full blocks of the same size: the overall loss is the plain mean of the two
+        # sets' (3 samples each), and each perplexity is exp of its loss.
+        assert r["eval_loss"] == pytest.approx((r["eval_valid_loss"]
+                                                + r["eval_caesar_loss"]) / 2, rel=1e-9)
+        assert r["eval_valid_loss"] != r["eval_caesar_loss"]
+        for name in ("valid", "caesar"):
+            assert r[f"eval_{name}_perplexity"] == pytest.approx(
+                np.exp(r[f"eval_{name}_loss"]))
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["eval_caesar_loss"] == evals[-1]["eval_caesar_loss"]
+    shown = tensorboard_scalars(str(out / "runs"))
+    assert shown["eval/caesar_loss"] == pytest.approx({r["step"]: r["eval_caesar_loss"]
+                                                       for r in evals})

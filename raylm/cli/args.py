@@ -50,14 +50,16 @@ FOREIGN = {
     "use_habana": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
     "use_lazy_mode": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
     "gaudi_config_name": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "use_hpu_graphs_for_inference": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "pipelining_fwd_bwd": "raylm runs on CPUs or NVIDIA GPUs (--use_gpu)",
+    "throughput_warmup_steps": "raylm logs tokens/s over each logging window (the first "
+                               "window holds the warm-up); drop the flag",
+    "use_cache": "raylm trains without the KV cache and saves the model with it on",
     "fp16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
     "bf16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
     "torch_dtype": f"loading in another dtype {_NOT_YET}: raylm trains in fp32",
     "gradient_checkpointing": f"activation checkpointing {_NOT_YET}",
     "torch_compile": f"compile {_NOT_YET}",
-    "dataset_name": f"Hub datasets {_NOT_YET}: give the files with --train_file "
-                    "(txt, jsonl, csv, parquet; local or s3:// / gs://)",
-    "dataset_config_name": f"Hub datasets {_NOT_YET}: give the files with --train_file",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
 }

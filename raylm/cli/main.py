@@ -16,7 +16,9 @@ from raylm.errors import ConfigError, TrainingFailed
 TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "config_name",
                    "model_type", "config_overrides", "tokenizer_name", "block_size",
                    "line_by_line", "text_column", "preprocessing_num_workers", "cache_dir",
-                   "keep_linebreaks", "overwrite_cache", "address")
+                   "data_cache_dir", "model_revision", "token", "trust_remote_code",
+                   "keep_linebreaks", "overwrite_cache", "dataset_name",
+                   "dataset_config_name", "address")
 
 
 def build_parser() -> OneLineParser:

@@ -78,6 +78,13 @@ class TokenizedDataset:
     shard_files: list[str]    # parquet files, in global-id order
     shard_offsets: list[int]  # first sample id of each shard
     reused: bool = False      # True when the cache existed and nothing was tokenized
+    samples_per_file: list[int] = dataclasses.field(default_factory=list)  # input order
+
+    def file_ids(self) -> list:
+        """The sample ids of each input file, in the order the files were given."""
+        ends = np.cumsum(self.samples_per_file, dtype=np.int64)
+        return [np.arange(end - n, end, dtype=np.int64)
+                for n, end in zip(self.samples_per_file, ends)]
 
     @classmethod
     def load(cls, cache_dir: str) -> "TokenizedDataset":
@@ -100,6 +107,7 @@ class TokenizedDataset:
             pad_token_id=manifest["pad_token_id"],
             shard_files=[_join(cache_dir, s["file"]) for s in shards],
             shard_offsets=[s["offset"] for s in shards],
+            samples_per_file=[s["samples"] for s in manifest.get("sources", [])],
         )
 
 

@@ -11,3 +11,11 @@ def model_class(config):
     if getattr(config, "is_encoder_decoder", False):
         return AutoModelForSeq2SeqLM
     return AutoModelForCausalLM
+
+
+def from_config(config, trust_remote_code: bool = False, **kwargs):
+    """A freshly initialised model of ``config`` (a --trust_remote_code model's class comes
+    from its repository's code)."""
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    return model_class(config).from_config(config, **kwargs)

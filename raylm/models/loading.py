@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError
-from raylm.models.auto import model_class
+from raylm.models.auto import from_config, model_class
+from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
 
 log = logging.getLogger("raylm")
 
@@ -30,6 +31,13 @@ class ModelSpec:
     pretrained_path: Optional[str]  # load weights from here, else init from config
     tokenizer_dir: str
     vocab_size: int  # len(tokenizer)
+    hub: Optional[HubRef] = None  # where pretrained_path came from, for a Hub name
+    trust_remote_code: bool = False
+
+    @property
+    def weights_dir(self) -> Optional[str]:
+        """pretrained_path on this node (a Hub snapshot fetched here if it is not)."""
+        return ensure_local(self.pretrained_path, self.hub) if self.pretrained_path else None
 
     @property
     def max_positions(self) -> Optional[int]:
@@ -70,26 +78,41 @@ def resolve_model(cfg) -> ModelSpec:
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
 
-    pretrained = None
+    def local(name: str, flag: str) -> tuple:
+        """(local path, HubRef or None): a Hub name is fetched (raylm.models.hub)."""
+        if is_hub_name(name):
+            return fetch(name, flag, cfg.model_revision, cfg.token, cfg.cache_dir)
+        return name, None
+
+    def read_config(path: str, flag: str):
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            msg = str(e).strip().splitlines()[0]
+            if "trust_remote_code" in str(e):
+                raise ConfigError(f"{flag} {path}: the model's code comes with it, not with "
+                                  "transformers: read it, then give --trust_remote_code "
+                                  "to run it") from None
+            raise ConfigError(f"{flag}: cannot read a model config from {path}: {msg}") \
+                from None
+
+    pretrained, hub = None, None
     if cfg.model_name_or_path:
-        path = cfg.model_name_or_path
+        path, hub = local(cfg.model_name_or_path, "--model_name_or_path")
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(
-                f"--model_name_or_path: {path} is not a model directory (no config.json); "
-                "raylm loads local Hugging Face model directories")
-        config = AutoConfig.from_pretrained(path)
+                f"--model_name_or_path: {path} is not a model directory (no config.json): "
+                "give a directory saved with save_pretrained, or a Hub model id")
+        config = read_config(path, "--model_name_or_path")
         pretrained = os.path.abspath(path)
         if cfg.config_overrides:
             raise ConfigError("--config_overrides applies to models trained from scratch, "
                               "not to --model_name_or_path")
     elif cfg.config_name:
-        if not os.path.exists(cfg.config_name):
+        name = local(cfg.config_name, "--config_name")[0]
+        if not os.path.exists(name):
             raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
-        try:
-            config = AutoConfig.from_pretrained(cfg.config_name)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--config_name: cannot read a model config from "
-                              f"{cfg.config_name}: {str(e).splitlines()[0]}") from None
+        config = read_config(name, "--config_name")
         _apply_overrides(config, cfg.config_overrides)
     else:
         model_type = cfg.model_type or DEFAULT_MODEL_TYPE
@@ -101,7 +124,9 @@ def resolve_model(cfg) -> ModelSpec:
                 setattr(config, k, v)
         _apply_overrides(config, cfg.config_overrides)
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
+    remote = cfg.trust_remote_code and "AutoModelForCausalLM" in \
+        (getattr(config, "auto_map", None) or {})
+    if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
             getattr(config, "is_encoder_decoder", False)
             and type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING):
         raise ConfigError(f"model type '{config.model_type}' has no causal-LM or seq2seq-LM "
@@ -109,7 +134,7 @@ def resolve_model(cfg) -> ModelSpec:
                           "encoder-decoders on block continuation)")
 
     if cfg.tokenizer_name:
-        tokenizer_dir = cfg.tokenizer_name
+        tokenizer_dir = local(cfg.tokenizer_name, "--tokenizer_name")[0]
     elif pretrained and any(os.path.exists(os.path.join(pretrained, f)) for f in
                             ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer_dir = pretrained
@@ -142,7 +167,8 @@ def resolve_model(cfg) -> ModelSpec:
         if getattr(config, "decoder_start_token_id", None) is None:
             config.decoder_start_token_id = config.pad_token_id
     return ModelSpec(config=config, pretrained_path=pretrained,
-                     tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab)
+                     tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab, hub=hub,
+                     trust_remote_code=cfg.trust_remote_code)
 
 
 def _set_special_tokens(config, tokenizer) -> None:
@@ -197,11 +223,11 @@ def build_model(spec: ModelSpec, seed: int, device=None):
         raise ValueError(f"build_model: device must be None, 'cpu' or 'meta' (got {device!r})")
     auto = model_class(spec.config)
     if spec.pretrained_path:
-        model = auto.from_pretrained(spec.pretrained_path, config=spec.config,
-                                     dtype=torch.float32)
+        model = auto.from_pretrained(spec.weights_dir, config=spec.config, dtype=torch.float32,
+                                     trust_remote_code=spec.trust_remote_code)
     else:
         torch.manual_seed(seed)
-        model = auto.from_config(spec.config, dtype=torch.float32)
+        model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
     # HF models default to the KV cache for generation; training never uses it.
     model.config.use_cache = False
     return model

@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from raylm.models.auto import model_class
+from raylm.models.auto import from_config
 
 __all__ = ["initial_state", "meta_skeleton", "MaterializeError"]
 
@@ -243,7 +243,7 @@ class _MetaFactories(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def trace_from_config(config):
+def trace_from_config(config, trust_remote_code: bool = False):
     """Run ``from_config`` (as ``build_model`` does) with every tensor on the meta device,
     recording every op. Returns (model, trace): the model's parameters *and* buffers are
     meta tensors; tied weights are tied. Leaves the caller's CPU generator untouched and
@@ -253,7 +253,7 @@ def trace_from_config(config):
     before = torch.get_rng_state()
     try:
         with _MetaFactories(), _Recorder(trace):
-            model = model_class(config).from_config(config, dtype=torch.float32)
+            model = from_config(config, trust_remote_code, dtype=torch.float32)
     except (RuntimeError, NotImplementedError) as e:
         # e.g. .item() on a meta tensor: the construction needs values it creates
         raise MaterializeError(f"{type(config).__name__} cannot be built on the meta device "
@@ -442,7 +442,7 @@ def meta_skeleton(spec, seed: int):
     """The model ``build_model(spec, seed)`` builds, with every parameter on the meta
     device and every buffer real (see ``raylm.models.loading.build_model``)."""
     config = spec.config
-    model, trace = trace_from_config(config)
+    model, trace = trace_from_config(config, spec.trust_remote_code)
     holders = _tensor_holders(model)
     if holders:
         target = _targets([(n, t) for n, (_, _, t) in holders.items()], trace)
@@ -461,7 +461,7 @@ def meta_skeleton(spec, seed: int):
                 setattr(module, attr, real)
     _params_to_meta(model)
     if spec.pretrained_path:
-        _load_buffers(model, spec.pretrained_path)
+        _load_buffers(model, spec.weights_dir)
         model.eval()  # as from_pretrained leaves it
     return model
 
@@ -519,7 +519,7 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
         yield from _pretrained_state(spec, seed, names)
         return
     config = copy.deepcopy(spec.config)
-    model, trace = trace_from_config(config)
+    model, trace = trace_from_config(config, spec.trust_remote_code)
     state = model.state_dict(keep_vars=True)
     wanted = _check_names(state, names)
     target = _targets([(n, t) for n, t in state.items() if n in wanted], trace)
@@ -625,7 +625,7 @@ def _pretrained_state(spec, seed, names) -> Iterator:
     state = model.state_dict(keep_vars=True)
     wanted = _check_names(state, names)
     groups = _tied_groups(model)
-    ckpt = _Checkpoint(spec.pretrained_path)
+    ckpt = _Checkpoint(spec.weights_dir)
     try:
         done = set()
         for name in state:

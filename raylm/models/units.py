@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raylm.models.auto import model_class
+from raylm.models.auto import from_config
 from raylm.models.families import Family, family_of
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def meta_model(spec) -> nn.Module:
     import torch
 
     with torch.device("meta"):
-        return model_class(spec.config).from_config(spec.config)
+        return from_config(spec.config, spec.trust_remote_code)
 
 
 def model_units(model: nn.Module, seq_len: int) -> tuple:

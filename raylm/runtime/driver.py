@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -790,21 +791,38 @@ class Driver:
         self._wait([w.save_pretrained.remote(out) for w in self.workers])
 
     def _eval(self, data: Data) -> dict:
-        plan = self.record.plan
+        """Evaluate: the loss and perplexity over every evaluation sample, and with
+        several validation sets each set's as well (eval_<name>_loss, as the Trainer
+        names the metrics of a dict of eval datasets); the overall loss is the
+        token-weighted mean of the sets'."""
         self._send_commit()
-        eval_ds = data.eval if data.eval is not data.train else None
-        refs = [w.evaluate.remote(self._eval_batches(data.eval_ids, plan.dims.index(r, "dp")),
-                                  eval_ds)
-                for r, w in enumerate(self.workers)]
-        out = _loss_result(self._wait(refs))
         step = self.record.step
-        results = {"eval_loss": out["eval_loss"], "perplexity": out["perplexity"],
-                   "eval_samples": len(data.eval_ids)}
+        sets = data.eval_sets or [(None, data.eval_ids)]
+        results, loss_sum, tokens = {}, 0.0, 0
+        for name, ids in sets:
+            out = self._eval_ids(data, ids)
+            loss_sum += out["eval_loss"] * out["eval_tokens"]
+            tokens += out["eval_tokens"]
+            if name is not None:
+                results[f"eval_{name}_loss"] = out["eval_loss"]
+                results[f"eval_{name}_perplexity"] = out["perplexity"]
+        loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out["eval_loss"]
+        results = {"eval_loss": loss, "perplexity": math.exp(min(loss, 700)),
+                   "eval_samples": len(data.eval_ids), **results}
         self.metrics.append({"step": step, **results})
-        self.progress.write(f"eval at step {step}: loss {out['eval_loss']:.4f}  "
-                            f"perplexity {out['perplexity']:.2f}")
+        self.progress.write(f"eval at step {step}: loss {loss:.4f}  perplexity "
+                            f"{results['perplexity']:.2f}" + "".join(
+                                f"  {name} {results[f'eval_{name}_loss']:.4f}"
+                                for name, _ in data.eval_sets))
         self.last_eval = (step, results)
         return results
+
+    def _eval_ids(self, data: Data, ids) -> dict:
+        plan = self.record.plan
+        eval_ds = data.eval if data.eval is not data.train else None
+        refs = [w.evaluate.remote(self._eval_batches(ids, plan.dims.index(r, "dp")), eval_ds)
+                for r, w in enumerate(self.workers)]
+        return _loss_result(self._wait(refs))
 
     def _eval_batches(self, eval_ids, dp_index: int) -> list:
         plan = self.record.plan

@@ -181,13 +181,14 @@ def read_metrics(path: str) -> list[dict]:
 def open_metrics(cfg, start_step: int = 0) -> MetricsLog:
     """The run's MetricsLog with the sinks of --report_to (checked before: prepare)."""
     name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
+    config = dict(cfg.to_dict(), token="<set>" if cfg.token else None)  # no secret in logs
     sinks = []
     for sink in reporting_to(cfg.report_to):
         if sink == "tensorboard":
             logdir = cfg.logging_dir or os.path.join(cfg.output_dir, "runs")
-            sinks.append(TensorBoardSink(logdir, name, cfg.to_dict(), start_step))
+            sinks.append(TensorBoardSink(logdir, name, config, start_step))
         elif sink == "wandb":
-            sinks.append(WandbSink(cfg.output_dir, name, cfg.to_dict()))
+            sinks.append(WandbSink(cfg.output_dir, name, config))
     return MetricsLog(cfg.output_dir, sinks)
 
 

@@ -32,6 +32,8 @@ class Inputs:
     block_size: int
     train_files: list
     eval_files: list
+    # With several --validation_file: each eval file's set name (eval_<name>_loss)
+    eval_names: list = field(default_factory=list)
     resume_from: Optional[str] = None  # checkpoint directory
     run_record: Optional[dict] = None  # of the run being resumed
 
@@ -42,31 +44,18 @@ class Data:
     eval: object  # TokenizedDataset the eval ids index into (None: no eval)
     train_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     eval_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # Several validation sets: [(name, ids)], reported each and together (eval_ids)
+    eval_sets: list = field(default_factory=list)
 
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
-    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
     from raylm.models.loading import resolve_block_size, resolve_model
     from raylm.models.objectives import check_objective
 
     _check_numbers(cfg)
     if not cfg.should_train and not cfg.should_eval:
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
-    if cfg.should_train:
-        train_files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
-                       else builtin_sample_files())
-        validate_files(train_files, cfg.text_column, "--train_file")
-    else:
-        train_files = []
-    eval_files = []
-    if cfg.validation_file:
-        eval_files = resolve_files(cfg.validation_file, "--validation_file")
-        validate_files(eval_files, cfg.text_column, "--validation_file")
-    elif not cfg.should_train and cfg.should_eval:
-        # Evaluate on the held-out split of --train_file (or of the built-in sample).
-        train_files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
-                       else builtin_sample_files())
-        validate_files(train_files, cfg.text_column, "--train_file")
+    train_files, eval_files, eval_names = _data_files(cfg)
     if not cfg.should_train and not cfg.model_name_or_path:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
@@ -75,10 +64,65 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     check_objective(spec.config, cfg.objective)
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
-                    eval_files=eval_files)
+                    eval_files=eval_files, eval_names=eval_names)
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
     return inputs
+
+
+def _data_files(cfg: TrainConfig) -> tuple[list[str], list[str], list[str]]:
+    """(training files, validation files, the validation files' set names), checked:
+    --dataset_name's splits, or --train_file / --validation_file (default: the built-in
+    sample). Evaluating alone without validation files evaluates on the held-out part of
+    the training files. Each --validation_file given (a file, directory or glob) is a
+    set of its own when there are several (names: ``eval_set_names``)."""
+    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+
+    if cfg.dataset_name:
+        from raylm.data.hf_datasets import dataset_files
+        from raylm.data.tokenized import default_cache_root
+
+        root = cfg.data_cache_dir if cfg.data_cache_dir and "://" not in cfg.data_cache_dir \
+            else default_cache_root()
+        train, evals = dataset_files(cfg, root)
+        validate_files(train + evals, cfg.text_column, "--dataset_name")
+        return ([] if evals and not cfg.should_train else train), evals, []
+
+    def training_files():
+        files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
+                 else builtin_sample_files())
+        validate_files(files, cfg.text_column, "--train_file")
+        return files
+
+    evals, names = [], []
+    if len(cfg.validation_file) > 1:
+        for spec, name in zip(cfg.validation_file, eval_set_names(cfg.validation_file)):
+            files = resolve_files([spec], "--validation_file")
+            evals += files
+            names += [name] * len(files)
+    elif cfg.validation_file:
+        evals = resolve_files(cfg.validation_file, "--validation_file")
+    validate_files(evals, cfg.text_column, "--validation_file")
+    if cfg.should_train or not evals:
+        return training_files(), evals, names
+    return [], evals, names
+
+
+def eval_set_names(specs: list[str]) -> list[str]:
+    """A metric name for each --validation_file: its file or directory name without the
+    extension, in letters, digits and underscores (a glob's fixed part); made unique
+    with a number where two would clash."""
+    import re
+
+    names = []
+    for spec in specs:
+        base = os.path.basename(spec.rstrip("/")) or "eval"
+        base = re.sub(r"[^A-Za-z0-9_]+", "_", base.split(".")[0]).strip("_") or "eval"
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -129,6 +173,16 @@ def _check_best_model(cfg: TrainConfig) -> None:
                           f"{cfg.early_stopping_patience})")
     if cfg.early_stopping_threshold < 0:
         raise ConfigError("--early_stopping_threshold must be >= 0")
+    if cfg.metric_for_best_model:
+        from raylm.runtime.best import metric_key
+
+        sets = eval_set_names(cfg.validation_file) if len(cfg.validation_file) > 1 else []
+        known = ["eval_loss", "perplexity"] + [f"eval_{n}_{m}" for n in sets
+                                               for m in ("loss", "perplexity")]
+        if metric_key(cfg.metric_for_best_model) not in known:
+            names = ["loss", "perplexity"] + [k[len("eval_"):] for k in known[2:]]
+            raise ConfigError(f"--metric_for_best_model {cfg.metric_for_best_model}: the "
+                              f"evaluation reports {', '.join(names)}")
     if not cfg.load_best_model_at_end:
         return
     if cfg.save_strategy != evals:
@@ -255,7 +309,7 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
         return build_tokenized_dataset(
             files, inputs.spec.tokenizer_dir, inputs.block_size,
             line_by_line=cfg.line_by_line, text_column=cfg.text_column,
-            cache_root=cfg.cache_dir, num_workers=cfg.preprocessing_num_workers,
+            cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
             keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache)
 
     train = build(inputs.train_files) if inputs.train_files else None
@@ -277,12 +331,21 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     # run_clm's --max_train_samples / --max_eval_samples: the first N samples.
     if cfg.max_train_samples is not None:
         train_ids = train_ids[:cfg.max_train_samples]
-    if cfg.max_eval_samples is not None:
+    eval_sets = []
+    if inputs.eval_names:  # several validation sets: each file's samples in its set
+        per_set = {}
+        for name, ids in zip(inputs.eval_names, eval_ds.file_ids()):
+            per_set.setdefault(name, []).append(ids)
+        eval_sets = [(name, np.concatenate(parts)[:cfg.max_eval_samples])
+                     for name, parts in per_set.items()]
+        eval_ids = np.concatenate([ids for _, ids in eval_sets])
+    elif cfg.max_eval_samples is not None:
         eval_ids = eval_ids[:cfg.max_eval_samples]
     if cfg.should_train and len(train_ids) == 0:
         raise ConfigError("no training samples left after the validation split; give more "
                           "data, a smaller --block_size or --validation_split_percentage")
-    return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids)
+    return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids,
+                eval_sets=eval_sets)
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
