@@ -10,3 +10,10 @@ class ConfigError(ValueError):
 
 class TrainingFailed(RuntimeError):
     """The run could not finish: more failures than ``--max_failures`` allows."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what
+    a ConfigError quotes of a library's error."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -22,17 +22,12 @@ import os
 import uuid
 from typing import Optional
 
-from raylm.errors import ConfigError
+from raylm.errors import ConfigError, first_line
 
 log = logging.getLogger("raylm")
 
 BUILDERS = ("json", "csv", "text", "parquet")
 EXPORT_DIR = "hf-datasets"
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def load_splits(cfg):
@@ -59,7 +54,7 @@ def load_splits(cfg):
             return datasets.load_dataset(name, data_files=data_files, **extra, **common)
         except Exception as e:
             raise ConfigError(f"--dataset_name {name}: cannot read {data_files}: "
-                              f"{_one_line(e)}") from None
+                              f"{first_line(e)}") from None
     if cfg.train_file or cfg.validation_file:
         raise ConfigError(f"--dataset_name {name} brings its own splits: drop --train_file "
                           "and --validation_file (or give --dataset_name json|csv|text|"
@@ -70,18 +65,18 @@ def load_splits(cfg):
         local = _cached_snapshot(name, cfg)
         if local is None:
             raise ConfigError(f"--dataset_name {name}: the Hub cannot be reached ("
-                              f"{_one_line(e)}) and the dataset is not in the cache "
+                              f"{first_line(e)}) and the dataset is not in the cache "
                               f"{cfg.cache_dir or '(Hugging Face default)'}") from None
         log.info("offline: %s from the Hub cache, %s", name, local)
         try:
             return datasets.load_dataset(local, config, **common)
         except Exception as e2:
             raise ConfigError(f"--dataset_name {name} (cached at {local}): "
-                              f"{_one_line(e2)}") from None
+                              f"{first_line(e2)}") from None
     except Exception as e:
         raise ConfigError(f"--dataset_name {name}"
                           + (f" --dataset_config_name {config}" if config else "")
-                          + f": {_one_line(e)}") from None
+                          + f": {first_line(e)}") from None
 
 
 def _cached_snapshot(name: str, cfg) -> Optional[str]:

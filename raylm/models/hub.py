@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from raylm.errors import ConfigError
+from raylm.errors import ConfigError, first_line
 
 # What a model needs to load: configs and tokenizer files, safetensors weights (and the
 # custom code of a --trust_remote_code model). PyTorch .bin weights only when a
@@ -75,8 +75,8 @@ def fetch(name: str, flag: str, revision: Optional[str], token: Optional[str],
                           "where there is a network (`hf download`), or give a local "
                           "directory") from None
     except Exception as e:  # network errors and the like: one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{flag} {name}: cannot fetch it from the Hub: {msg}") from None
+        raise ConfigError(f"{flag} {name}: cannot fetch it from the Hub: "
+                          f"{first_line(e)}") from None
     return path, HubRef(name, os.path.basename(os.path.normpath(path)), cache_dir, token)
 
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from raylm.errors import ConfigError
+from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config, model_class
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
 
@@ -88,13 +88,12 @@ def resolve_model(cfg) -> ModelSpec:
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as e:
-            msg = str(e).strip().splitlines()[0]
             if "trust_remote_code" in str(e):
                 raise ConfigError(f"{flag} {path}: the model's code comes with it, not with "
                                   "transformers: read it, then give --trust_remote_code "
                                   "to run it") from None
-            raise ConfigError(f"{flag}: cannot read a model config from {path}: {msg}") \
-                from None
+            raise ConfigError(f"{flag}: cannot read a model config from {path}: "
+                              f"{first_line(e)}") from None
 
     pretrained, hub = None, None
     if cfg.model_name_or_path:

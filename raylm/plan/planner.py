@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from raylm.errors import ConfigError
+from raylm.errors import ConfigError, first_line
 from raylm.models.loading import resolve_block_size, resolve_model
 from raylm.models.tensor_plans import check_tensor_parallel
 from raylm.models.units import meta_model
@@ -332,15 +332,21 @@ def _largest_part(mem: Memory) -> str:
 
 
 # -- from a TrainConfig --------------------------------------------------------------------
-def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
-    """The ModelShape of a resolved model (built once, on the meta device)."""
+def meta_shape(spec, seq_len: int, use_gpu: bool = False) -> tuple:
+    """(the resolved model built on the meta device, its ModelShape); a config
+    transformers refuses (heads not dividing the hidden size, ...) or one without a
+    hidden size is one ConfigError line."""
     try:
         model = meta_model(spec)
+        return model, model_shape(model, seq_len, use_gpu)
     except (ValueError, TypeError, AttributeError, AssertionError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"cannot build the model ({spec.config.model_type}) from its "
-                          f"config: {msg}") from None
-    return model_shape(model, seq_len, use_gpu)
+                          f"config: {first_line(e)}") from None
+
+
+def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
+    """The ModelShape of a resolved model (built once, on the meta device)."""
+    return meta_shape(spec, seq_len, use_gpu)[1]
 
 
 def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,

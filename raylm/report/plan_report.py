@@ -20,14 +20,12 @@ from typing import Optional
 from raylm.errors import ConfigError
 from raylm.models.families import family_of
 from raylm.models.loading import resolve_block_size, resolve_model
-from raylm.models.units import meta_model
 from raylm.parallel.pipeline.stages import cut
 from raylm.plan.cost import rank_memory, single_stage, stage_activation_bytes
 from raylm.plan.hardware import hardware_for
 from raylm.plan.inflight import peak_in_flight
 from raylm.plan.layout import plan_run
-from raylm.plan.planner import search_for_config
-from raylm.plan.shape import model_shape
+from raylm.plan.planner import meta_shape, search_for_config
 from raylm.plan.text import BYTES_PER_PARAM, human_bytes
 from raylm.plan.zero import STAGE_PARTITIONS, ZERO_STAGES, requested_zero_stage
 from raylm.report.ownership import ownership_lines, zero_ownership
@@ -63,14 +61,7 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     workers = cfg.num_workers or capacity or (
         1 if searched else max(1, cfg.dp or 1) * max(1, cfg.tp or 1) * max(1, cfg.pp or 1))
     hw = hardware_for(cfg, None if from_cluster else {})
-    try:
-        model = meta_model(spec)
-        shape = model_shape(model, seq_len, hw.use_gpu)
-    except (ValueError, TypeError, AttributeError, AssertionError) as e:
-        # A config transformers refuses (heads not dividing the hidden size, ...).
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"cannot build the model ({spec.config.model_type}) from its "
-                          f"config: {msg}") from None
+    model, shape = meta_shape(spec, seq_len, hw.use_gpu)
 
     # The plan itself is raylm train's (raylm.plan.layout.plan_run: the same function,
     # the same flags); the search around it supplies the alternatives and the figures.

@@ -23,7 +23,6 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -44,7 +43,7 @@ from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
 from raylm.runtime.best import BestTracker
-from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
+from raylm.runtime.metrics import MetricsLog, Progress, open_metrics, perplexity
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
@@ -365,9 +364,7 @@ class Driver:
                         failure = None
                     except WorkerFailure as again:
                         failure = again
-                if run.plan.world_size != size:
-                    self._event("resize", f"{size} -> {run.plan.world_size} rank(s) "
-                                f"({run.plan.dims.describe()})")
+                self._resize_event(size)
         self.progress.close()
         self.metrics.close()
         self._save_tokenizer(cfg.output_dir)
@@ -437,8 +434,7 @@ class Driver:
         self.last_grow_check = time.time()
         while run.step < steps:
             if self._grow_at_boundary():
-                self._event("resize", f"{plan.world_size} -> {run.plan.world_size} "
-                            f"rank(s) ({run.plan.dims.describe()})")
+                self._resize_event(plan.world_size)
                 return  # the caller runs the remaining steps under the larger plan
             # Every rank prepares the step (forward, backward, gradient sync, clip); once
             # all have, it is committed: each rank applies it first thing in its next
@@ -688,6 +684,13 @@ class Driver:
         self.metrics.append({"step": self.record.step, "event": event,
                              "world_size": self.record.plan.world_size, "detail": detail})
 
+    def _resize_event(self, before: int) -> None:
+        """A resize event when the group is no longer ``before`` ranks."""
+        plan = self.record.plan
+        if plan.world_size != before:
+            self._event("resize", f"{before} -> {plan.world_size} rank(s) "
+                        f"({plan.dims.describe()})")
+
     def _memory_report(self, results: list) -> None:
         """Log each rank's measured memory next to the planner's prediction, and keep both
         in output_dir/memory.json (the first step after each start of the group at
@@ -757,7 +760,7 @@ class Driver:
             "best_metric": self.best.best_metric,
             "best_global_step": self.best.best_step,
         })
-        self.best.mark_saved(run.step)
+        self.best.mark_saved(run.step)  # once committed: a failed save has no checkpoint
         if not model_only:
             run.checkpoint = path
         self.ckpt.rotate(self.cfg.save_total_limit, protect=self._best_path())
@@ -807,7 +810,7 @@ class Driver:
                 results[f"eval_{name}_loss"] = out["eval_loss"]
                 results[f"eval_{name}_perplexity"] = out["perplexity"]
         loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out["eval_loss"]
-        results = {"eval_loss": loss, "perplexity": math.exp(min(loss, 700)),
+        results = {"eval_loss": loss, "perplexity": perplexity(loss),
                    "eval_samples": len(data.eval_ids), **results}
         self.metrics.append({"step": step, **results})
         self.progress.write(f"eval at step {step}: loss {loss:.4f}  perplexity "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -19,6 +20,11 @@ from raylm.errors import ConfigError
 log = logging.getLogger("raylm")
 
 REPORT_TO = ("tensorboard", "wandb")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped where a float would overflow (a diverged run's loss)."""
+    return math.exp(min(loss, 700))
 
 
 def reporting_to(report_to: list) -> list[str]:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Optional
@@ -112,8 +113,6 @@ def eval_set_names(specs: list[str]) -> list[str]:
     """A metric name for each --validation_file: its file or directory name without the
     extension, in letters, digits and underscores (a glob's fixed part); made unique
     with a number where two would clash."""
-    import re
-
     names = []
     for spec in specs:
         base = os.path.basename(spec.rstrip("/")) or "eval"

@@ -9,13 +9,13 @@ losses move between ranks over the process groups; the driver only sees scalars.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
 from datetime import timedelta
 
 from raylm.parallel.mesh import build_mesh
+from raylm.runtime.metrics import perplexity
 from raylm.runtime.snapshots import SnapshotSender
 
 log = logging.getLogger("raylm")
@@ -453,7 +453,7 @@ class RankWorker:
         loss_sum, tokens = all_reduce_sum([loss_sum, tokens], e.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         self.busy_s += time.time() - t0
-        return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700)),
+        return {"eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
                 "eval_tokens": int(tokens), "has_loss": e.has_loss}
 
     # -- checkpoints and output ------------------------------------------------------------
