@@ -92,6 +92,28 @@ def run_config(args, name, dp, cache, work, **layout):
         cpus_per_worker=0.5, dp=dp, **layout)
 
 
+def on_local_ray(prefix: str, body) -> list:
+    """``body(cache, work)`` on a local 2-CPU Ray cluster with a scratch directory (its
+    block cache under it), both gone afterwards; body's result."""
+    import ray
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        return body(os.path.join(work, "cache"), work)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_json(args, rows: list) -> None:
+    """Every run's figures and the flags, to --json when given."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": rows}, f, indent=2)
+
+
 def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
     from raylm import train
 

@@ -243,9 +243,21 @@ class TrainConfig:
     dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "cluster")
     tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "cluster")
     pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "cluster")
-    sequence_parallel: bool = _f(
-        False, "With --tp > 1: run norms and dropouts on sequence shards too (activation "
-        "memory of those parts divided by tp).", "cluster")
+    sequence_parallel: Optional[bool] = _f(
+        None, "With --tp > 1: run norms and dropouts on sequence shards too (activation "
+        "memory of those parts divided by tp). Unset: off, or on where a tensor-parallel "
+        "layout needs it to fit --worker_memory_gb (see `raylm plan`).", "cluster")
+    gradient_checkpointing: bool = _f(
+        False, "Recompute each block's activations in backward instead of keeping them "
+        "(full recomputation: about a third more compute; --activation_checkpointing "
+        "selective for the cheaper kind).", "cluster")
+    activation_checkpointing: Optional[str] = _f(
+        None, "What each block keeps for backward: none; selective (its input and the "
+        "outputs of its matrix multiplies, attention and collectives: the element-wise "
+        "rest is recomputed); full (its input only: its forward runs again). Unset: "
+        "full with --gradient_checkpointing, else none, or what the planner needs to fit "
+        "--worker_memory_gb (see `raylm plan`).", "cluster",
+        choices=("none", "selective", "full"))
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule when pp > 1 (micro-batches per step = "
         "--gradient_accumulation_steps).", "cluster",

@@ -194,6 +194,11 @@ def assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root,
     (dict(tp=2, pp=2, num_workers=4, sequence_parallel=True, gradient_accumulation_steps=2),
      TINY_GPT2, "--sequence_parallel with --pp > 1"),
     (dict(tp=2, num_workers=3), TINY_GPT2, "does not equal --num_workers 3"),
+    (dict(pp=2, num_workers=2, pipeline_schedule="zero_bubble", gradient_accumulation_steps=2,
+          activation_checkpointing="selective"), TINY_GPT2,
+     "--activation_checkpointing selective with --pipeline_schedule zero_bubble"),
+    (dict(num_workers=1, gradient_checkpointing=True, activation_checkpointing="none"),
+     TINY_GPT2, "--gradient_checkpointing with --activation_checkpointing none"),
     # The test cluster's one node has 4 CPUs: one rank of 3.
     (dict(tp=2, num_workers=2, cpus_per_worker=3), TINY_GPT2,
      "--tp 2: a tensor-parallel group stays on one node, and the largest node here holds 1 "

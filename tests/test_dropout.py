@@ -109,6 +109,30 @@ def test_batch_composition_does_not_change_losses_or_grads(family, request):
     assert all((plain[k] - whole[0][k]).abs() > DIFFERENT for k in IDS)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputed_blocks_redraw_the_same_masks(mode):
+    """Activation checkpointing recomputes each block in backward, outside the context:
+    the recomputation replays it from the block's first call index, so losses and
+    gradients are those of keeping everything (float64: a wrong mask is ~1e-4 off)."""
+    from raylm.parallel.recompute import apply_activation_checkpointing
+
+    tokens = _tokens()
+    kept = _run(_gpt2(), tokens, [[10, 11], [12, 13]])
+    model = _gpt2()
+    assert apply_activation_checkpointing(model, mode) == 2
+    recomputed = _run(model, tokens, [[10, 11], [12, 13]])
+    _assert_same(kept, recomputed, tol=1e-12)
+    assert recomputed[2] == {7} and recomputed[3] == 0  # every dropout per-sample
+    # Without the replay, the recomputed dropouts are torch's own: other masks.
+    replay, SampleDropout.replay = SampleDropout.replay, lambda self, calls: SampleDropout(
+        self.seed + 1, self.step, self.sample_ids)
+    try:
+        other = _run(model, tokens, [[10, 11], [12, 13]])
+    finally:
+        SampleDropout.replay = replay
+    assert max((other[1][n] - kept[1][n]).abs().max() for n in kept[1]) > DIFFERENT
+
+
 def test_filler_rows_do_not_change_real_rows(gpt2):
     tokens = _tokens()
     tokens[-1] = tokens[13]

@@ -18,6 +18,7 @@ from raylm.runtime.prepare import check_inputs, prepare_data
 from tests.conftest import TINY_GPT2
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import single_process_reference
+from tests.test_pipeline import assert_recomputed
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -42,12 +43,16 @@ def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
                                     GLOBAL_BATCH, STEPS)
 
 
-@pytest.mark.parametrize("workers,accum", [(1, 4), (2, 2), (4, 1)])
-def test_data_parallel_matches_single_process(workers, accum, reference, ray_cluster,
-                                              corpus_dir, cache_root, tmp_path):
+# (workers, micro-batches per worker, activation checkpointing: recomputing the blocks
+# in backward is the same arithmetic, so the same losses)
+@pytest.mark.parametrize("workers,accum,recompute", [(1, 4, "none"), (2, 2, "selective"),
+                                                     (4, 1, "full")],
+                         ids=["1x4", "2x2-selective", "4x1-full"])
+def test_data_parallel_matches_single_process(workers, accum, recompute, reference,
+                                              ray_cluster, corpus_dir, cache_root, tmp_path):
     ref_losses = reference.losses
     cfg = tiny_config(tmp_path / "out", corpus_dir, cache_root, num_workers=workers,
-                      gradient_accumulation_steps=accum)
+                      gradient_accumulation_steps=accum, activation_checkpointing=recompute)
     result = train(cfg)
 
     assert_steps_match(result.history, reference, STEPS, label=f"{workers}x{accum}")
@@ -73,3 +78,4 @@ def test_data_parallel_matches_single_process(workers, accum, reference, ray_clu
     evals = [r for r in records if "eval_loss" in r]
     assert evals and evals[-1]["perplexity"] == pytest.approx(np.exp(evals[-1]["eval_loss"]))
     assert result.metrics["world_size"] == workers
+    assert_recomputed(result.output_dir, recompute)

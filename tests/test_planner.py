@@ -81,7 +81,7 @@ def _loss(logits, labels):
     return CausalLM().loss_sum(logits, labels)
 
 
-def _predicted(name, part_bounds=None, microbatches=2):
+def _predicted(name, part_bounds=None, microbatches=2, recompute="none"):
     """Per pp rank, the cost model's Memory for the layout (dp=1, tp=1)."""
     shape = model_shape(_model(name, "meta"), SEQ)
     hw = hardware_for(TrainConfig())  # CPU: float dropout masks
@@ -92,7 +92,7 @@ def _predicted(name, part_bounds=None, microbatches=2):
         part = partition(shape.embed, list(shape.blocks), shape.head, pp, "1f1b", 1,
                          [b[0] for b in part_bounds[1:]])
     layout = Layout(dims=ParallelDims(pp=pp), micro_batch_size=BATCH,
-                    microbatches=microbatches)
+                    microbatches=microbatches, recompute=recompute)
     return rank_memory(shape, part, layout, hw)
 
 
@@ -128,6 +128,47 @@ def test_single_rank_memory_matches_a_measured_run(name):
     err = _compare(measured, _predicted(name)[0])
     print(name, {k: f"{v:+.2%}" for k, v in err.items()})
     _assert_close(err, name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name):
+    """Activation checkpointing, each mode on the same model, data and dropout draws:
+    the same loss and gradients as keeping everything (fp32: the recomputed forward is
+    the same arithmetic), and the activations kept for backward, measured, drop to the
+    prediction's within 15% (GPT-2 here has dropout: the math attention path, whose
+    score matrices selective checkpointing recomputes)."""
+    from raylm.parallel.recompute import apply_activation_checkpointing
+
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        model = _model(name)
+        assert apply_activation_checkpointing(model, mode) == (0 if mode == "none" else 2)
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(1)  # the dropout draws
+        with ActivationMeter(model) as meter:
+            losses = []
+            for _ in range(2):
+                ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+                loss = _loss(model(input_ids=ids).logits, ids)
+                loss.backward()
+                losses.append(loss.item())
+                assert meter.live == 0
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        predicted = _predicted(name, recompute=mode)[0]
+        runs[mode] = (losses, grads, meter.peak, predicted)
+        err = predicted.activations / meter.peak - 1
+        print(name, mode, f"kept {meter.peak:,} B, predicted {predicted.activations:,.0f} "
+              f"({err:+.2%}); recomputation workspace {predicted.workspace:,.0f} B")
+        assert abs(err) < TOLERANCE, (name, mode, err)
+    base_losses, base_grads = runs["none"][:2]
+    for mode in ("selective", "full"):
+        losses, grads, kept, predicted = runs[mode]
+        assert losses == pytest.approx(base_losses, rel=1e-6, abs=0)
+        torch.testing.assert_close(grads, base_grads, rtol=1e-5, atol=1e-7)
+        # what it saves, measured and predicted, and the recomputation's transient
+        assert kept < runs["none"][2] and predicted.activations < runs["none"][3].activations
+        assert predicted.workspace > runs["none"][3].workspace
+    assert runs["full"][2] < runs["selective"][2]
 
 
 def _free_port() -> int:
@@ -312,9 +353,11 @@ def test_tiny_models_on_a_few_workers_stay_data_parallel(model_type, overrides):
 
 def test_a_model_that_does_not_fit_one_worker_is_split():
     # 16 MiB per worker: the tiny Llama's logits and activations need ~25 MiB on one
-    # rank; the planner keeps the fastest layout that fits, and says why dp lost.
+    # rank; the planner keeps the fastest layout that fits, and says why dp lost
+    # (recomputation ruled out: with it, dp=4 fits; see the test after this one).
     cfg = _cfg("llama", TINY_LLAMA, num_workers=4, worker_memory_gb=16 / 1024,
-               per_device_train_batch_size=8, gradient_accumulation_steps=2)
+               per_device_train_batch_size=8, gradient_accumulation_steps=2,
+               activation_checkpointing="none")
     search = search_for_config(cfg, 4)
     c = search.chosen
     assert c.fits and c.memory.total <= 16 * 2**20 and (c.tp, c.pp) != (1, 1)
@@ -390,6 +433,8 @@ DEEP_GPT2 = "n_layer=4,n_embd=128,n_head=4,n_positions=64"
 
 def _zero_cfg(overrides=STATES_GPT2, **kw) -> TrainConfig:
     kw.setdefault("per_device_train_batch_size", 1)
+    # ZeRO alone (recomputation is the planner's other way to fit: tested on its own)
+    kw.setdefault("activation_checkpointing", "none")
     return _cfg("gpt2", overrides, **kw)
 
 
@@ -683,6 +728,58 @@ def test_70b_llama_on_1024_workers_plans_in_seconds(capsys, zero):
         assert z >= 1 and stages[z]["chosen"] and stages[z]["fits"]
         assert not stages[z - 1]["fits"]
         assert c["zero_tried"] and all(c["zero_tried"][str(s)] > 80 * GIB for s in range(z))
+
+
+@pytest.mark.parametrize("model_type, overrides, flags, message", [
+    ("gpt_neox", "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,"
+     "intermediate_size=64,max_position_embeddings=64", ["--gradient_checkpointing"],
+     "raylm cuts 'gpt_neox' into stages by tracing it with torch.export"),
+    ("gpt2", TINY_GPT2, ["--activation_checkpointing", "selective", "--pipeline_schedule",
+                         "zero_bubble"], "selective with --pipeline_schedule zero_bubble"),
+])
+def test_recomputation_a_pipeline_cannot_run_is_one_error(capsys, model_type, overrides,
+                                                          flags, message):
+    rc = main(["plan", "--model_type", model_type, "--config_overrides", overrides,
+               "--block_size", "32", "--pp", "2", "--gradient_accumulation_steps", "4"]
+              + flags)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_70b_llama_at_sequence_4096_fits_with_what_the_planner_adds(capsys):
+    """The planner's own memory settings: at sequence 4096 no layout of the 1024 workers
+    fits in 80 GB with every activation kept and whole sequences on every tp rank; left
+    to the planner, sequence parallelism and recomputation are searched with the rest."""
+    args = ["plan", "--model_type", "llama", "--config_overrides", LLAMA_70B,
+            "--num_workers", "1024", "--block_size", "4096", "--per_device_train_batch_size",
+            "1", "--use_gpu", "--worker_memory_gb", "80"]
+    assert main(args + ["--activation_checkpointing", "none",
+                        "--sequence_parallel", "false"]) == 2
+    assert "no layout of 1024 worker(s) fits in 80.00 GiB" in capsys.readouterr().err
+    start = time.monotonic()
+    assert main(args + ["--json"]) == 0
+    elapsed = time.monotonic() - start
+    rep = json.loads(capsys.readouterr().out)
+    c, rc = rep["chosen"], rep["recompute"]
+    print(f"70B at 4096: {elapsed:.2f} s, {rep['layout']}, {rep['memory']['total'] / GIB:.1f} "
+          "GiB")
+    assert elapsed < 30 and rep["fits"] and rep["memory"]["total"] <= 80 * GIB
+    assert c["sequence_parallel"] or c["recompute"] != "none"
+    assert (c["recompute"], c["sequence_parallel"]) == (rc["recompute"],
+                                                         rc["sequence_parallel"])
+    assert rc["chosen_by"] == "planner: the fastest setting that fits"
+    options = {(o["recompute"], o["sequence_parallel"]): o for o in rc["options"]}
+    assert not options[("none", False)]["fits"]  # what the user would have had to fix
+    chosen = options[(c["recompute"], c["sequence_parallel"])]
+    assert chosen["chosen"] and chosen["fits"]
+    # The fastest that fits: every faster setting of this layout does not fit.
+    assert all(not o["fits"] for o in rc["options"] if o["step"] < chosen["step"] * 0.999)
+    # Full recomputation costs a forward more than keeping the activations.
+    assert options[("full", False)]["step"] > options[("none", False)]["step"] * 1.2
+    # The text says the same.
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "activation checkpointing (per worker" in out and "<- chosen" in out
 
 
 def test_plan_with_address_reads_the_cluster(ray_cluster, capsys):

@@ -19,7 +19,8 @@ import pytest
 
 from raylm import TrainConfig, train
 from tests.reference import reference_fixture
-from tests.test_pipeline import GLOBAL_BATCH, MICRO, STEPS, assert_parity, pp_config
+from tests.test_pipeline import (GLOBAL_BATCH, MICRO, STEPS, assert_parity, assert_recomputed,
+                                 pp_config)
 
 MODELS = {
     # Tied wte / lm_head; Conv1D layers (converted to nn.Linear under tp); 4 blocks so
@@ -44,29 +45,32 @@ def tp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
 reference = reference_fixture("tensor", tp_config, GLOBAL_BATCH, STEPS)
 
 
-LAYOUTS = [  # (dp, pp, tp, model, sequence parallel)
-    (1, 1, 2, "gpt2", False),
-    (1, 1, 4, "gpt2", False),
-    (1, 1, 2, "gpt2", True),
-    (1, 1, 2, "llama", False),
-    (1, 1, 2, "llama", True),
-    (2, 1, 2, "gpt2", False),
-    (1, 2, 2, "gpt2", False),
-    (1, 2, 2, "llama", False),
-    (2, 2, 2, "gpt2", False),  # 8 rank actors on one mesh
+LAYOUTS = [  # (dp, pp, tp, model, sequence parallel, activation checkpointing)
+    (1, 1, 2, "gpt2", False, "none"),
+    (1, 1, 4, "gpt2", False, "none"),
+    (1, 1, 2, "gpt2", True, "selective"),
+    (1, 1, 2, "llama", False, "none"),
+    (1, 1, 2, "llama", True, "selective"),
+    (2, 1, 2, "gpt2", False, "full"),
+    (1, 2, 2, "gpt2", False, "full"),
+    (1, 2, 2, "llama", False, "none"),
+    (2, 2, 2, "gpt2", False, "none"),  # 8 rank actors on one mesh
 ]
 
 
-@pytest.mark.parametrize("dp,pp,tp,model,sp", LAYOUTS,
+@pytest.mark.parametrize("dp,pp,tp,model,sp,recompute", LAYOUTS,
                          ids=[f"{m}-dp{d}-pp{p}-tp{t}{'-sp' if s else ''}"
-                              for d, p, t, m, s in LAYOUTS])
-def test_layout_matches_single_process(dp, pp, tp, model, sp, reference, ray_cluster,
-                                       corpus_dir, cache_root, tmp_path):
+                              + ("" if r == "none" else f"-{r}")
+                              for d, p, t, m, s, r in LAYOUTS])
+def test_layout_matches_single_process(dp, pp, tp, model, sp, recompute, reference,
+                                       ray_cluster, corpus_dir, cache_root, tmp_path):
     cfg = tp_config(tmp_path / "out", corpus_dir, cache_root, model, dp=dp, pp=pp, tp=tp,
-                    num_workers=dp * pp * tp, sequence_parallel=sp)
+                    num_workers=dp * pp * tp, sequence_parallel=sp,
+                    activation_checkpointing=recompute)
     result = train(cfg)
     assert result.metrics["world_size"] == dp * pp * tp
     assert_parity(result, reference(model))  # includes the unpadded vocabulary (4099)
+    assert_recomputed(result.output_dir, recompute)
     if (model, pp, tp) != ("llama", 2, 2):
         assert_memory_predicted(result.output_dir, dp * pp * tp)
     # Not yet for Llama's pipeline stages: in the rank actors their first stage saves

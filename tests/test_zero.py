@@ -18,7 +18,7 @@ import pytest
 from raylm import train
 from raylm.plan.zero import theory_bytes
 from tests.reference import reference_fixture
-from tests.test_pipeline import GLOBAL_BATCH, STEPS, assert_parity
+from tests.test_pipeline import GLOBAL_BATCH, STEPS, assert_parity, assert_recomputed
 from tests.test_tensor_layouts import tp_config
 
 # Single-process losses and final weights (the tensor-layout tests' models: GPT-2 with a
@@ -31,28 +31,31 @@ def zero_config(out, corpus, cache_root, model="gpt2", **kw):
     return tp_config(out, corpus, cache_root, model, **kw)
 
 
-RUNS = [  # (stage, dp, pp, tp)
-    (1, 2, 1, 1), (1, 4, 1, 1),
-    (2, 2, 1, 1), (2, 4, 1, 1),
-    (3, 2, 1, 1), (3, 4, 1, 1),
+RUNS = [  # (stage, dp, pp, tp, activation checkpointing)
+    (1, 2, 1, 1, "none"), (1, 4, 1, 1, "none"),
+    (2, 2, 1, 1, "selective"), (2, 4, 1, 1, "none"),
+    (3, 2, 1, 1, "none"), (3, 4, 1, 1, "full"),
     # with a pipeline, with tensor parallelism (4 rank actors each)
-    (2, 2, 2, 1), (3, 2, 2, 1),
-    (1, 2, 1, 2), (3, 2, 1, 2),
+    (2, 2, 2, 1, "none"), (3, 2, 2, 1, "selective"),
+    (1, 2, 1, 2, "none"), (3, 2, 1, 2, "full"),
 ]
 
 
-@pytest.mark.parametrize("stage,dp,pp,tp", RUNS,
+@pytest.mark.parametrize("stage,dp,pp,tp,recompute", RUNS,
                          ids=[f"stage{s}-dp{d}" + (f"-pp{p}" if p > 1 else "") +
-                              (f"-tp{t}" if t > 1 else "") for s, d, p, t in RUNS])
-def test_zero_matches_single_process(stage, dp, pp, tp, reference, ray_cluster, corpus_dir,
-                                     cache_root, tmp_path):
+                              (f"-tp{t}" if t > 1 else "") + ("" if r == "none" else f"-{r}")
+                              for s, d, p, t, r in RUNS])
+def test_zero_matches_single_process(stage, dp, pp, tp, recompute, reference, ray_cluster,
+                                     corpus_dir, cache_root, tmp_path):
     cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=dp, pp=pp, tp=tp,
                       num_workers=dp * pp * tp, zero_stage=stage,
-                      cpus_per_worker=0.5 if dp * pp * tp > 2 else 1.0)
+                      cpus_per_worker=0.5 if dp * pp * tp > 2 else 1.0,
+                      activation_checkpointing=recompute)
     result = train(cfg)
     assert result.metrics["world_size"] == dp * pp * tp
     assert_parity(result, reference("gpt2"))
     assert_zero_memory(result.output_dir, stage, dp, pp * tp)
+    assert_recomputed(result.output_dir, recompute)
 
 
 def assert_zero_memory(output_dir, stage, dp, group):

@@ -58,7 +58,6 @@ FOREIGN = {
     "fp16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
     "bf16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
     "torch_dtype": f"loading in another dtype {_NOT_YET}: raylm trains in fp32",
-    "gradient_checkpointing": f"activation checkpointing {_NOT_YET}",
     "torch_compile": f"compile {_NOT_YET}",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",

@@ -22,8 +22,9 @@ DTensor), the other random dropouts (``dropout1d/2d/3d``, ``alpha_dropout``,
 ``feature_alpha_dropout``) and ``scaled_dot_product_attention`` with ``dropout_p > 0``
 (use ``attn_implementation="eager"`` for attention dropout to be per-sample).
 
-Not compatible with activation checkpointing that recomputes the forward in backward: the
-recomputation would draw with new call indices (or outside the context).
+Activation checkpointing recomputes a block's forward in backward, outside the context:
+``SampleDropout.current()`` (the context open when the block first ran) and
+``replay(calls)`` let it redraw the very masks (raylm.parallel.recompute).
 """
 
 from __future__ import annotations
@@ -95,6 +96,29 @@ class SampleDropout(TorchFunctionMode):
         self.sample_ids = [int(i) for i in sample_ids]
         self.calls = 0
         self.fallbacks = 0
+
+    _open: list = []  # the contexts open now, innermost last
+
+    def __enter__(self):
+        SampleDropout._open.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        SampleDropout._open.remove(self)
+        return super().__exit__(*exc)
+
+    @classmethod
+    def current(cls):
+        """The innermost open context, or None."""
+        return cls._open[-1] if cls._open else None
+
+    def replay(self, calls: int) -> "SampleDropout":
+        """A context that draws this one's masks again from call index ``calls`` on
+        (a checkpointed block recomputed in backward: its dropouts were calls
+        ``calls``, ``calls + 1``, ... the first time)."""
+        again = SampleDropout(self.seed, self.step, self.sample_ids)
+        again.calls = calls
+        return again
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -107,6 +107,30 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
                  matmul_flops(head.values())))
 
 
+def transformer_blocks(model: nn.Module) -> list:
+    """The repeated blocks of a model: the elements of its outermost ModuleLists of
+    same-type modules that hold parameters (GPT-2's h, Llama's layers, T5's encoder and
+    decoder blocks, BERT's layers)."""
+    from torch import nn
+
+    blocks, seen = [], set()
+
+    def visit(module):
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) > 0 and \
+                    len({type(m) for m in child}) == 1 and \
+                    any(True for _ in child[0].parameters()):
+                for m in child:
+                    if id(m) not in seen:
+                        seen.add(id(m))
+                        blocks.append(m)
+                continue
+            visit(child)
+
+    visit(model)
+    return blocks
+
+
 def is_t5(config) -> bool:
     return getattr(config, "model_type", None) == "t5"
 

@@ -37,7 +37,19 @@ residual stream and the inputs of column-parallel matmuls are replicated. Sequen
 parallelism divides the norm and residual-stream terms (not the column-parallel inputs,
 which are all-gathered before the matmul saves them).
 
-Assumptions: no activation recomputation; no padding mask (packed blocks; padded
+Under activation checkpointing (raylm.parallel.recompute) a block keeps, per token:
+  * full: its input (h; sequence-sharded under sequence parallelism)
+  * selective: its input, and the outputs of its matrix multiplies (column-parallel:
+    qkv or q/k/v, fc or gate/up, divided by tp; row-parallel: the two projections back
+    to h, whole), of the fused attention kernel (output h and logsumexp a, divided by
+    tp; the math path's attention is element-wise and batched products: recomputed),
+    and under tensor parallelism of its collectives (without sequence parallelism two
+    all-reduced outputs of h; with it two all-gathered inputs of h and two
+    reduce-scattered outputs of h / tp)
+and while a block's backward runs, its recomputed activations exist for that block
+alone: the cost model counts them as workspace (``recompute_bytes``).
+
+Assumptions: no padding mask (packed blocks; padded
 line-by-line data can force SDPA's math path); other families are modelled like GPT-2
 with their own activation and dropout settings (an approximation). Not counted here:
 transient buffers (logits, gradients in flight), see ``workspace`` in the cost model.
@@ -47,6 +59,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raylm.errors import ConfigError
+
+RECOMPUTE_MODES = ("none", "selective", "full")  # activation checkpointing, least first
 FLOAT = 4  # fp32
 INDEX = 8  # int64 ids and labels
 
@@ -82,14 +97,37 @@ class ActivationRecipe:
     vocab: int = 0  # log-softmax output per label token (divided by tp)
     # once per micro-batch and stage, whatever its batch size (rotary tables)
     per_stage: float = 0.0
+    # kept by selective checkpointing besides the block's input (h)
+    hidden: int = 0
+    kept_full: float = 0.0  # row-parallel matmul outputs
+    kept_split: float = 0.0  # column-parallel matmul and fused attention outputs
     description: str = ""
 
     def block_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
-                    mask_bytes: int) -> float:
+                    mask_bytes: int, recompute: str = "none") -> float:
+        """Bytes one block keeps for its backward (``recompute``: the activation
+        checkpointing mode, raylm.parallel.recompute.MODES)."""
         sd = tp if sp else 1
+        h = self.hidden
+        if recompute == "full":
+            return tokens * FLOAT * h / sd
+        if recompute == "selective":
+            seq, full = h + (2 * h if sp and tp > 1 else 0), self.kept_full
+            if tp > 1:
+                full += 2 * h  # all-reduced outputs, or all-gathered inputs under sp
+            return tokens * FLOAT * (seq / sd + full + self.kept_split / tp)
         el = self.seq / sd + self.full + self.split / tp + self.scores * seq_len / tp
         masks = self.masks / sd + self.score_masks * seq_len / tp
         return tokens * (FLOAT * el + mask_bytes * masks)
+
+    def recompute_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
+                        mask_bytes: int, recompute: str) -> float:
+        """What recomputing one block brings back for its backward (0 without
+        checkpointing): its activations less what it kept."""
+        if recompute == "none":
+            return 0.0
+        return max(0.0, self.block_bytes(tokens, seq_len, tp, sp, mask_bytes)
+                   - self.block_bytes(tokens, seq_len, tp, sp, mask_bytes, recompute))
 
     def embed_bytes(self, tokens: int, tp: int, sp: bool, mask_bytes: int) -> float:
         sd = tp if sp else 1
@@ -103,6 +141,22 @@ class ActivationRecipe:
 
     def stage_bytes(self, seq_len: int) -> float:
         return FLOAT * self.per_stage * seq_len
+
+
+def requested_recompute(cfg):
+    """The activation checkpointing mode the flags ask for: --activation_checkpointing,
+    or full for --gradient_checkpointing alone; None (unset): the planner's choice, none
+    unless memory is short."""
+    mode = getattr(cfg, "activation_checkpointing", None)
+    if getattr(cfg, "gradient_checkpointing", False):
+        if mode == "none":
+            raise ConfigError("--gradient_checkpointing with --activation_checkpointing "
+                              "none: drop one (selective or full recomputes)")
+        return mode or "full"
+    if mode is not None and mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"--activation_checkpointing {mode}: one of "
+                          f"{', '.join(RECOMPUTE_MODES)}")
+    return mode
 
 
 def _first(config, names, default=None):
@@ -145,6 +199,7 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
         resid_p = embd_p = 0.0  # no dropout on the residual stream
     path = attention_path(config, attn_p, use_gpu)
     scores = score_masks = 0.0
+    kept_attn = h + a if path == "fused" else 0.0  # the kernel's output and logsumexp
     if path == "fused":
         attn = (2 * h + 2 * kvd + a) if llama else (4 * h + a)
     else:
@@ -164,5 +219,7 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
         embed_masks=h if embd_p > 0 else 0.0,
         head_seq=head_norm, head_full=h, vocab=vocab,
         per_stage=2 * head_dim if llama else 0.0,
+        hidden=h, kept_full=2 * h,  # the attention output and MLP down projections
+        kept_split=((h + 2 * kvd) if llama else 3 * h) + (2 * I if gated else I) + kept_attn,
         description=(f"{'llama' if llama else 'gpt2'}-style block, attention {path}"
                      f"{', dropout' if resid_p > 0 or attn_p > 0 else ''}"))

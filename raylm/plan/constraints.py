@@ -33,3 +33,23 @@ def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str)
     return (f"--tp {tp} with --pp {pp}: raylm cuts '{model_type}' into stages by tracing it "
             "with torch.export, which does not take tensor-parallel layers; use one of the "
             "two, or a model type raylm has stages for")
+
+
+def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,
+                      model_type: str) -> str:
+    """Activation checkpointing wraps the blocks' forward: the generic pipeline split
+    traces the model with torch.export into graphs that have no blocks left to wrap; and
+    the zero-bubble schedule runs each stage's backward in two passes (inputs, then
+    weights), which torch's selective checkpointing refuses (its cache of saved outputs
+    is used up by the first)."""
+    if recompute in (None, "none") or pp <= 1:
+        return ""
+    if not own_stages:
+        return (f"activation checkpointing with --pp {pp}: raylm cuts '{model_type}' into "
+                "stages by tracing it with torch.export, whose graphs have no blocks to "
+                "checkpoint; use one of the two, or a model type raylm has stages for")
+    if recompute == "selective" and schedule == "zero_bubble":
+        return ("--activation_checkpointing selective with --pipeline_schedule zero_bubble: "
+                "the schedule's split backward runs each block's backward twice, which "
+                "selective checkpointing cannot; use full, or another schedule")
+    return ""

@@ -18,7 +18,8 @@ Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
 * workspace: transient and pipeline buffers: the logits and their gradient on the stage
   with the head (2 x tokens x vocab / tp, plus the cached output under a pipeline), a
   block's widest gradient elsewhere, and torch.distributed.pipelining's per-micro-batch
-  receive buffers (activations into a non-first stage, gradients into a non-last one).
+  receive buffers (activations into a non-first stage, gradients into a non-last one);
+  with activation checkpointing, one block's recomputed activations.
 
 Step time per optimizer step (one rank's view; ranks of a pipeline wait for the slowest):
 
@@ -45,7 +46,9 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   all-gather; stage 3 all-gathers each block's parameters in every micro-batch's forward
   and backward (prefetched: only what the compute does not hide counts) and
   reduce-scatters every micro-batch's gradients, with no all-gather after the step;
-* the optimizer step and gradient clipping stream ~32 bytes per parameter it updates.
+* the optimizer step and gradient clipping stream ~32 bytes per parameter it updates;
+* activation checkpointing: full adds each block's forward again, selective its
+  element-wise ops, memory-bound (``recompute_time``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Layout:
     virtual: int = 1  # stages per pp rank
     sequence_parallel: bool = False
     zero_stage: int = 0
+    recompute: str = "none"  # activation checkpointing: none, selective or full
 
     dp = property(lambda self: self.dims.dp)
     tp = property(lambda self: self.dims.tp)
@@ -155,7 +159,7 @@ def stage_activation_bytes(shape: ModelShape, part: Partition, layout: Layout,
     """Activation bytes one micro-batch leaves on each stage."""
     tokens = layout.micro_batch_size * shape.seq_len
     rec, tp, sp = shape.recipe, layout.tp, layout.sequence_parallel
-    block = rec.block_bytes(tokens, shape.seq_len, tp, sp, hw.mask_bytes)
+    block = rec.block_bytes(tokens, shape.seq_len, tp, sp, hw.mask_bytes, layout.recompute)
     last = part.num_stages - 1
     acts = []
     for s, (a, b) in enumerate(part.bounds):
@@ -181,6 +185,10 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
     boundary = tokens * shape.hidden * FP32 / (tp if layout.sequence_parallel else 1)
     logits = 2 * tokens * shape.vocab / tp * FP32
     widest = 2 * tokens * max(shape.intermediate / tp, shape.hidden) * FP32
+    # A checkpointed block's recomputed activations, while its backward runs.
+    recomputed = shape.recipe.recompute_bytes(tokens, shape.seq_len, tp,
+                                              layout.sequence_parallel, hw.mask_bytes,
+                                              layout.recompute)
     last = part.num_stages - 1
     out = []
     for r, (total, split) in enumerate(_rank_stage_params(shape, part, pp)):
@@ -189,6 +197,8 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         states = theory_bytes(psi, zero, dp, param_bytes=FP32)  # (ValueError: no such stage)
         params, grads, opt = states["parameters"], states["gradients"], states["optimizer"]
         work = logits * (1.5 if pp > 1 else 1.0) if last in stages else widest
+        if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):
+            work += recomputed
         if zero >= 3:
             biggest = max((u.params for u in shape.blocks), default=0)
             work += 3 * FP32 * biggest / tp  # two blocks gathered, one block's gradient
@@ -199,6 +209,21 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
                           activations=rank_act[r], workspace=work,
                           in_flight=max(held[s] for s in stages), param_count=psi))
     return out
+
+
+def recompute_time(shape: ModelShape, layout: Layout, hw: Hardware, tokens: int) -> float:
+    """Seconds one block's activation checkpointing adds to a micro-batch: full runs its
+    forward again (its FLOPs); selective recomputes only element-wise ops, memory-bound:
+    what they bring back, written once and read once."""
+    if layout.recompute == "none":
+        return 0.0
+    if layout.recompute == "full":
+        mean_flops = sum(u.flops for u in shape.blocks) / max(1, len(shape.blocks))
+        return mean_flops * tokens / layout.tp / hw.worker_flops
+    again = shape.recipe.recompute_bytes(tokens, shape.seq_len, layout.tp,
+                                         layout.sequence_parallel, hw.mask_bytes,
+                                         layout.recompute)
+    return 2 * again / hw.memory_bw
 
 
 def allreduce_time(nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -229,6 +254,7 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         flops = sum(part.stage_flops(s) for s in stages)
         compute = 3 * flops * tokens / tp / hw.worker_flops
         blocks = sum(part.bounds[s][1] - part.bounds[s][0] for s in stages)
+        compute += blocks * recompute_time(shape, layout, hw, tokens)
         n_ar = 4 * blocks + (0 in stages) + (last in stages)
         tp_c = n_ar * tp_msg if tp > 1 else 0.0
         sends = sum((s < last) + (s > 0) for s in stages) if pp > 1 else 0

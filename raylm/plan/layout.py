@@ -17,7 +17,9 @@ from raylm.errors import ConfigError
 from raylm.models.families import family_of
 from raylm.models.tensor_plans import check_tensor_parallel
 from raylm.models.units import has_own_stages, meta_model, model_units
-from raylm.plan.constraints import sequence_parallel_problem, tensor_pipeline_problem
+from raylm.plan.activations import requested_recompute
+from raylm.plan.constraints import (recompute_problem, sequence_parallel_problem,
+                                    tensor_pipeline_problem)
 from raylm.plan.dims import ParallelDims
 from raylm.plan.partition import (check_schedule, parse_pp_split, partition,
                                   virtual_stages)
@@ -37,6 +39,7 @@ class Plan:
     stage_bounds: tuple = ()
     seq_len: int = 0  # tokens per sample (a generic, exported stage is traced at it)
     sequence_parallel: bool = False  # tp > 1: norms and dropouts on sequence shards
+    recompute: str = "none"  # activation checkpointing: none, selective or full
     zero_stage: int = 0  # ZeRO over each dp group (raylm.plan.zero)
     cpu_offload: bool = False  # zero_stage 3 on GPUs: shards and optimizer states in host memory
 
@@ -74,6 +77,8 @@ class Plan:
                      f"(blocks {stages})")
         if self.zero_stage > 0:
             text += f"; {describe_zero(self.zero_stage, self.dp, self.cpu_offload)}"
+        if self.recompute != "none":
+            text += f"; {self.recompute} activation checkpointing"
         return text
 
     def resized(self, num_workers: int) -> "Plan":
@@ -110,8 +115,12 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
     The ZeRO stage: --zero_stage (or --zero_optimization, stage 1) when given; else 0,
     unless the layout does not fit the worker memory at stage 0 and dp > 1: then the
     lowest stage (1, 2, 3) whose predicted memory fits (the planner chooses it per
-    layout; for a layout the flags fix, it is evaluated here), 0 when none fits."""
+    layout; for a layout the flags fix, it is evaluated here), 0 when none fits.
+    Sequence parallelism and activation checkpointing alike: the flags' when given, else
+    off and none unless the layout needs them to fit (the fastest setting that fits)."""
     zero = requested_zero_stage(cfg)  # before anything else: one line, no actor
+    recompute = requested_recompute(cfg)
+    sp = cfg.sequence_parallel  # None: the planner's
     for name in ("dp", "tp", "pp", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0")
@@ -145,6 +154,7 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
         schedule = chosen.schedule if pp > 1 else schedule
         if zero is None:
             zero = chosen.zero_stage if num_workers // (tp * pp) > 1 else 0
+        sp, recompute = chosen.sequence_parallel, chosen.recompute
     if num_workers < tp * pp:
         raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
                           "replica")
@@ -152,15 +162,17 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
     if dp * tp * pp != num_workers:
         raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
                           f"--num_workers {num_workers}")
-    if zero is None:
-        zero = 0 if dp <= 1 else lowest_fitting_stage(cfg, dp, tp, pp, spec, seq_len, hw)
+    if (zero is None and dp > 1) or (sp is None and tp > 1) or recompute is None:
+        zero, sp, recompute = memory_settings(
+            cfg, dp, tp, pp, spec, seq_len, hw, zero if zero is not None or dp > 1 else 0,
+            sp if sp is not None or tp > 1 else False, recompute)
     return Plan(dims=ParallelDims(dp=dp, pp=pp, tp=tp),
                 micro_batch_size=cfg.per_device_train_batch_size,
                 global_batch_size=cfg.per_device_train_batch_size * accum * dp,
                 cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
                 schedule=schedule,
-                sequence_parallel=bool(cfg.sequence_parallel and tp > 1),
-                zero_stage=zero, cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
+                sequence_parallel=bool(sp and tp > 1), recompute=recompute,
+                zero_stage=zero or 0, cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
 
 
 def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
@@ -183,25 +195,31 @@ def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
         plan = dataclasses.replace(plan, global_batch_size=int(global_batch_size))
     check_tensor_layout(spec, plan, seq_len)
     check_zero_layout(spec, plan)
+    problem = recompute_problem(plan.recompute, plan.pp, plan.schedule,
+                                has_own_stages(spec.config), spec.config.model_type)
+    if problem:
+        raise ConfigError(problem)
     if plan.pp == 1:
         return plan, None
     return plan_pipeline(cfg, spec, plan, seq_len)
 
 
-def lowest_fitting_stage(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None,
-                         hw=None) -> int:
-    """For a layout the flags fix and an unset ZeRO stage: 0 if its predicted memory
-    fits the worker memory, else the lowest stage that fits, else 0 (the layout's own
-    errors, or the run, tell what does not fit). The cost model's prediction, as the
-    planner makes it (raylm.plan.planner.evaluate_layout)."""
+def memory_settings(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None, hw=None,
+                    zero=None, sp=None, recompute=None) -> tuple:
+    """For a layout the flags fix: (ZeRO stage, sequence parallelism, activation
+    checkpointing), those given as they are and those left None as the planner would
+    set them for it (raylm.plan.planner.evaluate_layout: nothing it does not need to
+    fit the worker memory); when the layout fits at no setting, or cannot be evaluated,
+    the least machinery (the layout's own errors, or the run, tell what does not fit)."""
+    least = (zero or 0, bool(sp), recompute or "none")
     try:
         c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
-                            zero_stage=None)
+                            zero_stage=zero, sequence_parallel=sp, recompute=recompute)
     except (ConfigError, ValueError):
-        return 0  # a layout or model the checks after planning explain
+        return least  # a layout or model the checks after planning explain
     if c is None or c.problem or not c.fits:
-        return 0
-    return c.layout.zero_stage
+        return least
+    return c.layout.zero_stage, c.layout.sequence_parallel, c.layout.recompute
 
 
 def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):

@@ -38,7 +38,9 @@ from raylm.errors import ConfigError, first_line
 from raylm.models.loading import resolve_block_size, resolve_model
 from raylm.models.tensor_plans import check_tensor_parallel
 from raylm.models.units import meta_model
-from raylm.plan.constraints import sequence_parallel_problem, tensor_pipeline_problem
+from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
+from raylm.plan.constraints import (recompute_problem, sequence_parallel_problem,
+                                    tensor_pipeline_problem)
 from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
 from raylm.plan.dims import ParallelDims
 from raylm.plan.hardware import Hardware, hardware_for
@@ -87,6 +89,10 @@ class Candidate:
             text += f" {self.schedule}"
         if self.zero_stage:
             text += f" ZeRO-{self.zero_stage}"
+        if self.layout.sequence_parallel:
+            text += " sequence-parallel"
+        if self.layout.recompute != "none":
+            text += f" {self.layout.recompute}-recompute"
         return text
 
     def least_memory(self) -> float:
@@ -100,6 +106,7 @@ class Candidate:
                 "microbatches": self.microbatches, "schedule": self.schedule,
                 "virtual": self.layout.virtual,
                 "sequence_parallel": self.layout.sequence_parallel,
+                "recompute": self.layout.recompute,
                 "zero_stage": self.layout.zero_stage,
                 "stage_bounds": [list(b) for b in self.stage_bounds],
                 "fits": self.fits, "problem": self.problem or None,
@@ -139,13 +146,16 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
                    micro_batch_size: int, global_batch: int, dp: int = 0, tp: int = 0,
                    pp: int = 0, schedules: tuple = AUTO_SCHEDULES,
                    pp_virtual_stages: int = 2, pp_split: Optional[list] = None,
-                   sequence_parallel: bool = False, zero_stage: Optional[int] = 0,
+                   sequence_parallel: Optional[bool] = False,
+                   zero_stage: Optional[int] = 0, recompute: Optional[str] = "none",
                    prefer: Optional[tuple] = None) -> Search:
     """Every layout of ``num_workers`` workers, ranked. ``dp``/``tp``/``pp`` nonzero fix
     that dimension. ``prefer`` = (dp, tp, pp, schedule): take that candidate as the
     chosen one whatever its rank (the user's own layout), the others ranked against it.
     ``zero_stage``: every layout at that ZeRO stage; None: per layout, the lowest stage
-    that fits (see the module doc).
+    that fits (see the module doc). ``sequence_parallel`` and ``recompute`` (activation
+    checkpointing): every layout with that setting; None: per layout, the fastest
+    setting that fits (see the module doc).
     """
     t0 = time.perf_counter()
     parts: dict = {}
@@ -162,7 +172,7 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
             for sched in (schedules if p > 1 else schedules[:1]):
                 cands.append(_candidate(shape, hw, parts, d, t, p, sched, micro_batch_size,
                                         global_batch, pp_virtual_stages, pp_split,
-                                        sequence_parallel, zero_stage))
+                                        sequence_parallel, zero_stage, recompute))
     if not cands:
         raise ConfigError(f"no layout dp x tp x pp = {num_workers} matches dp={dp or 'any'} "
                           f"tp={tp or 'any'} pp={pp or 'any'}")
@@ -190,12 +200,13 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
 
 
 def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_virtual,
-               split, sp, zero) -> Candidate:
+               split, sp, zero, recompute) -> Candidate:
     virtual = virtual_stages(schedule, pp_virtual) if pp > 1 else 1
     m = global_batch // (dp * mbs)
     layout = Layout(dims=ParallelDims(dp=dp, pp=pp, tp=tp), micro_batch_size=mbs,
                     microbatches=max(1, m), schedule=schedule, virtual=virtual,
-                    sequence_parallel=sp and tp > 1, zero_stage=zero or 0)
+                    sequence_parallel=bool(sp) and tp > 1, zero_stage=zero or 0,
+                    recompute=recompute or "none")
     c = Candidate(layout)
     if tp > 1:  # the model's own limits first: the most useful reason to show
         c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
@@ -208,7 +219,9 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     if c.problem:
         return c
     sp_or_tp = (sequence_parallel_problem(tp, pp, layout.sequence_parallel, shape.seq_len)
-                or tensor_pipeline_problem(tp, pp, shape.own_stages, shape.model_type))
+                or tensor_pipeline_problem(tp, pp, shape.own_stages, shape.model_type)
+                or recompute_problem(layout.recompute, pp, schedule, shape.own_stages,
+                                     shape.model_type))
     if sp_or_tp:
         c.problem = sp_or_tp
     elif pp > 1 and not shape.cuttable:
@@ -242,13 +255,46 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
         c.problem = part
         return c
     c.stage_bounds = tuple(tuple(b) for b in part.bounds)
+    # Each memory setting left to the planner (sequence parallelism, recomputation), at
+    # the lowest ZeRO stage that fits when that is left to it too: the fastest that
+    # fits, ties to the earlier (less machinery); else the one needing the least memory.
+    best = None
+    for option in _memory_options(layout, shape, parts, sp, recompute):
+        o = _lowest_stage(Candidate(option, c.stage_bounds), shape, part, hw, zero)
+        if best is None or (o.fits and not best.fits) or (
+                o.fits and o.time.step < best.time.step * (1 - SAME_TIME)) or (
+                not o.fits and not best.fits and o.least_memory() < best.least_memory()):
+            best = o
+    return best
+
+
+def _memory_options(layout: Layout, shape: ModelShape, cache: dict, sp, recompute) -> list:
+    """The layout under each setting the flags leave open, least machinery first:
+    sequence parallelism (tp > 1, where the model and layout take it), then selective and
+    full recomputation (where the blocks can be wrapped: raylm's own stages)."""
+    tp, pp = layout.tp, layout.pp
+    sps = [layout.sequence_parallel]
+    if sp is None and tp > 1 and not _tp_problem(shape, tp, True, cache) and \
+            not sequence_parallel_problem(tp, pp, True, shape.seq_len):
+        sps = [False, True]
+    modes = [layout.recompute]
+    if recompute is None:
+        modes = [r for r in RECOMPUTE_MODES if not recompute_problem(
+            r, pp, layout.schedule, shape.own_stages, shape.model_type)]
+    return [dataclasses.replace(layout, sequence_parallel=s, recompute=r)
+            for r in modes for s in sps]
+
+
+def _lowest_stage(c: Candidate, shape: ModelShape, part, hw: Hardware, zero) -> Candidate:
+    """``c`` estimated at its ZeRO stage; with the stage left to the planner (``zero``
+    None) and dp > 1, at the lowest stage that fits (``zero_tried``: the stages tried)."""
     _estimate(c, shape, part, hw)
-    if zero is None and not c.fits and dp > 1:  # the lowest ZeRO stage that fits
+    if zero is None and not c.fits and c.dp > 1:  # the lowest ZeRO stage that fits
         tried = {0: c.memory.total}
         for stage in ZERO_STAGES[1:]:
-            if unsupported(stage, pp, schedule, shape.own_stages):
+            if unsupported(stage, c.pp, c.schedule, shape.own_stages):
                 continue
-            z = Candidate(dataclasses.replace(layout, zero_stage=stage), c.stage_bounds)
+            z = Candidate(dataclasses.replace(c.layout, zero_stage=stage), c.stage_bounds)
             _estimate(z, shape, part, hw)
             tried[stage] = z.memory.total
             if z.fits:
@@ -352,13 +398,20 @@ def shape_of(spec, seq_len: int, use_gpu: bool = False) -> ModelShape:
 def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] = None,
                       hw: Optional[Hardware] = None, shape: Optional[ModelShape] = None,
                       global_batch: Optional[int] = None,
-                      prefer: Optional[tuple] = None, zero_stage=FROM_CONFIG) -> Search:
+                      prefer: Optional[tuple] = None, zero_stage=FROM_CONFIG,
+                      sequence_parallel=FROM_CONFIG, recompute=FROM_CONFIG) -> Search:
     """search_layouts for a TrainConfig: its model, batch, fixed dims and cost flags
     (``spec``/``seq_len`` are resolved from ``cfg`` when not given). ``zero_stage``: by
     default the stage the flags ask for (raylm.plan.layout.requested_zero_stage; unset:
-    the planner's per-layout choice); an int fixes it, None leaves it to the planner."""
+    the planner's per-layout choice); an int fixes it, None leaves it to the planner.
+    ``sequence_parallel`` and ``recompute`` (the activation checkpointing mode) alike:
+    the flags' (unset: the planner's), a value, or None."""
     if zero_stage == FROM_CONFIG:
         zero_stage = requested_zero_stage(cfg)
+    if sequence_parallel == FROM_CONFIG:
+        sequence_parallel = getattr(cfg, "sequence_parallel", None)
+    if recompute == FROM_CONFIG:
+        recompute = requested_recompute(cfg)
 
     if spec is None or seq_len is None:
         spec = spec or resolve_model(cfg)
@@ -376,8 +429,8 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
         shape, num_workers, hw, micro_batch_size=mbs, global_batch=global_batch,
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, schedules=schedules,
         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=split,
-        sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)),
-        zero_stage=zero_stage, prefer=prefer)
+        sequence_parallel=sequence_parallel, zero_stage=zero_stage, recompute=recompute,
+        prefer=prefer)
 
 
 def no_fit_error(search: Search) -> ConfigError:
@@ -432,7 +485,9 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
             return Layout(dims=ParallelDims(dp=num_workers, pp=1, tp=1),
                           micro_batch_size=cfg.per_device_train_batch_size,
                           microbatches=cfg.gradient_accumulation_steps,
-                          zero_stage=requested_zero_stage(cfg) or 0)
+                          zero_stage=requested_zero_stage(cfg) or 0,
+                          sequence_parallel=False,
+                          recompute=requested_recompute(cfg) or "none")
     if search.chosen is None:
         raise no_fit_error(search)
     if searched_here:
@@ -443,18 +498,20 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
 
 def evaluate_layout(cfg, dp: int, tp: int, pp: int, spec=None,
                     seq_len: Optional[int] = None, hw: Optional[Hardware] = None,
-                    zero_stage=FROM_CONFIG) -> Candidate:
+                    zero_stage=FROM_CONFIG, sequence_parallel=FROM_CONFIG,
+                    recompute=FROM_CONFIG) -> Candidate:
     """The cost model's prediction for one given layout of ``cfg``'s model (its schedule,
     micro-batch size and gradient_accumulation_steps micro-batches per replica, as
     make_plan runs fixed dims): memory per pp rank and step time, or its ``problem``.
     ``zero_stage``: as search_for_config (default: the flags'; unset or None: the lowest
     stage that fits, as make_plan resolves it; pass a Plan's zero_stage to predict what
-    that plan runs)."""
+    that plan runs). ``sequence_parallel`` and ``recompute`` alike."""
     fixed = dataclasses.replace(cfg, dp=dp, tp=tp, pp=pp)
     search = search_for_config(
         fixed, dp * tp * pp, spec, seq_len, hw=hw,
         global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp,
-        prefer=(dp, tp, pp, cfg.pipeline_schedule), zero_stage=zero_stage)
+        prefer=(dp, tp, pp, cfg.pipeline_schedule), zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel, recompute=recompute)
     return search.chosen
 
 

@@ -21,7 +21,8 @@ from raylm.errors import ConfigError
 from raylm.models.families import family_of
 from raylm.models.loading import resolve_block_size, resolve_model
 from raylm.parallel.pipeline.stages import cut
-from raylm.plan.cost import rank_memory, single_stage, stage_activation_bytes
+from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
+from raylm.plan.cost import rank_memory, single_stage, stage_activation_bytes, step_time
 from raylm.plan.hardware import hardware_for
 from raylm.plan.inflight import peak_in_flight
 from raylm.plan.layout import plan_run
@@ -74,7 +75,9 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         search = search_for_config(cfg, plan.world_size, spec, seq_len, hw=hw, shape=shape,
                                    global_batch=plan.global_batch_size,
                                    prefer=(plan.dp, plan.tp, plan.pp, plan.schedule),
-                                   zero_stage=plan.zero_stage)
+                                   zero_stage=plan.zero_stage,
+                                   sequence_parallel=plan.sequence_parallel,
+                                   recompute=plan.recompute)
     chosen = search.chosen
     if chosen is None or chosen.problem:  # the user's own --dp/--tp/--pp
         raise ConfigError(f"dp={plan.dp} x tp={plan.tp} x pp={plan.pp}: "
@@ -88,7 +91,7 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     rec = shape.recipe
     layout = chosen.layout
     per_block = rec.block_bytes(tokens, seq_len, plan.tp, layout.sequence_parallel,
-                                hw.mask_bytes)
+                                hw.mask_bytes, layout.recompute)
     total_params = shape.total_params
     report = {
         "layout": plan.describe(),
@@ -126,6 +129,8 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         "tied": {},
         "zero": zero_report(spec, plan, seq_len, shape, part, layout, hw, requested,
                             searched, model),
+        "recompute": recompute_report(cfg, shape, part or single_stage(shape), layout, hw,
+                                      searched),
     }
     numel = {n: p.numel() for n, p in model.named_parameters()}  # tied weights once
     if plan.pp == 1:
@@ -169,6 +174,37 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
             "activation_bytes": mem.activations,
             "total_bytes": mem.states + mem.activations, "memory": mem.to_dict()})
     return report
+
+
+def recompute_report(cfg, shape, part, layout, hw, searched: bool) -> dict:
+    """Activation checkpointing and sequence parallelism for the layout: each setting's
+    predicted activations, peak per worker and step time at the plan's ZeRO stage, which
+    the plan runs, and how it was chosen."""
+    import dataclasses
+
+    asked_mode, asked_sp = requested_recompute(cfg), cfg.sequence_parallel
+    sps = [False, True] if layout.tp > 1 else [False]
+    rows = []
+    for mode in RECOMPUTE_MODES:
+        for sp in sps:
+            option = dataclasses.replace(layout, recompute=mode, sequence_parallel=sp)
+            ranks = rank_memory(shape, part, option, hw)
+            worst = max(ranks, key=lambda r: r.total)
+            rows.append({"recompute": mode, "sequence_parallel": sp,
+                         "activations": worst.activations, "workspace": worst.workspace,
+                         "total": worst.total, "fits": worst.total <= hw.worker_memory,
+                         "step": step_time(shape, part, option, hw, ranks).step,
+                         "chosen": (mode, sp) == (layout.recompute,
+                                                  layout.sequence_parallel)})
+    if asked_mode is not None and (asked_sp is not None or layout.tp == 1):
+        how = "flags"
+    elif layout.recompute == "none" and not layout.sequence_parallel:
+        how = "fits without recomputation or sequence parallelism"
+    else:
+        how = ("planner: the fastest setting that fits" if searched
+               else "the fastest setting at which this layout fits")
+    return {"recompute": layout.recompute, "sequence_parallel": layout.sequence_parallel,
+            "requested": asked_mode, "chosen_by": how, "options": rows}
 
 
 def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, searched,
@@ -345,7 +381,10 @@ def format_plan_report(report: dict) -> list[str]:
         for a in report["alternatives"]:
             name = f"dp={a['dp']} tp={a['tp']} pp={a['pp']}" + (
                 f" {a['schedule']}" if a["pp"] > 1 else "") + (
-                f" ZeRO-{a['zero_stage']}" if a.get("zero_stage") else "")
+                f" ZeRO-{a['zero_stage']}" if a.get("zero_stage") else "") + (
+                " sp" if a.get("sequence_parallel") else "") + (
+                f" {a['recompute']}-recompute" if a.get("recompute", "none") != "none"
+                else "")
             am, at = a["memory"], a["time"]
             rows.append(["  " + name, a["microbatches"],
                          human_bytes(am["total"]) if am else "-",
@@ -353,9 +392,12 @@ def format_plan_report(report: dict) -> list[str]:
                          f"{at['tokens_per_s']:,.0f}" if at else "-", a["reason"]])
         lines += _table(["  layout", "micro-batches", "memory/worker", "step", "tokens/s",
                          "why not"], rows, right={1, 2, 3, 4})
+    mode = report["recompute"]["recompute"]
     note = ("memory: fp32 training with AdamW (weights, gradients, 2 moments) + the "
-            f"activations autograd keeps ({report['estimate']['activations']}) + "
-            "workspace (logits and gradients in flight, pipeline buffers); no recomputation")
+            f"activations autograd keeps ({report['estimate']['activations']}"
+            + ("" if mode == "none" else f", {mode} activation checkpointing") + ") + "
+            "workspace (logits and gradients in flight, pipeline buffers"
+            + ("" if mode == "none" else ", a block's recomputation") + ")")
     if not report["stages"]:
         r = report["ranks"][0]
         if p["tp"] == 1:
@@ -371,7 +413,7 @@ def format_plan_report(report: dict) -> list[str]:
                      f"activations (1 micro-batch of {mb} x {seq} tokens at a "
                      f"time) = ~{human_bytes(r['total_bytes'])} per rank")
         lines.append(note)
-        return lines + _zero_lines(report)
+        return lines + _recompute_lines(report) + _zero_lines(report)
 
     lines.append("")
     lines.append(f"pipeline: {len(report['stages'])} stage(s) on {p['pp']} pp rank(s), "
@@ -399,7 +441,24 @@ def format_plan_report(report: dict) -> list[str]:
         lines.append(f"tied: {name} is held by pp ranks {', '.join(map(str, ranks))} "
                      "(its gradients are summed between them each step)")
     lines.append(note)
-    return lines + _zero_lines(report)
+    return lines + _recompute_lines(report) + _zero_lines(report)
+
+
+def _recompute_lines(report: dict) -> list[str]:
+    """The activation checkpointing (and sequence parallelism) table of the layout."""
+    r = report.get("recompute")
+    if not r:
+        return []
+    where = "" if report["plan"]["pp"] == 1 else ", the pp rank that needs the most"
+    lines = ["", f"activation checkpointing (per worker{where}, at the plan's ZeRO stage; "
+             f"{r['recompute']}{', sequence parallel' if r['sequence_parallel'] else ''}: "
+             f"{r['chosen_by']}):"]
+    rows = [[f"  {o['recompute']}", "yes" if o["sequence_parallel"] else "-",
+             human_bytes(o["activations"]), human_bytes(o["workspace"]),
+             human_bytes(o["total"]), _seconds(o["step"]), "yes" if o["fits"] else "no",
+             "<- chosen" if o["chosen"] else ""] for o in r["options"]]
+    return lines + _table(["  recompute", "sequence parallel", "activations", "workspace",
+                           "peak/worker", "step", "fits", ""], rows, right={2, 3, 4, 5})
 
 
 def _zero_lines(report: dict) -> list[str]:

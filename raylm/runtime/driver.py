@@ -703,7 +703,9 @@ class Driver:
             fixed = dataclasses.replace(cfg, gradient_accumulation_steps=plan.micro_batches_per_rank,
                                         pipeline_schedule=plan.schedule,
                                         sequence_parallel=plan.sequence_parallel,
-                                        zero_stage=plan.zero_stage)
+                                        zero_stage=plan.zero_stage,
+                                        activation_checkpointing=plan.recompute,
+                                        gradient_checkpointing=False)
             predicted = evaluate_layout(fixed, plan.dp, plan.tp, plan.pp, self.spec,
                                         self.block_size)
         except Exception as e:  # the report must never stop a run
@@ -719,6 +721,7 @@ class Driver:
                                        ("parameters", "gradients", "optimizer", "activations")},
                           "coords": m["coords"], "predicted": pred,
                           "replica_elements": m.get("replica_elements"),
+                          "checkpointed_blocks": m.get("checkpointed_blocks"),
                           # The ZeRO paper's per-rank model states for the elements the
                           # rank's replica holds (fp32, AdamW).
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,
@@ -733,7 +736,9 @@ class Driver:
                      f" (predicted {human_bytes(pred['states'] + pred['activations'])})"
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
-            json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage},
+            json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
+                                  "sequence_parallel": plan.sequence_parallel,
+                                  "recompute": plan.recompute},
                        "step": self.record.step, "ranks": ranks}, f, indent=2)
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, fingerprint: dict) -> None:

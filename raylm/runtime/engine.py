@@ -5,7 +5,8 @@
 
 1. tensor parallelism: the whole model's layers (every rank built the same weights, each
    keeps its shard; raylm.parallel.tensor);
-2. activation checkpointing: a slot, not built yet;
+2. activation checkpointing: each block's forward checkpointed (raylm.parallel.recompute),
+   before the cut and FSDP so that their hooks sit around it;
 3. the pipeline cut: this rank's stages of the sharded model (raylm.parallel.pipeline);
 4. ZeRO-3: FSDP2 over the dp group on the model or the stage roots, then meta-device
    weights materialised shard by shard (raylm.parallel.zero.fsdp);
@@ -47,6 +48,7 @@ from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_a
 from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
 from raylm.parallel.pipeline.runtime import PipelineRuntime
+from raylm.parallel.recompute import apply_activation_checkpointing
 from raylm.parallel.pipeline.stages import cut
 from raylm.parallel.tensor import apply_tensor_parallel
 from raylm.parallel.zero import gradient_sync
@@ -448,7 +450,8 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     # 1. tensor parallelism
     if plan.tp > 1:
         e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)
-    # 2. activation checkpointing: not built yet
+    # 2. activation checkpointing
+    apply_activation_checkpointing(e.model, plan.recompute)
     # 3. the pipeline cut (4. ZeRO-3 on its stage roots, before the runtime takes
     #    references to the parameters)
     if plan.pp > 1:

@@ -409,6 +409,7 @@ class RankWorker:
         """Add what this rank holds (measured from its tensors) to the step's result."""
         if not self._measures():
             return
+        from raylm.parallel.recompute import checkpointed_blocks
         from raylm.runtime.memory import state_bytes
 
         self.measure_next = False
@@ -416,6 +417,7 @@ class RankWorker:
                                        self.engine.grad_sync.held_gradients()),
                          "replica_elements": self.engine.replica_elements(),
                          "activations": meter.peak,
+                         "checkpointed_blocks": checkpointed_blocks(self.engine.model),
                          "coords": self.plan.dims.coords(self.rank)}
 
     def state_digest(self) -> str:

@@ -13,30 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.models.units import transformer_blocks
 from raylm.parallel.data import GradientSync
 from raylm.parallel.checkpoint_form import contiguous_stride, write_rows_back
-
-
-def transformer_blocks(model: nn.Module) -> list:
-    """The repeated blocks of a model: the elements of its outermost ModuleLists of
-    same-type modules that hold parameters (GPT-2's h, Llama's layers, T5's encoder and
-    decoder blocks, BERT's layers)."""
-    blocks, seen = [], set()
-
-    def visit(module):
-        for child in module.children():
-            if isinstance(child, nn.ModuleList) and len(child) > 0 and \
-                    len({type(m) for m in child}) == 1 and \
-                    any(True for _ in child[0].parameters()):
-                for m in child:
-                    if id(m) not in seen:
-                        seen.add(id(m))
-                        blocks.append(m)
-                continue
-            visit(child)
-
-    visit(model)
-    return blocks
 
 
 def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False) -> list:
