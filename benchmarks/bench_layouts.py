@@ -116,6 +116,7 @@ def write_json(args, rows: list) -> None:
 
 def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
     from raylm import train
+    from raylm.runtime.driver import PREDICTED
 
     cfg = run_config(args, name, dp, cache, work, num_workers=4, pp=pp, tp=tp,
                      pipeline_schedule="1f1b")
@@ -127,8 +128,7 @@ def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
     with open(os.path.join(result.output_dir, "memory.json")) as f:
         ranks = json.load(f)["ranks"]  # measured by each rank in its first step
     held = [sum(r["measured"].values()) for r in ranks]
-    predicted = [r["predicted"]["states"] + r["predicted"]["activations"] for r in ranks
-                 if r["predicted"]]
+    predicted = [sum(r["predicted"][k] for k in PREDICTED) for r in ranks if r["predicted"]]
     return {"name": name, "tokens_per_s": args.global_batch * args.block_size / median,
             "median_s": median, "rss_max": max(rss), "rss_mean": sum(rss) / len(rss),
             "held_max": max(held), "predicted_max": max(predicted) if predicted else None,

@@ -1,29 +1,34 @@
-"""Precision and recomputation, in one run: tokens/s, peak memory per rank and what each
-block keeps for backward, for each activation checkpointing mode (and, when it lands,
-each precision: --bf16 and --fp16 are not built yet, so every run here is fp32).
+"""Precision, recomputation and compile, in one run: tokens/s, peak memory per rank and
+what each block keeps for backward, for fp32 with each activation checkpointing mode,
+for --bf16 and --fp16 (with none and full recomputation), and fp32 with --torch_compile.
 
-    python benchmarks/bench_precision.py            # GPT-2 4 x 256, block 128 (~3 min)
-    python benchmarks/bench_precision.py --quick    # tiny model, few steps (~1 min)
-    python benchmarks/bench_precision.py --only fp32-none fp32-full --json precision.json
+    python benchmarks/bench_precision.py            # GPT-2 4 x 256, block 128 (~4 min)
+    python benchmarks/bench_precision.py --quick    # tiny model, few steps (~2 min)
+    python benchmarks/bench_precision.py --only fp32-none bf16-none --json precision.json
 
-Runs: --activation_checkpointing none, selective and full, each at dp=2 (pure data
-parallelism, ZeRO-0). Same model (GPT-2 built from the size flags, raylm's built-in
-tokenizer), same data, seed and global batch, fp32, AdamW. Each rank actor gets 0.5 CPU
-and one torch thread.
+Runs, each at dp=2 (pure data parallelism, ZeRO-0): fp32 with --activation_checkpointing
+none, selective and full; --bf16 with none and full; --fp16 with none; fp32 with
+--torch_compile. Same model (GPT-2 built from the size flags, raylm's built-in
+tokenizer), same data, seed and global batch, AdamW with fp32 master weights. Each rank
+actor gets 0.5 CPU and one torch thread.
 
 One table, per run: tokens/s from the median steady-state step time (warm-up steps
-dropped) and its ratio to keeping every activation (none); the activations autograd
-kept for backward at the first step's peak, measured on the rank
+dropped: compile's happen in the first) and its ratio to fp32 keeping every activation;
+the activations autograd kept for backward at the first step's peak, measured on the rank
 (raylm.runtime.memory.ActivationMeter, memory.json) next to the planner's prediction
-(raylm.plan.cost: what a checkpointed block keeps; the recomputation's own one-block
-transient is workspace, not shown); each rank's peak resident memory (ru_maxrss: Python,
-torch and Ray included); and the largest per-step loss difference from the run that
-recomputes nothing (the same arithmetic: fp rounding only, 0 here).
+(raylm.plan.cost: the precision's bytes; the recomputation's own one-block transient is
+workspace, not shown), and under bf16/fp16 autocast's weight copies, measured and
+predicted; each rank's peak resident memory (ru_maxrss: Python, torch and Ray
+included); the largest per-step loss difference from fp32 with nothing recomputed (the
+same arithmetic for the fp32 rows: 0 up to compile's order of sums); the mean MFU where
+the ranks' peak is known (a GPU).
 
 Asserts nothing: on a shared 2-core machine a single run varies by +-10%. On a GPU the
 time of recomputation is one more forward (full) or a few memory-bound passes
-(selective); on this CPU the small model's step is dominated by overheads, so the ratio
-understates neither well: read the memory columns for what recomputation buys.
+(selective), bf16 runs on tensor cores and compile fuses the element-wise ops; this CPU
+has no bf16 or fp16 arithmetic (autocast emulates it, about 30x slower per matrix
+multiply) and its compiled kernels gain little on a small model, so read the memory and
+loss columns here.
 """
 
 from __future__ import annotations
@@ -42,21 +47,26 @@ from benchmarks.bench_layouts import (add_run_args, apply_preset, on_local_ray, 
                                        overrides, run_config, write_json)
 
 DP = 2
-RUNS = tuple((f"fp32-{mode}", mode) for mode in ("none", "selective", "full"))
+RUNS = tuple((f"{precision}-{mode}", precision, mode) for precision, mode in (
+    ("fp32", "none"), ("fp32", "selective"), ("fp32", "full"),
+    ("bf16", "none"), ("bf16", "full"), ("fp16", "none"))) + (
+    ("fp32-none-compile", "fp32", "none"),)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_args(ap, [name for name, _ in RUNS], steps=10)
+    add_run_args(ap, [name for name, *_ in RUNS], steps=10)
     ap.add_argument("--json", default=None, help="write every run's figures to this file")
     return apply_preset(ap.parse_args(argv), steps=10)
 
 
-def run_one(args, name, mode, cache, work) -> dict:
+def run_one(args, name, precision, mode, cache, work) -> dict:
     from raylm import train
 
     cfg = run_config(args, name, DP, cache, work, num_workers=DP, pp=1, tp=1,
-                     zero_stage=0, activation_checkpointing=mode)
+                     zero_stage=0, activation_checkpointing=mode,
+                     bf16=precision == "bf16", fp16=precision == "fp16",
+                     torch_compile=name.endswith("-compile"))
     result = train(cfg)
     hist = sorted(result.history, key=lambda h: h["step"])
     median = statistics.median(h["step_time_s"] for h in hist[args.warmup:])
@@ -65,11 +75,16 @@ def run_one(args, name, mode, cache, work) -> dict:
     assert report["layout"]["recompute"] == mode, report["layout"]
     ranks = report["ranks"]
     rss = hist[-1]["peak_rss_bytes"]
-    return {"name": name, "recompute": mode, "median_s": median,
+    return {"name": name, "precision": precision, "recompute": mode, "median_s": median,
             "tokens_per_s": args.global_batch * args.block_size / median,
             "activations": max(r["measured"]["activations"] for r in ranks),
             "predicted_activations": max(r["predicted"]["activations"] for r in ranks
                                          if r["predicted"]),
+            "weight_copies": max(r["measured"]["weight_copies"] for r in ranks),
+            "predicted_weight_copies": max(r["predicted"]["weight_copies"] for r in ranks
+                                           if r["predicted"]),
+            "mfu": statistics.mean(mfu) if (mfu := [h["mfu"] for h in hist[args.warmup:]
+                                                      if h.get("mfu")]) else None,
             "rss_max": max(rss), "losses": [h["loss"] for h in hist]}
 
 
@@ -83,28 +98,31 @@ def main(argv=None) -> int:
 
     def runs(cache, work):
         rows = []
-        for name, mode in RUNS:
+        for name, precision, mode in RUNS:
             if not args.only or name in args.only:
-                rows.append(run_one(args, name, mode, cache, work))
+                rows.append(run_one(args, name, precision, mode, cache, work))
                 print(f"  {name}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
         return rows
 
     rows = on_local_ray("raylm-bench-precision-", runs)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     mib = 2**20
-    base = next((r for r in rows if r["recompute"] == "none"), None)
+    base = next((r for r in rows if r["name"] == "fp32-none"), None)
     print()
-    print(f"{'run':<15} {'s/step':>7} {'tokens/s':>9} {'vs none':>8} {'kept (measured)':>16} "
-          f"{'predicted':>10} {'peak RSS max':>13} {'max |dloss| vs none':>20}")
+    print(f"{'run':<18} {'s/step':>7} {'tokens/s':>9} {'vs fp32':>8} {'kept (measured)':>16} "
+          f"{'predicted':>10} {'copies':>10} {'predicted':>10} {'peak RSS max':>13} "
+          f"{'max |dloss| vs fp32':>20} {'mfu':>6}")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         diff = "n/a"
         if base:
             n = min(len(r["losses"]), len(base["losses"]))
             diff = f"{max(abs(x - y) for x, y in zip(r['losses'][:n], base['losses'][:n])):.1e}"
-        print(f"{r['name']:<15} {r['median_s']:>7.3f} {r['tokens_per_s']:>9,.0f} {ratio:>8} "
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "n/a"
+        print(f"{r['name']:<18} {r['median_s']:>7.3f} {r['tokens_per_s']:>9,.0f} {ratio:>8} "
               f"{r['activations'] / mib:>12.2f} MiB {r['predicted_activations'] / mib:>6.2f} MiB "
-              f"{r['rss_max'] / mib:>9,.0f} MiB {diff:>20}")
+              f"{r['weight_copies'] / mib:>6.2f} MiB {r['predicted_weight_copies'] / mib:>6.2f} "
+              f"MiB {r['rss_max'] / mib:>9,.0f} MiB {diff:>20} {mfu:>6}")
     write_json(args, rows)
     return 0
 

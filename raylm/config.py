@@ -135,6 +135,28 @@ class TrainConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
+    bf16: bool = _f(
+        False, "Mixed precision in bfloat16: the forward and backward under torch.autocast "
+        "(matrix multiplies and most activations in bf16), fp32 master weights, gradients "
+        "and AdamW state (FSDP2's MixedPrecisionPolicy at --zero_stage 3).")
+    fp16: bool = _f(
+        False, "Mixed precision in float16, as --bf16, with dynamic loss scaling: a step "
+        "whose gradients overflow on any rank is skipped on every rank and the scale "
+        "halves (it doubles after --loss_scale_window good steps).")
+    torch_dtype: Optional[str] = _f(
+        None, "The dtype of the saved model's weights (save_pretrained): float32, bfloat16 "
+        "or float16; unset or auto: float32. Training keeps fp32 master weights whatever "
+        "it is (a bf16 or fp16 checkpoint is read into them).", "model",
+        choices=("auto", "float32", "bfloat16", "float16"), aliases=("dtype",))
+    reduce_dtype: str = _f(
+        "float32", "The dtype gradients are summed in over data parallelism under --bf16 "
+        "or --fp16: float32 (default: a sum over many ranks in bf16 keeps 8 bits of "
+        "mantissa, and AdamW then sees the rounding) or bfloat16 (half the bytes on the "
+        "wire; ZeRO stages 0 and 3).", choices=("float32", "bfloat16"))
+    initial_loss_scale: float = _f(65536.0, "--fp16: the first loss scale (torch's "
+                                   "GradScaler default).")
+    loss_scale_window: int = _f(2000, "--fp16: good steps in a row after which the loss "
+                                "scale doubles.")
     lr_scheduler_type: str = _f("linear", "Learning-rate schedule.", choices=SCHEDULER_TYPES)
     warmup_steps: int = _f(0, "Linear warm-up steps.")
     warmup_ratio: float = _f(
@@ -258,6 +280,18 @@ class TrainConfig:
         "full with --gradient_checkpointing, else none, or what the planner needs to fit "
         "--worker_memory_gb (see `raylm plan`).", "cluster",
         choices=("none", "selective", "full"))
+    torch_compile: bool = _f(
+        False, "Compile each transformer block's forward with torch.compile (identical "
+        "blocks share one graph; embeddings, head, schedule and FSDP stay eager). Works "
+        "with every layout, ZeRO stage, activation checkpointing and --bf16/--fp16, except "
+        "pipelines of models cut by torch.export (one error). Dropout then draws its masks "
+        "in the compiled graph, per rank.", "cluster")
+    torch_compile_backend: Optional[str] = _f(
+        None, "--torch_compile's backend (default: inductor).", "cluster")
+    torch_compile_mode: Optional[str] = _f(
+        None, "--torch_compile's mode (default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs).", "cluster",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule when pp > 1 (micro-batches per step = "
         "--gradient_accumulation_steps).", "cluster",
@@ -291,7 +325,8 @@ class TrainConfig:
     peak_tflops: float = _f(
         0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "
         "FLOPs utilisation (mfu) logged with each step. 0: the device's own for known GPUs "
-        "(fp32: A100, H100, H200, L4, L40S, ...); none on CPUs.", "cluster")
+        "(A100, H100, H200, L4, L40S, ...: fp32, or its bf16/fp16 tensor cores under "
+        "--bf16/--fp16); none on CPUs.", "cluster")
 
     # --- raylm: the layout planner's cost model (used when --dp/--tp/--pp are all 0) ----
     worker_memory_gb: float = _f(
@@ -300,7 +335,8 @@ class TrainConfig:
         "80), else 16 for CPU workers and 80 with --use_gpu.", "cluster")
     worker_tflops: float = _f(
         0.0, "Sustained TFLOP/s of one rank for the planner's step-time model. 0: 0.05 per "
-        "CPU of --cpus_per_worker, or 50 with --use_gpu (H100, fp32).", "cluster")
+        "CPU of --cpus_per_worker, or 50 with --use_gpu (H100, fp32); under --bf16/--fp16 "
+        "the CPU figure over 30 (no 16-bit arithmetic) or 400 on GPUs.", "cluster")
     node_link_gbps: float = _f(
         0.0, "Bandwidth between two ranks on one node, Gbit/s (tensor-parallel "
         "all-reduces). 0: 10 for CPU workers (gloo), 3600 with --use_gpu (NVLink).",
@@ -354,7 +390,7 @@ class TrainConfig:
     RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None,
                            "keep_linebreaks": True, "max_train_samples": None,
                            "model_revision": "main", "dataset_name": None,
-                           "dataset_config_name": None}
+                           "dataset_config_name": None, "bf16": False, "fp16": False}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

@@ -8,6 +8,7 @@ and the schedule are built here directly from torch and transformers.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import NamedTuple
 
@@ -58,9 +59,11 @@ def reference_threads():
 
 
 def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: int,
-                  dtype=torch.float32):
+                  dtype=torch.float32, overflow_steps=()):
     """Train ``steps`` optimizer steps; returns (per-step losses, per-step gradient norms
     before clipping, final state_dict, the sum of the steps' learning rates).
+    ``overflow_steps`` (0-based; fp16): after those steps' backward a gradient is inf, as
+    an overflow (GradScaler skips the step and halves the scale).
 
     Each global batch is cut into micro-batches of ``cfg.per_device_train_batch_size``;
     every micro-batch's mean loss is divided by their number (gradient accumulation), so
@@ -85,6 +88,11 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     mb = cfg.per_device_train_batch_size
     losses, norms = [], []
     lr_sum = 0.0
+    amp = None if dtype != torch.float32 else (
+        torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=cfg.initial_loss_scale,
+                                  growth_interval=cfg.loss_scale_window,
+                                  enabled=amp == torch.float16)
     for step in range(steps):
         ids = sampler.global_batch(step)
         assert len(ids) == global_batch_size, "reference needs full batches"
@@ -92,15 +100,19 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         total = 0.0
         for chunk in chunks:
             b = reader.read(chunk)
-            if seq2seq:  # continuation: the encoder reads the first half, HF shifts labels
-                half = b["input_ids"].shape[1] // 2
-                out = model(input_ids=b["input_ids"][:, :half],
-                            labels=b["labels"][:, half:].contiguous())
-            else:
-                out = model(input_ids=b["input_ids"], labels=b["labels"])
+            with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                if seq2seq:  # continuation: the encoder reads the first half, HF shifts
+                    half = b["input_ids"].shape[1] // 2
+                    out = model(input_ids=b["input_ids"][:, :half],
+                                labels=b["labels"][:, half:].contiguous())
+                else:
+                    out = model(input_ids=b["input_ids"], labels=b["labels"])
             loss = out.loss / len(chunks)
-            loss.backward()
+            scaler.scale(loss).backward()
             total += loss.item()
+        if step in overflow_steps:
+            next(p.grad for p in model.parameters() if p.grad is not None).fill_(math.inf)
+        scaler.unscale_(opt)
         # The norm is asserted as well as the loss: AdamW hides a gradient scaled by a
         # constant (a dp sum for a mean, a tied weight counted twice), the norm does not.
         if cfg.max_grad_norm > 0:
@@ -110,7 +122,8 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
                 [p.grad for p in model.parameters() if p.grad is not None])
         norms.append(norm.item())
         lr_sum += opt.param_groups[0]["lr"]
-        opt.step()
+        scaler.step(opt)  # (opt.step(), unless fp16 gradients overflowed)
+        scaler.update()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)

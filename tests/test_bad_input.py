@@ -233,3 +233,22 @@ def test_zero_flag_conflict_is_one_line_from_the_command(tmp_path, capsys, corpu
     assert rc == 2 and "Traceback" not in err
     assert errors == ["raylm: error: --zero_optimization True means --zero_stage 1, which "
                       "conflicts with --zero_stage 3: give one of the two"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--bf16", "--fp16"], "--bf16 and --fp16 both given: choose one"),
+    (["--reduce_dtype", "bfloat16"], "--reduce_dtype bfloat16 needs --bf16 or --fp16"),
+    (["--bf16", "--reduce_dtype", "bfloat16", "--zero_stage", "2"],
+     "this layout runs ZeRO-2, whose reduce-scatter is fp32 only"),
+    (["--fp16", "--initial_loss_scale", "0"], "--initial_loss_scale 0 must be > 0"),
+    (["--torch_compile", "--pp", "2", "--num_workers", "2", "--gradient_accumulation_steps",
+      "2", "--model_type", "gpt_neox", "--config_overrides",
+      "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
+      "max_position_embeddings=64"],
+     "--torch_compile with --pp 2: raylm cuts 'gpt_neox' into stages by tracing it"),
+])
+def test_precision_and_compile_flag_errors_are_one_line_from_the_command(flags, message, tmp_path, capsys,
+                                                             corpus_dir, cache_root):
+    rc, errors, err = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root), *flags)
+    assert rc == 2 and "Traceback" not in err
+    assert len(errors) == 1 and message in errors[0], errors

@@ -81,10 +81,10 @@ def _loss(logits, labels):
     return CausalLM().loss_sum(logits, labels)
 
 
-def _predicted(name, part_bounds=None, microbatches=2, recompute="none"):
+def _predicted(name, part_bounds=None, microbatches=2, recompute="none", bf16=False):
     """Per pp rank, the cost model's Memory for the layout (dp=1, tp=1)."""
     shape = model_shape(_model(name, "meta"), SEQ)
-    hw = hardware_for(TrainConfig())  # CPU: float dropout masks
+    hw = hardware_for(TrainConfig(bf16=bf16))  # CPU: float dropout masks
     if part_bounds is None:
         part, pp = single_stage(shape), 1
     else:
@@ -131,12 +131,42 @@ def test_single_rank_memory_matches_a_measured_run(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name):
+def test_bf16_memory_matches_a_measured_run(name):
+    """Under torch.autocast(bf16) with fp32 master weights: the states are fp32's, the
+    activations kept for backward (fp32 norms and residual stream, bf16 matmul inputs
+    and outputs) and autocast's bf16 copies of the matrices (one per step, shared by
+    the micro-batches) each within 15% of the prediction, and fewer activation bytes
+    than fp32 keeps. GPT-2 here has dropout (CPU's math attention path, which upcasts to
+    fp32), Llama the fused kernel."""
+    model = _model(name)
+    opt = _optimizer(model)
+    g = torch.Generator().manual_seed(0)
+    with ActivationMeter(model) as meter, torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            _loss(model(input_ids=ids).logits, ids).backward()
+            assert meter.live == 0
+    opt.step()
+    measured = {**state_bytes(model, opt), "activations": meter.peak}
+    predicted = _predicted(name, bf16=True)[0]
+    err = _compare(measured, predicted)
+    err["weight_copies"] = predicted.weight_copies / meter.copies_peak - 1
+    print(name, "bf16", {k: f"{v:+.2%}" for k, v in err.items()})
+    _assert_close(err, f"{name} bf16")
+    assert abs(err["weight_copies"]) < TOLERANCE, err
+    fp32 = _predicted(name)[0]
+    assert predicted.activations < 0.9 * fp32.activations and fp32.weight_copies == 0
+
+
+@pytest.mark.parametrize("name,bf16", [("gpt2", False), ("llama", False), ("llama", True)],
+                         ids=["gpt2", "llama", "llama-bf16"])
+def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name, bf16):
     """Activation checkpointing, each mode on the same model, data and dropout draws:
     the same loss and gradients as keeping everything (fp32: the recomputed forward is
     the same arithmetic), and the activations kept for backward, measured, drop to the
     prediction's within 15% (GPT-2 here has dropout: the math attention path, whose
-    score matrices selective checkpointing recomputes)."""
+    score matrices selective checkpointing recomputes). Under bf16 autocast too (the
+    recomputation replays the forward's autocast: the same arithmetic again)."""
     from raylm.parallel.recompute import apply_activation_checkpointing
 
     runs = {}
@@ -145,7 +175,8 @@ def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name):
         assert apply_activation_checkpointing(model, mode) == (0 if mode == "none" else 2)
         g = torch.Generator().manual_seed(0)
         torch.manual_seed(1)  # the dropout draws
-        with ActivationMeter(model) as meter:
+        with ActivationMeter(model) as meter, torch.autocast("cpu", torch.bfloat16,
+                                                             enabled=bf16):
             losses = []
             for _ in range(2):
                 ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -154,10 +185,10 @@ def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name):
                 losses.append(loss.item())
                 assert meter.live == 0
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        predicted = _predicted(name, recompute=mode)[0]
+        predicted = _predicted(name, recompute=mode, bf16=bf16)[0]
         runs[mode] = (losses, grads, meter.peak, predicted)
         err = predicted.activations / meter.peak - 1
-        print(name, mode, f"kept {meter.peak:,} B, predicted {predicted.activations:,.0f} "
+        print(name, mode, bf16, f"kept {meter.peak:,} B, predicted {predicted.activations:,.0f} "
               f"({err:+.2%}); recomputation workspace {predicted.workspace:,.0f} B")
         assert abs(err) < TOLERANCE, (name, mode, err)
     base_losses, base_grads = runs["none"][:2]
@@ -780,6 +811,30 @@ def test_70b_llama_at_sequence_4096_fits_with_what_the_planner_adds(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "activation checkpointing (per worker" in out and "<- chosen" in out
+
+
+def test_70b_llama_in_bf16_plans_with_16_bit_activations_and_weight_copies(capsys):
+    """--bf16: the same 70B at sequence 4096 on 1024 x 80 GB plans in seconds with the
+    mixed-precision memory model (fp32 states, 16-bit matmul activations, autocast's
+    weight copies) and the GPU's tensor-core speed; `raylm plan` says so."""
+    args = ["plan", "--model_type", "llama", "--config_overrides", LLAMA_70B,
+            "--num_workers", "1024", "--block_size", "4096", "--per_device_train_batch_size",
+            "1", "--use_gpu", "--worker_memory_gb", "80", "--bf16"]
+    assert main(args + ["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["fits"] and rep["memory"]["total"] <= 80 * GIB
+    assert rep["estimate"]["precision"] == "bf16" and rep["hardware"]["worker_tflops"] == 400
+    mem, c = rep["memory"], rep["chosen"]
+    # autocast's copies of the rank's matrices (ZeRO-3 gathers 16-bit blocks instead)
+    assert (mem["weight_copies"] > 0) == (c["zero_stage"] < 3)
+    options = {(o["recompute"], o["sequence_parallel"]): o
+               for o in rep["recompute"]["options"]}
+    if c["pp"] > 1:  # sequence parallelism is not offered where the layout cannot run it
+        assert not any(sp for _, sp in options)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "memory: bf16 training with AdamW (fp32 weights" in out
+    assert "400 TFLOP/s (bf16/fp16)" in out or "400 TFLOP/s per worker" in out
 
 
 def test_plan_with_address_reads_the_cluster(ray_cluster, capsys):

@@ -42,7 +42,8 @@ def test_hyphen_spellings_and_the_old_evaluation_strategy_name():
                                         "itself: use --zero_stage 1, 2 or 3"),
     (["--fsdp", "full_shard"], "--fsdp: raylm shards data-parallel state itself"),
     (["--push-to-hub"], "--push_to_hub: raylm does not upload"),
-    (["--fp16"], "--fp16: mixed precision is not built in raylm yet"),
+    (["--streaming"], "--streaming: streaming is not built in raylm yet"),
+    (["--fp16_opt_level", "O1"], "--fp16_opt_level: raylm's --fp16 is torch.autocast"),
     (["--local_rank=0"], "--local_rank: raylm starts one Ray actor per rank itself"),
 ])
 def test_a_trainer_flag_raylm_does_not_take_is_one_line_saying_what_instead(

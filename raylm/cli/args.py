@@ -55,10 +55,9 @@ FOREIGN = {
     "throughput_warmup_steps": "raylm logs tokens/s over each logging window (the first "
                                "window holds the warm-up); drop the flag",
     "use_cache": "raylm trains without the KV cache and saves the model with it on",
-    "fp16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
-    "bf16": f"mixed precision {_NOT_YET}: raylm trains in fp32",
-    "torch_dtype": f"loading in another dtype {_NOT_YET}: raylm trains in fp32",
-    "torch_compile": f"compile {_NOT_YET}",
+    "fp16_opt_level": "raylm's --fp16 is torch.autocast with fp32 master weights (apex's "
+                      "O2); drop the flag",
+    "half_precision_backend": "raylm's --bf16 and --fp16 are torch.autocast; drop the flag",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
 }

@@ -105,13 +105,21 @@ def global_norm(pieces, pp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(pieces, grads, max_norm: float, pp_group=None) -> float:
+def clip_grad_norm(pieces, grads, max_norm: float, pp_group=None,
+                   loss_scale: float = 1.0) -> float:
     """Scale every tensor of ``grads`` so the global norm of ``pieces`` is at most
     ``max_norm``, with torch's formula (coefficient ``max_norm / (norm + 1e-6)``, capped
-    at 1); returns the norm before clipping."""
+    at 1); returns the norm before clipping. ``loss_scale``: the gradients are of a loss
+    multiplied by it (fp16): they are divided by it in the same pass, and the norm
+    returned is the unscaled one; not finite (an overflow somewhere: the same figure on
+    every rank), they are left as they are for the caller to skip the step."""
     total = global_norm(pieces, pp_group)
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    if coef < 1.0:
+    if loss_scale != 1.0:
+        total = total / loss_scale
+        if not bool(torch.isfinite(total)):
+            return float(total)
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) / loss_scale
+    if coef != 1.0:
         for g in grads:
             if g is not None:
                 g.mul_(coef)

@@ -111,12 +111,14 @@ class GradientSync:
         """The gradient tensors clipping scales (every one this rank keeps)."""
         return [p.grad for p in self.params]
 
-    def clip(self, norm_params: list, max_norm: float, pp_group=None) -> float:
+    def clip(self, norm_params: list, max_norm: float, pp_group=None,
+             loss_scale: float = 1.0) -> float:
         """Scale the gradients so the global norm (of ``norm_params``, over tp, dp rows
         and the pipeline's ``pp_group``; raylm.parallel.clip, the one norm) is at most
-        ``max_norm``; returns the norm before clipping."""
+        ``max_norm``, unscaling them from ``loss_scale``; returns the norm before
+        clipping (not finite: an overflow, gradients left as they are)."""
         return clip_grad_norm(self.norm_pieces(norm_params), self.scaled_grads(), max_norm,
-                              pp_group)
+                              pp_group, loss_scale)
 
     def make_optimizer(self, param_groups: list, **adamw):
         """(the torch optimizer that schedulers and checkpoints see, the object whose
@@ -136,7 +138,13 @@ class GradientSync:
 
 
 class GradientAllReduce(GradientSync):
-    def __init__(self, params, group, bucket_bytes: int = 4 * 2**20, loss_slot: bool = True):
+    """ZeRO-0: each bucket of gradients all-reduced (summed) as soon as its last gradient
+    is ready. ``reduce_dtype`` (bf16): a bucket is summed in that dtype on the wire and
+    written back into the fp32 gradients; the loss slot is summed in fp32 on its own."""
+
+    def __init__(self, params, group, bucket_bytes: int = 4 * 2**20, loss_slot: bool = True,
+                 reduce_dtype=None):
+        self.reduce_dtype = reduce_dtype
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
@@ -188,8 +196,19 @@ class GradientAllReduce(GradientSync):
 
     def _launch(self) -> None:
         flat = self.flats[self.launched]
-        self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=True))
+        if self.reduce_dtype is None:
+            self.works.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=True), None, None))
+        else:
+            last = self.launched == len(self.flats) - 1 and self.loss_slot is not None
+            grads = flat[:-1] if last else flat
+            low = grads.to(self.reduce_dtype)
+            self.works.append((dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=True), grads, low))
+            if last:
+                self.works.append((dist.all_reduce(self.loss_slot, op=dist.ReduceOp.SUM,
+                                                   group=self.group, async_op=True),
+                                   None, None))
         self.launched += 1
 
     def finish(self) -> torch.Tensor:
@@ -198,8 +217,10 @@ class GradientAllReduce(GradientSync):
         if self.size > 1:
             while self.launched < len(self.buckets):
                 self._launch()
-            for work in self.works:
+            for work, grads, low in self.works:
                 work.wait()
+                if grads is not None:
+                    grads.copy_(low)
         self.works, self.launched, self.armed = [], 0, False
         return self.loss_slot.clone()
 

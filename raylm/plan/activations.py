@@ -49,6 +49,23 @@ Under activation checkpointing (raylm.parallel.recompute) a block keeps, per tok
 and while a block's backward runs, its recomputed activations exist for that block
 alone: the cost model counts them as workspace (``recompute_bytes``).
 
+Under mixed precision (--bf16/--fp16: torch.autocast, fp32 parameters), measured tensor
+by tensor on GPT-2 and Llama, each tensor is kept in the dtype of the op that made it
+(``low``: 2 bytes) or fp32:
+  * fp32: the residual stream and the norms (their input, statistics and, in Llama's
+    RMSNorm, the normalised input), the fused attention's logsumexp, the log-softmax over
+    the vocabulary (the loss upcasts the logits), rotary tables, a checkpointed block's
+    input; on CPU SDPA's math path upcasts q, k, v and the scores to fp32
+  * low: everything a matrix multiply reads or writes: its input as autocast casts it,
+    once per matmul (GPT-2's fused qkv and fc read two copies of the norm outputs, 2h;
+    Llama's q, k, v, gate and up five, 5h), q/k/v and the attention output, the MLP
+    (its activation's saved tensors and every projection's input or output), and the
+    residual dropout masks (on CPU a mask has its input's dtype)
+  * autocast's weight copies: each matrix cast to the low dtype once per step (its cast
+    cache lives for the step's autocast region) and saved by every micro-batch's
+    backward; counted per rank by the cost model (``cast_params``), and by the meter
+    apart from the activations.
+
 Assumptions: no padding mask (packed blocks; padded
 line-by-line data can force SDPA's math path); other families are modelled like GPT-2
 with their own activation and dropout settings (an approximation). Not counted here:
@@ -101,12 +118,19 @@ class ActivationRecipe:
     hidden: int = 0
     kept_full: float = 0.0  # row-parallel matmul outputs
     kept_split: float = 0.0  # column-parallel matmul and fused attention outputs
+    # under autocast (mixed precision): the column-parallel inputs as cast, one copy per
+    # matmul (replaces ``full``); of ``split``, what stays fp32 (the fused attention's
+    # logsumexp, or CPU math attention's q, k, v); of ``kept_split``, the logsumexp
+    cast_full: float = 0.0
+    split_fp32: float = 0.0
+    lse: float = 0.0
     description: str = ""
 
     def block_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
-                    mask_bytes: int, recompute: str = "none") -> float:
+                    mask_bytes: int, recompute: str = "none", low: int = FLOAT) -> float:
         """Bytes one block keeps for its backward (``recompute``: the activation
-        checkpointing mode, raylm.parallel.recompute.MODES)."""
+        checkpointing mode, raylm.parallel.recompute.MODES; ``low``: the bytes of
+        autocast's compute dtype, FLOAT for fp32 training)."""
         sd = tp if sp else 1
         h = self.hidden
         if recompute == "full":
@@ -115,28 +139,35 @@ class ActivationRecipe:
             seq, full = h + (2 * h if sp and tp > 1 else 0), self.kept_full
             if tp > 1:
                 full += 2 * h  # all-reduced outputs, or all-gathered inputs under sp
-            return tokens * FLOAT * (seq / sd + full + self.kept_split / tp)
-        el = self.seq / sd + self.full + self.split / tp + self.scores * seq_len / tp
-        masks = self.masks / sd + self.score_masks * seq_len / tp
-        return tokens * (FLOAT * el + mask_bytes * masks)
+            return tokens * (FLOAT * (seq / sd + self.lse / tp)
+                             + low * (full + (self.kept_split - self.lse) / tp))
+        amp = low < FLOAT
+        full = self.cast_full if amp else self.full
+        fp32 = self.split_fp32 if amp else self.split
+        el32 = self.seq / sd + fp32 / tp + self.scores * seq_len / tp
+        el_low = full + (self.split - fp32) / tp
+        masks = (min(mask_bytes, low) * self.masks / sd
+                 + mask_bytes * self.score_masks * seq_len / tp)
+        return tokens * (FLOAT * el32 + low * el_low + masks)
 
     def recompute_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
-                        mask_bytes: int, recompute: str) -> float:
+                        mask_bytes: int, recompute: str, low: int = FLOAT) -> float:
         """What recomputing one block brings back for its backward (0 without
         checkpointing): its activations less what it kept."""
         if recompute == "none":
             return 0.0
-        return max(0.0, self.block_bytes(tokens, seq_len, tp, sp, mask_bytes)
-                   - self.block_bytes(tokens, seq_len, tp, sp, mask_bytes, recompute))
+        return max(0.0, self.block_bytes(tokens, seq_len, tp, sp, mask_bytes, low=low)
+                   - self.block_bytes(tokens, seq_len, tp, sp, mask_bytes, recompute, low))
 
     def embed_bytes(self, tokens: int, tp: int, sp: bool, mask_bytes: int) -> float:
         sd = tp if sp else 1
         return tokens * (INDEX + mask_bytes * self.embed_masks / sd)
 
-    def head_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool) -> float:
+    def head_bytes(self, tokens: int, seq_len: int, tp: int, sp: bool,
+                   low: int = FLOAT) -> float:
         sd = tp if sp else 1
         labels = tokens * (seq_len - 1) / seq_len
-        return (tokens * FLOAT * (self.head_seq / sd + self.head_full)
+        return (tokens * (FLOAT * self.head_seq / sd + low * self.head_full)
                 + labels * (FLOAT * self.vocab / tp + INDEX))
 
     def stage_bytes(self, seq_len: int) -> float:
@@ -221,5 +252,8 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
         per_stage=2 * head_dim if llama else 0.0,
         hidden=h, kept_full=2 * h,  # the attention output and MLP down projections
         kept_split=((h + 2 * kvd) if llama else 3 * h) + (2 * I if gated else I) + kept_attn,
+        cast_full=(5 * h if llama else 2 * h),  # q, k, v, gate, up; or qkv and fc
+        split_fp32=a if path == "fused" else (0.0 if use_gpu else 3 * h),
+        lse=a if path == "fused" else 0.0,
         description=(f"{'llama' if llama else 'gpt2'}-style block, attention {path}"
                      f"{', dropout' if resid_p > 0 or attn_p > 0 else ''}"))

@@ -53,3 +53,23 @@ def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,
                 "the schedule's split backward runs each block's backward twice, which "
                 "selective checkpointing cannot; use full, or another schedule")
     return ""
+
+
+def compile_problem(compile: bool, pp: int, own_stages: bool, model_type: str) -> str:
+    """--torch_compile compiles each block's forward (raylm.parallel.compile): the generic
+    pipeline split traces the model with torch.export into graphs with no blocks left."""
+    if not compile or pp <= 1 or own_stages:
+        return ""
+    return (f"--torch_compile with --pp {pp}: raylm cuts '{model_type}' into stages by "
+            "tracing it with torch.export, whose graphs have no blocks to compile; use one "
+            "of the two, or a model type raylm has stages for")
+
+
+def reduce_dtype_problem(reduce_dtype: str, zero_stage: int) -> str:
+    """Gradients summed in bf16 (--reduce_dtype): ZeRO-0's all-reduce and ZeRO-3's
+    FSDP2 reduce-scatter take it; ZeRO 1 and 2's own reduce-scatter is fp32 only."""
+    if reduce_dtype == "float32" or zero_stage not in (1, 2):
+        return ""
+    return (f"--reduce_dtype {reduce_dtype}: this layout runs ZeRO-{zero_stage}, whose "
+            "reduce-scatter is fp32 only (not built in bf16 yet); give --zero_stage 0 or 3, "
+            "or --reduce_dtype float32")

@@ -10,6 +10,11 @@ Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
       zero_stage 1: optimizer 8 Psi / dp               (ZeRO, Rajbhandari et al. 2020)
       zero_stage 2: gradients 4 Psi / dp too
       zero_stage 3: parameters 4 Psi / dp too, plus two blocks gathered at a time
+* mixed precision (--bf16/--fp16, ``Hardware.compute_bytes`` 2): the states stay fp32
+  (master weights, gradients, AdamW); activations as raylm.plan.activations lays out
+  (norms and the residual stream fp32, matmul inputs and outputs in 2 bytes); autocast's
+  copies of the rank's matrices in 2 bytes, once per step (``weight_copies``), or under
+  ZeRO-3 the gathered blocks in 2 bytes (FSDP2's MixedPrecisionPolicy) instead;
 * activations: what one micro-batch's forward saves for backward
   (raylm.plan.activations), times the micro-batches a rank holds at its peak: 1 without
   a pipeline (gradient accumulation runs them one by one), per schedule with one
@@ -24,9 +29,10 @@ Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
 Step time per optimizer step (one rank's view; ranks of a pipeline wait for the slowest):
 
 * compute: 3 x forward FLOPs (forward + backward) of the rank's stages, per token, over
-  tp, / worker FLOP/s; forward FLOPs per token are the partition's unit FLOPs (2 per
+  tp, / worker FLOP/s (the precision's: raylm.plan.hardware); forward FLOPs per token are the partition's unit FLOPs (2 per
   weight of every matrix, 4 x seq x hidden for attention scores);
-* tensor parallelism: 4 all-reduces of a micro-batch's activations per block (2 forward,
+* tensor parallelism: 4 all-reduces of a micro-batch's activations (matmul outputs: in
+  the compute dtype) per block (2 forward,
   2 backward; reduce-scatter + all-gather under sequence parallelism move as much), one
   more at the embedding and at the head, ring cost 2(tp-1)/tp x bytes / node link +
   2(tp-1) x latency: tp groups sit inside one node;
@@ -37,7 +43,7 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   v = 1 (GPipe, 1F1B), v virtual stages (interleaved 1F1B), ~3 for zero bubble (its
   weight-gradient work fills most of the bubble);
 * data parallelism: the ring all-reduce of the rank's gradients, 2(dp-1)/dp x 4 Psi /
-  bandwidth, overlapped with the last micro-batch's backward without a pipeline (its
+  bandwidth (2 Psi with --reduce_dtype bfloat16), overlapped with the last micro-batch's backward without a pipeline (its
   last 4 MiB bucket never is) and after the schedule with one. Under ZeRO (a
   reduce-scatter or all-gather is half an all-reduce): stage 1 reduce-scatters the
   gradients at the last micro-batch (overlapped as above) and all-gathers the updated
@@ -94,6 +100,7 @@ class Memory:
     workspace: float
     in_flight: int = 1  # micro-batches whose activations the rank holds at its peak
     param_count: float = 0  # parameters (elements) the rank holds
+    weight_copies: float = 0.0  # autocast's compute-dtype copies of the matrices
 
     @property
     def states(self) -> float:
@@ -101,7 +108,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.workspace
+        return self.states + self.activations + self.weight_copies + self.workspace
 
     def to_dict(self) -> dict:
         return {**asdict(self), "states": self.states, "total": self.total}
@@ -158,8 +165,9 @@ def stage_activation_bytes(shape: ModelShape, part: Partition, layout: Layout,
                            hw: Hardware) -> list:
     """Activation bytes one micro-batch leaves on each stage."""
     tokens = layout.micro_batch_size * shape.seq_len
-    rec, tp, sp = shape.recipe, layout.tp, layout.sequence_parallel
-    block = rec.block_bytes(tokens, shape.seq_len, tp, sp, hw.mask_bytes, layout.recompute)
+    rec, tp, sp, low = shape.recipe, layout.tp, layout.sequence_parallel, hw.compute_bytes
+    block = rec.block_bytes(tokens, shape.seq_len, tp, sp, hw.mask_bytes, layout.recompute,
+                            low)
     last = part.num_stages - 1
     acts = []
     for s, (a, b) in enumerate(part.bounds):
@@ -167,9 +175,22 @@ def stage_activation_bytes(shape: ModelShape, part: Partition, layout: Layout,
         if s == 0:
             act += rec.embed_bytes(tokens, tp, sp, hw.mask_bytes)
         if s == last:
-            act += rec.head_bytes(tokens, shape.seq_len, tp, sp)
+            act += rec.head_bytes(tokens, shape.seq_len, tp, sp, low)
         acts.append(act)
     return acts
+
+
+def cast_params(shape: ModelShape, part: Partition, stages: list) -> float:
+    """Elements of the matrices a rank's ``stages`` multiply by, whole (tensor
+    parallelism divides them): what autocast casts to its dtype once per step. The
+    blocks' sharded matrices and the output head; an embedding table is looked up, not
+    multiplied (unless tied to the head)."""
+    last = part.num_stages - 1
+    n = 0.0
+    for s in stages:
+        a, b = part.bounds[s]
+        n += sum(shape.block_split[a:b]) + (shape.head_split if s == last else 0)
+    return n
 
 
 def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware) -> list:
@@ -182,13 +203,14 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
     else:
         held, rank_act = peak_in_flight(layout.schedule, part.stage_rank, m, acts)
     tokens = layout.micro_batch_size * shape.seq_len
+    low = hw.compute_bytes
     boundary = tokens * shape.hidden * FP32 / (tp if layout.sequence_parallel else 1)
     logits = 2 * tokens * shape.vocab / tp * FP32
     widest = 2 * tokens * max(shape.intermediate / tp, shape.hidden) * FP32
     # A checkpointed block's recomputed activations, while its backward runs.
     recomputed = shape.recipe.recompute_bytes(tokens, shape.seq_len, tp,
                                               layout.sequence_parallel, hw.mask_bytes,
-                                              layout.recompute)
+                                              layout.recompute, low)
     last = part.num_stages - 1
     out = []
     for r, (total, split) in enumerate(_rank_stage_params(shape, part, pp)):
@@ -199,15 +221,21 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         work = logits * (1.5 if pp > 1 else 1.0) if last in stages else widest
         if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):
             work += recomputed
+        copies = 0.0
         if zero >= 3:
+            # Two blocks gathered (in the compute dtype under mixed precision), one
+            # block's gradient (fp32).
             biggest = max((u.params for u in shape.blocks), default=0)
-            work += 3 * FP32 * biggest / tp  # two blocks gathered, one block's gradient
+            work += (2 * low + FP32) * biggest / tp
+        elif low < FP32:
+            copies = low * cast_params(shape, part, stages) / tp
         if pp > 1:  # torch pipelining's receive buffers, one per micro-batch
             for s in stages:
                 work += m * boundary * ((s > 0) + (s < last))
         out.append(Memory(parameters=params, gradients=grads, optimizer=opt,
                           activations=rank_act[r], workspace=work,
-                          in_flight=max(held[s] for s in stages), param_count=psi))
+                          in_flight=max(held[s] for s in stages), param_count=psi,
+                          weight_copies=copies))
     return out
 
 
@@ -222,7 +250,7 @@ def recompute_time(shape: ModelShape, layout: Layout, hw: Hardware, tokens: int)
         return mean_flops * tokens / layout.tp / hw.worker_flops
     again = shape.recipe.recompute_bytes(tokens, shape.seq_len, layout.tp,
                                          layout.sequence_parallel, hw.mask_bytes,
-                                         layout.recompute)
+                                         layout.recompute, hw.compute_bytes)
     return 2 * again / hw.memory_bw
 
 
@@ -238,14 +266,15 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
     """The step time of ``layout``; ``ranks``: rank_memory's result (parameters held)."""
     dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
     tokens = layout.micro_batch_size * shape.seq_len
-    act_bytes = tokens * shape.hidden * FP32
+    act_bytes = tokens * shape.hidden * FP32  # the residual stream (pipeline sends)
+    matmul_out = tokens * shape.hidden * hw.compute_bytes  # (tp all-reduces)
     one_node = layout.world_size <= hw.workers_per_node
     replica_in_node = tp * pp <= hw.workers_per_node
     pp_bw, pp_lat = ((hw.node_link_bw, hw.latency_node) if replica_in_node
                      else (hw.network_bw, hw.latency_network))
     dp_bw, dp_lat = ((hw.node_link_bw, hw.latency_node) if one_node
                      else (hw.network_bw, hw.latency_network))
-    tp_msg = allreduce_time(act_bytes, tp, hw.node_link_bw, hw.latency_node)
+    tp_msg = allreduce_time(matmul_out, tp, hw.node_link_bw, hw.latency_node)
     p2p_msg = act_bytes / (tp if layout.sequence_parallel else 1) / pp_bw + pp_lat
     last = part.num_stages - 1
     per_rank = []
@@ -261,7 +290,8 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         pp_c = sends * p2p_msg + (len(stages) * hw.stage_overhead if pp > 1 else 0.0)
         zero3 = 0.0
         if layout.zero_stage >= 3 and dp > 1:  # parameter all-gathers, prefetched
-            gather = 2 * (dp - 1) / dp * FP32 * ranks[r].param_count / dp_bw
+            gather = (2 * (dp - 1) / dp * hw.compute_bytes * ranks[r].param_count
+                      / dp_bw)
             zero3 = max(0.0, gather - compute)
         per_rank.append((compute + tp_c + pp_c + zero3, compute, tp_c, pp_c))
     slow = max(range(pp), key=lambda r: per_rank[r][0])
@@ -270,7 +300,7 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
     bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
     pipe = m * t_mb + bubble
 
-    grads = max(FP32 * r.param_count for r in ranks)
+    grads = max(hw.reduce_bytes * r.param_count for r in ranks)
     zero = layout.zero_stage if dp > 1 else 0
     if zero == 0:
         dp_full = allreduce_time(grads, dp, dp_bw, dp_lat)

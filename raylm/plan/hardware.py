@@ -8,6 +8,10 @@ device kind:
   worker_tflops         0.05 x --cpus_per_worker      50 (H100, fp32 without TF32)
                         (GPT-2 training measured at
                         0.045-0.05 per CPU)
+    --bf16 / --fp16     the same over 30 (no bf16     400 (H100 tensor cores: 40% of
+                        or fp16 arithmetic: autocast  the 989 dense peak, what large
+                        emulates it, measured ~30x    models sustain)
+                        slower per matmul here)
   worker_memory_gb      16                            80 (H100)
   node_link_gbps        10 (gloo, loopback: ~11       3600 (NVLink 4: 450 GB/s)
                         Gbit/s measured)
@@ -21,6 +25,10 @@ device kind:
                         README: pipeline schedules)
   dropout mask element  4 bytes (CPU: float mask)     1 byte (bool)
 
+The run's precision is part of it: ``compute_bytes`` (2 under --bf16/--fp16: autocast's
+matmuls, their inputs and outputs; 4 in fp32 training) and ``reduce_bytes`` (the
+gradients on the wire: 2 with --reduce_dtype bfloat16, else 4).
+
 Bandwidths are per worker and direction, Gbit/s on the command line.
 """
 
@@ -33,6 +41,8 @@ GIB = 2**30
 
 CPU_TFLOPS_PER_CPU = 0.05
 GPU_TFLOPS = 50.0
+GPU_HALF_TFLOPS = 400.0
+CPU_HALF_SLOWDOWN = 30.0
 CPU_MEMORY_GB = 16.0
 GPU_MEMORY_GB = 80.0
 CPU_NODE_LINK_GBPS, GPU_NODE_LINK_GBPS = 10.0, 3600.0
@@ -53,6 +63,8 @@ class Hardware:
     mask_bytes: int  # one dropout-mask element
     stage_overhead: float = 0.0  # s per pipeline stage and micro-batch (schedule, p2p)
     use_gpu: bool = False
+    compute_bytes: int = 4  # autocast's dtype under --bf16/--fp16 (2), else fp32 (4)
+    reduce_bytes: int = 4  # the gradients summed over dp (--reduce_dtype)
     # where each figure came from: "flag", "cluster" or "default"
     source: dict = field(default_factory=dict, compare=False)
 
@@ -61,7 +73,8 @@ class Hardware:
             s = self.source.get(name, "default")
             return "" if s == "flag" else f" ({s})"
         return (f"{'GPU' if self.use_gpu else 'CPU'} workers: "
-                f"{self.worker_flops / 1e12:g} TFLOP/s{src('worker_tflops')}, "
+                f"{self.worker_flops / 1e12:g} TFLOP/s"
+                f"{' (bf16/fp16)' if self.compute_bytes < 4 else ''}{src('worker_tflops')}, "
                 f"{self.worker_memory / GIB:g} GiB{src('worker_memory_gb')}, "
                 f"{self.workers_per_node} per node{src('workers_per_node')}, links "
                 f"{self.node_link_bw * 8 / 1e9:g} Gbit/s in a node{src('node_link_gbps')} "
@@ -113,8 +126,11 @@ def hardware_for(cfg, cluster: dict | None = None) -> Hardware:
         source[flag] = "default"
         return default
 
+    half = bool(getattr(cfg, "bf16", False) or getattr(cfg, "fp16", False))
+    cpu = CPU_TFLOPS_PER_CPU * max(cfg.cpus_per_worker, 0.25)
     tflops = pick("worker_tflops", None,
-                  GPU_TFLOPS if gpu else CPU_TFLOPS_PER_CPU * max(cfg.cpus_per_worker, 0.25))
+                  (GPU_HALF_TFLOPS if half else GPU_TFLOPS) if gpu
+                  else cpu / (CPU_HALF_SLOWDOWN if half else 1.0))
     mem_c = cluster.get("worker_memory")
     memory = pick("worker_memory_gb", mem_c / GIB if mem_c else None,
                   GPU_MEMORY_GB if gpu else CPU_MEMORY_GB)
@@ -127,26 +143,32 @@ def hardware_for(cfg, cluster: dict | None = None) -> Hardware:
         network_bw=net * 1e9 / 8, latency_node=10e-6 if gpu else 200e-6,
         latency_network=20e-6 if gpu else 200e-6,
         memory_bw=2e12 if gpu else 10e9, mask_bytes=1 if gpu else 4,
-        stage_overhead=0.2e-3 if gpu else 4e-3, use_gpu=gpu, source=source)
+        stage_overhead=0.2e-3 if gpu else 4e-3, use_gpu=gpu, source=source,
+        compute_bytes=2 if half else 4,
+        reduce_bytes=2 if half and getattr(cfg, "reduce_dtype", "") == "bfloat16" else 4)
 
 
-# Dense fp32 peak TFLOP/s of one GPU (vendor datasheets; raylm trains in fp32 and leaves
-# TF32 off, torch's default), by a piece of torch.cuda.get_device_name(): more specific
-# names first. The denominator of the model FLOPs utilisation (mfu) in the logs.
-FP32_PEAK_TFLOPS = (
-    ("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0),
-    ("GH200", 67.0), ("B200", 80.0), ("A100", 19.5), ("A10G", 31.2), ("A10", 31.2),
-    ("L40S", 91.6), ("L40", 90.5), ("L4", 30.3), ("V100", 15.7), ("T4", 8.1),
+# Dense peak TFLOP/s of one GPU (vendor datasheets, without sparsity), by a piece of
+# torch.cuda.get_device_name(): more specific names first; fp32 (raylm leaves TF32 off,
+# torch's default) and the 16-bit tensor cores (bf16; fp16 where the GPU has no bf16:
+# V100, T4). The denominator of the model FLOPs utilisation (mfu) in the logs.
+PEAK_TFLOPS = (  # (name, fp32, bf16/fp16)
+    ("H100 PCIe", 51.0, 756.0), ("H100 NVL", 60.0, 835.0), ("H100", 67.0, 989.0),
+    ("H200", 67.0, 989.0), ("GH200", 67.0, 989.0), ("B200", 80.0, 2250.0),
+    ("A100", 19.5, 312.0), ("A10G", 31.2, 70.0), ("A10", 31.2, 125.0),
+    ("L40S", 91.6, 362.0), ("L40", 90.5, 181.0), ("L4", 30.3, 121.0),
+    ("V100", 15.7, 125.0), ("T4", 8.1, 65.0),
 )
 
 
-def peak_flops(device_name: str, peak_tflops: float = 0.0):
+def peak_flops(device_name: str, peak_tflops: float = 0.0, half: bool = False):
     """FLOP/s one rank's device peaks at: ``peak_tflops`` (--peak_tflops) when given,
-    else the table's figure for a known GPU name, else None (a CPU's peak depends on its
-    vector units and clocks, which nothing here reads reliably)."""
+    else the table's figure for a known GPU name (``half``: its 16-bit tensor cores',
+    under --bf16/--fp16), else None (a CPU's peak depends on its vector units and
+    clocks, which nothing here reads reliably)."""
     if peak_tflops > 0:
         return peak_tflops * 1e12
-    for name, tflops in FP32_PEAK_TFLOPS:
+    for name, fp32, low in PEAK_TFLOPS:
         if name.lower() in (device_name or "").lower():
-            return tflops * 1e12
+            return (low if half else fp32) * 1e12
     return None

@@ -18,7 +18,8 @@ from raylm.models.families import family_of
 from raylm.models.tensor_plans import check_tensor_parallel
 from raylm.models.units import has_own_stages, meta_model, model_units
 from raylm.plan.activations import requested_recompute
-from raylm.plan.constraints import (recompute_problem, sequence_parallel_problem,
+from raylm.plan.constraints import (compile_problem, recompute_problem,
+                                    reduce_dtype_problem, sequence_parallel_problem,
                                     tensor_pipeline_problem)
 from raylm.plan.dims import ParallelDims
 from raylm.plan.partition import (check_schedule, parse_pp_split, partition,
@@ -195,8 +196,11 @@ def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
         plan = dataclasses.replace(plan, global_batch_size=int(global_batch_size))
     check_tensor_layout(spec, plan, seq_len)
     check_zero_layout(spec, plan)
-    problem = recompute_problem(plan.recompute, plan.pp, plan.schedule,
-                                has_own_stages(spec.config), spec.config.model_type)
+    own, model_type = has_own_stages(spec.config), spec.config.model_type
+    problem = (reduce_dtype_problem(getattr(cfg, "reduce_dtype", "float32"), plan.zero_stage)
+               or recompute_problem(plan.recompute, plan.pp, plan.schedule, own, model_type)
+               or compile_problem(getattr(cfg, "torch_compile", False), plan.pp, own,
+                                  model_type))
     if problem:
         raise ConfigError(problem)
     if plan.pp == 1:

@@ -259,7 +259,7 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     # the lowest ZeRO stage that fits when that is left to it too: the fastest that
     # fits, ties to the earlier (less machinery); else the one needing the least memory.
     best = None
-    for option in _memory_options(layout, shape, parts, sp, recompute):
+    for option in memory_options(layout, shape, parts, sp, recompute):
         o = _lowest_stage(Candidate(option, c.stage_bounds), shape, part, hw, zero)
         if best is None or (o.fits and not best.fits) or (
                 o.fits and o.time.step < best.time.step * (1 - SAME_TIME)) or (
@@ -268,10 +268,12 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     return best
 
 
-def _memory_options(layout: Layout, shape: ModelShape, cache: dict, sp, recompute) -> list:
-    """The layout under each setting the flags leave open, least machinery first:
-    sequence parallelism (tp > 1, where the model and layout take it), then selective and
-    full recomputation (where the blocks can be wrapped: raylm's own stages)."""
+def memory_options(layout: Layout, shape: ModelShape, cache: dict, sp, recompute) -> list:
+    """The layout under each setting the flags leave open (``sp`` and ``recompute``
+    None), least machinery first: sequence parallelism (tp > 1, where the model and
+    layout take it), then selective and full recomputation (where the blocks can be
+    wrapped: raylm's own stages). ``cache``: the search's cache of tensor-parallel
+    checks."""
     tp, pp = layout.tp, layout.pp
     sps = [layout.sequence_parallel]
     if sp is None and tp > 1 and not _tp_problem(shape, tp, True, cache) and \

@@ -21,12 +21,12 @@ from raylm.errors import ConfigError
 from raylm.models.families import family_of
 from raylm.models.loading import resolve_block_size, resolve_model
 from raylm.parallel.pipeline.stages import cut
-from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
+from raylm.plan.activations import requested_recompute
 from raylm.plan.cost import rank_memory, single_stage, stage_activation_bytes, step_time
 from raylm.plan.hardware import hardware_for
 from raylm.plan.inflight import peak_in_flight
 from raylm.plan.layout import plan_run
-from raylm.plan.planner import meta_shape, search_for_config
+from raylm.plan.planner import memory_options, meta_shape, search_for_config
 from raylm.plan.text import BYTES_PER_PARAM, human_bytes
 from raylm.plan.zero import STAGE_PARTITIONS, ZERO_STAGES, requested_zero_stage
 from raylm.report.ownership import ownership_lines, zero_ownership
@@ -91,7 +91,7 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
     rec = shape.recipe
     layout = chosen.layout
     per_block = rec.block_bytes(tokens, seq_len, plan.tp, layout.sequence_parallel,
-                                hw.mask_bytes, layout.recompute)
+                                hw.mask_bytes, layout.recompute, hw.compute_bytes)
     total_params = shape.total_params
     report = {
         "layout": plan.describe(),
@@ -111,8 +111,11 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
                      "embedding_activation_bytes": rec.embed_bytes(
                          tokens, plan.tp, layout.sequence_parallel, hw.mask_bytes),
                      "head_activation_bytes": rec.head_bytes(
-                         tokens, seq_len, plan.tp, layout.sequence_parallel),
-                     "activations": rec.description},
+                         tokens, seq_len, plan.tp, layout.sequence_parallel,
+                         hw.compute_bytes),
+                     "activations": rec.description,
+                     "precision": ("bf16" if cfg.bf16 else "fp16" if cfg.fp16
+                                   else "fp32")},
         "planner": {"searched": searched, "num_workers": search.num_workers,
                     "global_batch": search.global_batch, "evaluated": search.evaluated,
                     "elapsed_s": search.elapsed_s},
@@ -183,19 +186,19 @@ def recompute_report(cfg, shape, part, layout, hw, searched: bool) -> dict:
     import dataclasses
 
     asked_mode, asked_sp = requested_recompute(cfg), cfg.sequence_parallel
-    sps = [False, True] if layout.tp > 1 else [False]
     rows = []
-    for mode in RECOMPUTE_MODES:
-        for sp in sps:
-            option = dataclasses.replace(layout, recompute=mode, sequence_parallel=sp)
-            ranks = rank_memory(shape, part, option, hw)
-            worst = max(ranks, key=lambda r: r.total)
-            rows.append({"recompute": mode, "sequence_parallel": sp,
-                         "activations": worst.activations, "workspace": worst.workspace,
-                         "total": worst.total, "fits": worst.total <= hw.worker_memory,
-                         "step": step_time(shape, part, option, hw, ranks).step,
-                         "chosen": (mode, sp) == (layout.recompute,
-                                                  layout.sequence_parallel)})
+    # Every setting this layout can run (the planner's options with nothing asked).
+    base = dataclasses.replace(layout, recompute="none", sequence_parallel=False)
+    for option in memory_options(base, shape, {}, None, None):
+        mode, sp = option.recompute, option.sequence_parallel
+        ranks = rank_memory(shape, part, option, hw)
+        worst = max(ranks, key=lambda r: r.total)
+        rows.append({"recompute": mode, "sequence_parallel": sp,
+                     "activations": worst.activations, "weight_copies": worst.weight_copies,
+                     "workspace": worst.workspace,
+                     "total": worst.total, "fits": worst.total <= hw.worker_memory,
+                     "step": step_time(shape, part, option, hw, ranks).step,
+                     "chosen": (mode, sp) == (layout.recompute, layout.sequence_parallel)})
     if asked_mode is not None and (asked_sp is not None or layout.tp == 1):
         how = "flags"
     elif layout.recompute == "none" and not layout.sequence_parallel:
@@ -357,7 +360,9 @@ def format_plan_report(report: dict) -> list[str]:
             f"memory per worker{where}: parameters {human_bytes(mem['parameters'])}, "
             f"gradients {human_bytes(mem['gradients'])}, optimizer states "
             f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])}"
-            f" ({mem['in_flight']} micro-batch(es) of {mb} x {seq} tokens), workspace "
+            f" ({mem['in_flight']} micro-batch(es) of {mb} x {seq} tokens), "
+            + (f"16-bit weight copies {human_bytes(mem['weight_copies'])}, "
+               if mem["weight_copies"] else "") + "workspace "
             f"{human_bytes(mem['workspace'])} = {human_bytes(mem['total'])} of "
             f"{human_bytes(worker)}" + ("" if report["fits"] else "  ** DOES NOT FIT **"))
     t = report["time"]
@@ -393,10 +398,13 @@ def format_plan_report(report: dict) -> list[str]:
         lines += _table(["  layout", "micro-batches", "memory/worker", "step", "tokens/s",
                          "why not"], rows, right={1, 2, 3, 4})
     mode = report["recompute"]["recompute"]
-    note = ("memory: fp32 training with AdamW (weights, gradients, 2 moments) + the "
-            f"activations autograd keeps ({report['estimate']['activations']}"
+    precision = report["estimate"]["precision"]
+    note = (f"memory: {precision} training with AdamW (fp32 weights, gradients, 2 moments) "
+            f"+ the activations autograd keeps ({report['estimate']['activations']}"
             + ("" if mode == "none" else f", {mode} activation checkpointing") + ") + "
-            "workspace (logits and gradients in flight, pipeline buffers"
+            + ("" if precision == "fp32" else "autocast's 16-bit copies of the matrices "
+               "(one per step) + ")
+            + "workspace (logits and gradients in flight, pipeline buffers"
             + ("" if mode == "none" else ", a block's recomputation") + ")")
     if not report["stages"]:
         r = report["ranks"][0]
@@ -454,11 +462,13 @@ def _recompute_lines(report: dict) -> list[str]:
              f"{r['recompute']}{', sequence parallel' if r['sequence_parallel'] else ''}: "
              f"{r['chosen_by']}):"]
     rows = [[f"  {o['recompute']}", "yes" if o["sequence_parallel"] else "-",
-             human_bytes(o["activations"]), human_bytes(o["workspace"]),
-             human_bytes(o["total"]), _seconds(o["step"]), "yes" if o["fits"] else "no",
-             "<- chosen" if o["chosen"] else ""] for o in r["options"]]
-    return lines + _table(["  recompute", "sequence parallel", "activations", "workspace",
-                           "peak/worker", "step", "fits", ""], rows, right={2, 3, 4, 5})
+             human_bytes(o["activations"]), human_bytes(o["weight_copies"]),
+             human_bytes(o["workspace"]), human_bytes(o["total"]), _seconds(o["step"]),
+             "yes" if o["fits"] else "no", "<- chosen" if o["chosen"] else ""]
+            for o in r["options"]]
+    return lines + _table(["  recompute", "sequence parallel", "activations",
+                           "weight copies", "workspace", "peak/worker", "step", "fits", ""],
+                          rows, right={2, 3, 4, 5, 6})
 
 
 def _zero_lines(report: dict) -> list[str]:

@@ -45,6 +45,7 @@ from raylm.runtime import cluster
 from raylm.runtime.best import BestTracker
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics, perplexity
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
+from raylm.runtime.precision import LossScale
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
 from raylm.runtime.snapshots import Snapshots
@@ -73,7 +74,9 @@ class Driver:
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
         # ("step": before its forward, "sync": during its gradient sync, "update": after
-        # it, "commit", "checkpoint", "recovery") and group generation (default 1).
+        # it, "commit", "checkpoint", "recovery"; "overflow" does not kill: the rank's
+        # gradients become inf after its sync, as an fp16 overflow) and group generation
+        # (default 1).
         self.faults = [dict(f) for f in faults]
         # Each callback may define on_step_end(driver, step, record); tests use it to
         # kill a rank mid-run.
@@ -317,6 +320,10 @@ class Driver:
         self.best = BestTracker(cfg.metric_for_best_model, cfg.greater_is_better,
                                 cfg.early_stopping_patience, cfg.early_stopping_threshold,
                                 state.get("evaluations", ()), state.get("saved", ()))
+        # fp16's loss scale where the run starts (a checkpoint keeps it); after that each
+        # step's record keeps the state after it (_loss_scale).
+        self.scale_start = (LossScale(**state["loss_scale"]) if state.get("loss_scale")
+                            else LossScale(float(cfg.initial_loss_scale)))
         self.stopped_early = False
         fingerprint = start_output_dir(cfg, plan.global_batch_size)
         self.ckpt.clear_partial()
@@ -406,7 +413,7 @@ class Driver:
                                             plan.micro_batch_size, plan.micro_batches_per_rank)
             return step_schedule(sampler.global_batch(step), plan.dp, plan.micro_batch_size)
 
-        def submit(step):
+        def submit(step, scale):
             # Each rank gets its replica's micro-batches for the step after `step` done
             # ones and, to prefetch, for the one after (every stage of a pipeline gets the
             # same ids).
@@ -414,7 +421,7 @@ class Driver:
             commit, self.uncommitted = self.uncommitted, None
             return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
                                         nxt[plan.dims.index(r, "dp")] if nxt else None,
-                                        run.generation, commit)
+                                        run.generation, commit, scale)
                     for r, w in enumerate(self.workers)]
 
         per_epoch = sampler.steps_per_epoch
@@ -440,11 +447,13 @@ class Driver:
             # all have, it is committed: each rank applies it first thing in its next
             # call, the next step's or a commit of its own. A step that fails on any rank
             # commits on none.
-            self.inflight = submit(run.step)
+            scale = self._loss_scale()
+            self.inflight = submit(run.step, scale.scale if scale else 1.0)
             results = self._wait(self.inflight)
             self.uncommitted = run.step
             run.step += 1
             out = _loss_result(results)
+            overflow = _overflow(results)
             now = time.time()
             wall, t_last = now - t_last, now
             rec = {"step": run.step, "epoch": round(sampler.epoch_of(run.step), 4),
@@ -459,6 +468,13 @@ class Driver:
                                           default=None),
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
                    "world_size": plan.world_size}
+            if scale is not None:  # fp16: the scale used, and the state after the step
+                after = scale.after(overflow, cfg.loss_scale_window)
+                rec.update({"loss_scale": scale.scale, "skipped": overflow,
+                            "loss_scale_after": after.to_dict()})
+                if overflow:
+                    log.warning("step %d: fp16 gradients overflowed: skipped on every rank; "
+                                "loss scale %g -> %g", run.step, scale.scale, after.scale)
             run.history = [h for h in run.history if h["step"] < run.step] + [rec]
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
@@ -475,6 +491,7 @@ class Driver:
                 entry = {"step": run.step, "epoch": rec["epoch"], "loss": rec["loss"],
                          "learning_rate": rec["learning_rate"],
                          "grad_norm": rec["grad_norm"],
+                         **({"loss_scale": scale.scale} if scale is not None else {}),
                          "step_time_s": elapsed / window_steps,
                          "tokens_per_second": window_tokens / elapsed,
                          "world_size": plan.world_size}
@@ -664,7 +681,7 @@ class Driver:
         from raylm.plan.hardware import peak_flops
 
         self.peak_flops = peak_flops(self.worker_info[0].get("device", "cpu"),
-                                     self.cfg.peak_tflops)
+                                     self.cfg.peak_tflops, self.cfg.bf16 or self.cfg.fp16)
         if self.peak_flops is None:
             return None
         from raylm.plan.planner import shape_of
@@ -717,11 +734,11 @@ class Driver:
             pred = None
             if predicted is not None and not predicted.problem:
                 pred = predicted.ranks[m["coords"]["pp"]].to_dict()
-            ranks.append({"measured": {k: m[k] for k in
-                                       ("parameters", "gradients", "optimizer", "activations")},
+            ranks.append({"measured": {k: m[k] for k in MEASURED},
                           "coords": m["coords"], "predicted": pred,
                           "replica_elements": m.get("replica_elements"),
                           "checkpointed_blocks": m.get("checkpointed_blocks"),
+                          "compiled_graphs": m.get("compiled_graphs"),
                           # The ZeRO paper's per-rank model states for the elements the
                           # rank's replica holds (fp32, AdamW).
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,
@@ -729,16 +746,16 @@ class Driver:
                           "peak_rss_bytes": r.get("peak_rss_bytes")})
             meas = sum(ranks[-1]["measured"].values())
             log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
-                     "optimizer %s, activations %s = %s%s", len(ranks) - 1,
+                     "optimizer %s, activations %s, weight copies %s = %s%s", len(ranks) - 1,
                      m["coords"]["dp"], m["coords"]["pp"], m["coords"]["tp"],
-                     *(human_bytes(m[k]) for k in ("parameters", "gradients", "optimizer",
-                                                   "activations")), human_bytes(meas),
-                     f" (predicted {human_bytes(pred['states'] + pred['activations'])})"
+                     *(human_bytes(m[k]) for k in MEASURED), human_bytes(meas),
+                     f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
             json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
                                   "sequence_parallel": plan.sequence_parallel,
                                   "recompute": plan.recompute},
+                       "precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
                        "step": self.record.step, "ranks": ranks}, f, indent=2)
 
     def _save_checkpoint(self, sampler: GlobalBatchSampler, fingerprint: dict) -> None:
@@ -764,12 +781,25 @@ class Driver:
             "saved": self.best.saved + [run.step],
             "best_metric": self.best.best_metric,
             "best_global_step": self.best.best_step,
+            "loss_scale": (self._loss_scale() or LossScale()).to_dict()
+            if self.cfg.fp16 else None,
         })
         self.best.mark_saved(run.step)  # once committed: a failed save has no checkpoint
         if not model_only:
             run.checkpoint = path
         self.ckpt.rotate(self.cfg.save_total_limit, protect=self._best_path())
         log.info("checkpoint saved: %s%s", path, " (model only)" if model_only else "")
+
+    def _loss_scale(self) -> Optional[LossScale]:
+        """fp16's loss scale for the next step (None without --fp16): the state after
+        the last step of the run's history (which a restore rewinds with the steps), else
+        the one the run started from."""
+        if not self.cfg.fp16:
+            return None
+        last = self.record.history[-1] if self.record.history else {}
+        if "loss_scale_after" in last:
+            return LossScale(**last["loss_scale_after"])
+        return self.scale_start
 
     def _best_path(self) -> Optional[str]:
         """The checkpoint of the best evaluation that has one (kept by rotation)."""
@@ -1135,6 +1165,21 @@ def _remove(pg) -> None:
             remove_placement_group(pg)
         except Exception:  # already removed
             pass
+
+
+# What memory.json holds of each rank, measured (raylm.runtime.memory) and predicted
+# (raylm.plan.cost.Memory): the same parts.
+MEASURED = ("parameters", "gradients", "optimizer", "activations", "weight_copies")
+PREDICTED = ("states", "activations", "weight_copies")
+
+
+def _overflow(results: list) -> bool:
+    """Whether the step's fp16 gradients overflowed: every rank sees the same global
+    norm, so every rank says the same (anything else is a bug, not a decision)."""
+    flags = {bool(r.get("overflow")) for r in results}
+    if len(flags) > 1:
+        raise RuntimeError("ranks disagree on whether the step's gradients overflowed")
+    return flags.pop()
 
 
 def _loss_result(results: list) -> dict:

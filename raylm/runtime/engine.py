@@ -5,12 +5,13 @@
 
 1. tensor parallelism: the whole model's layers (every rank built the same weights, each
    keeps its shard; raylm.parallel.tensor);
-2. activation checkpointing: each block's forward checkpointed (raylm.parallel.recompute),
+2. compile (--torch_compile): each block's forward through torch.compile
+   (raylm.parallel.compile);
+3. activation checkpointing: each block's forward checkpointed (raylm.parallel.recompute),
    before the cut and FSDP so that their hooks sit around it;
-3. the pipeline cut: this rank's stages of the sharded model (raylm.parallel.pipeline);
-4. ZeRO-3: FSDP2 over the dp group on the model or the stage roots, then meta-device
+4. the pipeline cut: this rank's stages of the sharded model (raylm.parallel.pipeline);
+5. ZeRO-3: FSDP2 over the dp group on the model or the stage roots, then meta-device
    weights materialised shard by shard (raylm.parallel.zero.fsdp);
-5. compile: a slot, not built yet;
 
 then the gradient sync of the ZeRO stage (raylm.parallel.zero.gradient_sync: one
 interface for all of them), AdamW through it, and the LR schedule.
@@ -48,12 +49,14 @@ from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_a
 from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
 from raylm.parallel.pipeline.runtime import PipelineRuntime
+from raylm.parallel.compile import apply_compile
 from raylm.parallel.recompute import apply_activation_checkpointing
 from raylm.parallel.pipeline.stages import cut
 from raylm.parallel.tensor import apply_tensor_parallel
 from raylm.parallel.zero import gradient_sync
-from raylm.parallel.zero.fsdp import apply_fsdp, materialize
+from raylm.parallel.zero.fsdp import apply_fsdp, materialize, mixed_precision
 from raylm.plan.partition import Partition, stage_ranks
+from raylm.runtime.precision import autocast_dtype, reduce_dtype
 from raylm.runtime.schedule import make_scheduler
 
 
@@ -80,6 +83,12 @@ class Engine:
         self.global_tokens = 1.0
         self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
         self.export_planner = None  # kept between exports
+        # Mixed precision (raylm.runtime.precision): autocast's dtype (None: fp32); the
+        # step's loss scale (fp16; the driver's) and whether its gradients overflowed.
+        self.autocast = autocast_dtype(cfg)
+        self.reduce_dtype = reduce_dtype(cfg)  # gradients on the wire (None: fp32)
+        self.loss_scale = 1.0
+        self.overflow = False
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -123,7 +132,8 @@ class Engine:
                     count_work.wait()
                 if i == len(batches) - 1:
                     sync.arm(loss_sum)  # buckets reduce as their grads are ready
-                (mb_loss / global_tokens[0].to(mb_loss.dtype)).backward()
+                scaled = mb_loss / global_tokens[0].to(mb_loss.dtype)
+                (scaled * self.loss_scale if self.loss_scale != 1.0 else scaled).backward()
                 sync.end_round()
         if not batches:  # no samples for this rank in an epoch's short last step
             if count_work is not None:
@@ -170,21 +180,29 @@ class Engine:
         return self.objective.loss_sum(logits, labels), labels
 
     def loss_context(self):
-        """Forward, loss and backward run inside this: the parallel cross-entropy over
-        vocabulary-sharded logits under tensor parallelism."""
-        if self.tensor_parallel is None:
-            return contextlib.nullcontext()
-        return self.tensor_parallel.loss_context()
+        """Forward, loss and backward run inside this: autocast under mixed precision,
+        the parallel cross-entropy over vocabulary-sharded logits under tensor
+        parallelism."""
+        stack = contextlib.ExitStack()
+        if self.autocast is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+        if self.tensor_parallel is not None:
+            stack.enter_context(self.tensor_parallel.loss_context())
+        return stack
 
     def pipeline_loss(self, logits, labels):
-        return self.objective.loss_sum(logits, labels) / self.global_tokens
+        loss = self.objective.loss_sum(logits, labels) / self.global_tokens
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def clip(self, max_norm: float) -> float:
-        """Clip to ``max_norm`` over the whole model; the norm before clipping."""
+        """Clip to ``max_norm`` over the whole model, unscaling fp16's gradients; the
+        norm before clipping."""
         pipe = self.pipeline
         if pipe is None:
-            return self.grad_sync.clip(self.grad_sync.params, max_norm)
-        return self.grad_sync.clip(pipe.norm_params, max_norm, pipe.pp_group)
+            return self.grad_sync.clip(self.grad_sync.params, max_norm,
+                                       loss_scale=self.loss_scale)
+        return self.grad_sync.clip(pipe.norm_params, max_norm, pipe.pp_group,
+                                   loss_scale=self.loss_scale)
 
     def prepare_update(self) -> dict:
         """After the gradients are synced: clip (the last collective of a step). Nothing
@@ -195,15 +213,20 @@ class Engine:
         # bound, which leaves the gradients as they are).
         max_norm = self.cfg["max_grad_norm"]
         grad_norm = self.clip(max_norm if max_norm and max_norm > 0 else math.inf)
+        # fp16: an overflow anywhere makes the global norm not finite on every rank.
+        self.overflow = self.loss_scale != 1.0 and not math.isfinite(grad_norm)
         # Peak resident memory of this rank's process so far (Linux reports KiB).
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"learning_rate": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-                "peak_rss_bytes": peak_rss}
+                "overflow": self.overflow, "peak_rss_bytes": peak_rss}
 
     def apply_update(self) -> None:
         """Commit a prepared step: optimizer step, schedule step, zero the gradients.
-        (ZeRO 1/2's optimizer step all-gathers the updated rows over dp.)"""
-        self.stepper.step()
+        (ZeRO 1/2's optimizer step all-gathers the updated rows over dp.) A step whose
+        fp16 gradients overflowed skips the optimizer (on every rank alike)."""
+        if not self.overflow:
+            self.stepper.step()
+        self.overflow = False
         self.scheduler.step()
         self.grad_sync.zero_grad()
 
@@ -245,7 +268,7 @@ class Engine:
         self.plan, self.rank, self.mesh = plan, rank, mesh
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()
-        self.grad_sync = gradient_sync(0, self.model, self.dp_group)
+        self.grad_sync = gradient_sync(0, self.model, self.dp_group, self.reduce_dtype)
 
     def set_schedule_step(self, step: int) -> None:
         # The LR schedule is a function of the step: move it there without stepping.
@@ -376,8 +399,8 @@ class PipelineEngine(Engine):
         with self.loss_context(), meter:
             losses = pipe.run(ids, labels, kwargs)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb_loss in losses:
-            loss_sum += mb_loss.detach().double() * self.global_tokens
+        for mb_loss in losses:  # (each the scaled loss of pipeline_loss)
+            loss_sum += mb_loss.detach().double() * (self.global_tokens / self.loss_scale)
         sync.arm(loss_sum)
         global_loss = sync.finish()  # dp sum (each stage over its own dp group)
         pipe.sync_tied_grads(sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
@@ -425,7 +448,7 @@ def initial_model(spec, seed: int, on_meta: bool):
     """The model an engine starts from, the same on every rank (``seed``), on the CPU:
     for ZeRO-3 (``on_meta``) its skeleton on the meta device, since no rank ever holds all
     of it (the weights are materialised shard by shard once the layout is applied: step
-    4 of ``build_engine``); else the whole model. A rank that will join a running group
+    5 of ``build_engine``); else the whole model. A rank that will join a running group
     builds it while it warms up (RankWorker.warm_up), off the live ranks' pause."""
     if on_meta:
         return build_model(spec, seed, device="meta")
@@ -445,24 +468,28 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     e.model = model if e.zero_stage == 3 else model.to(device)
     # Dropout per sample where the model is whole on the rank (data parallelism): a
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
-    if plan.pp == 1 and plan.tp == 1:
+    # (Under compile the masks are the compiled graph's, per rank.)
+    if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
         e.sample_dropout = per_sample_dropout(e.model)
     # 1. tensor parallelism
     if plan.tp > 1:
         e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)
-    # 2. activation checkpointing
+    # 2. compile each block's forward (of its DTensor parameters under tp)
+    if cfg.get("torch_compile"):
+        apply_compile(e.model, cfg.get("torch_compile_backend"), cfg.get("torch_compile_mode"))
+    # 3. activation checkpointing (around the compiled forward)
     apply_activation_checkpointing(e.model, plan.recompute)
-    # 3. the pipeline cut (4. ZeRO-3 on its stage roots, before the runtime takes
+    # 4. the pipeline cut (5. ZeRO-3 on its stage roots, before the runtime takes
     #    references to the parameters)
     if plan.pp > 1:
         e.pipeline = _pipeline(e)
-    # 4. ZeRO-3 without a pipeline: the model is the root
+    # 5. ZeRO-3 without a pipeline: the model is the root
     elif e.zero_stage == 3:
         _shard(e, [e.model])
-    # 5. compile: not built yet
     # Checkpoints and the saved model in the model's own (layout-free) shapes.
     e.canonical = canonical_adapter(e.model, e.tensor_parallel)
-    e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group)
+    e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group,
+                                None if e.zero_stage == 3 else e.reduce_dtype)
     groups, hyper = _adamw(e.model, cfg)
     e.optimizer, e.stepper = e.grad_sync.make_optimizer(groups, **hyper)
     e.scheduler = make_scheduler(e.optimizer, cfg, total_steps)
@@ -512,7 +539,8 @@ def _shard(e: Engine, roots: list) -> None:
     tp_layout = {n: (p.device_mesh, p.placements, p.shape)
                  for n, p in e.model.named_parameters(remove_duplicate=False)
                  if isinstance(p, DTensor)}
-    apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload)
+    apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload,
+               mixed_precision(e.autocast, e.cfg.get("reduce_dtype")))
     if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
            for p in e.model.parameters()):
         # Before anything takes references to the parameters (materialising makes new

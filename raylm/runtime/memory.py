@@ -13,7 +13,9 @@ memory model (raylm.plan.cost) against.
   backward, gradient accumulation, or a pipeline stage holding several micro-batches.
   Tensors are counted by storage (two views of one buffer are one buffer), and
   parameters (and views of them), which ops save too, are not activations and are left
-  out.
+  out. Under mixed precision autocast casts each matrix to its dtype once per step and
+  the matmuls save that copy: counted apart (``copies_peak``), as the cost model's
+  ``weight_copies``.
 
 Cheap enough to leave on in a worker (a dict update per saved tensor).
 """
@@ -78,6 +80,33 @@ def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     return out
 
 
+# The autograd nodes between a parameter and the copy of it autocast saves (its cast and
+# a transpose or view of it).
+_CAST_NODES = ("ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0",
+               "PermuteBackward0")
+
+
+def _casts_a_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a cast (or a view of a cast) of a parameter: its graph leads
+    through cast and view nodes straight to a parameter's gradient accumulator."""
+    fn = t.grad_fn
+    cast = False
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = fn.name()
+        if name.endswith("AccumulateGrad"):
+            return cast
+        if name not in _CAST_NODES:
+            return False
+        cast = cast or name == "ToCopyBackward0"
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
 class _Saved:
     """What autograd's graph holds instead of a saved tensor: the tensor (detached: a
     saved output holding its own grad_fn would make a reference cycle through the graph
@@ -117,9 +146,11 @@ class ActivationMeter:
             tensors += list(model.parameters())
         self._param_keys = {_storage_key(local_tensor(p))[0] for p in tensors
                             if local_tensor(p).device.type != "meta"}
-        self._refs: dict = {}  # storage key -> [handles alive, nbytes]
+        self._refs: dict = {}  # storage key -> [handles alive, nbytes, a weight copy]
         self.live = 0
         self.peak = 0
+        self.copies_live = 0  # autocast's weight copies (not in live/peak)
+        self.copies_peak = 0
         self.saved_calls = 0
         self._hooks = None
 
@@ -139,10 +170,14 @@ class ActivationMeter:
             return t  # a parameter: no cycle (a leaf), and nothing to count
         ref = self._refs.get(key)
         if ref is None:
-            self._refs[key] = [1, nbytes]
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
+            copy = _casts_a_parameter(t)
+            self._refs[key] = [1, nbytes, copy]
+            if copy:
+                self.copies_live += nbytes
+                self.copies_peak = max(self.copies_peak, self.copies_live)
+            else:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
         else:
             ref[0] += 1
         return _Saved(t.detach(), key, self)
@@ -157,11 +192,15 @@ class ActivationMeter:
             return
         ref[0] -= 1
         if ref[0] == 0:
-            self.live -= ref[1]
+            if ref[2]:
+                self.copies_live -= ref[1]
+            else:
+                self.live -= ref[1]
             del self._refs[key]
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.copies_peak = self.copies_live
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "ActivationMeter":

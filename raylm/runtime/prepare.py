@@ -22,6 +22,7 @@ from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError
 from raylm.runtime.metrics import reporting_to
+from raylm.runtime.precision import check_precision
 
 log = logging.getLogger("raylm")
 RUN_RECORD = "raylm_run.json"
@@ -54,6 +55,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     from raylm.models.objectives import check_objective
 
     _check_numbers(cfg)
+    check_precision(cfg)
     if not cfg.should_train and not cfg.should_eval:
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
     train_files, eval_files, eval_names = _data_files(cfg)

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.metrics import perplexity
+from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.snapshots import SnapshotSender
 
 log = logging.getLogger("raylm")
@@ -181,7 +182,8 @@ class RankWorker:
 
     # -- the training step -----------------------------------------------------------------
     def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None,
-                   generation: int = 0, commit: int | None = None) -> dict:
+                   generation: int = 0, commit: int | None = None,
+                   loss_scale: float = 1.0) -> dict:
         """Prepare the optimizer step after ``step`` committed ones, over this rank's
         micro-batches (sample ids from the driver); ``commit`` applies it. The driver's
         commit of the step before, when it has not sent it on its own, comes with this
@@ -193,7 +195,7 @@ class RankWorker:
         waits for the driver's ``commit``, sent once every rank prepared the step: a step
         is applied on every rank or on none (torchft's should_commit, decided by the
         driver), so a rank that dies mid-step leaves the survivors' state at the last
-        committed step.
+        committed step. ``loss_scale``: fp16's (raylm.runtime.precision), the driver's.
         """
         self._check_generation(generation)
         try:
@@ -202,6 +204,7 @@ class RankWorker:
             if self.prepared is not None:  # a missed commit must never go unnoticed
                 raise RuntimeError(f"step {self.prepared} was prepared and neither "
                                    "committed nor dropped")
+            self.engine.loss_scale = loss_scale
             return self._train_step(step, micro_batch_ids, next_ids)
         except Exception as e:
             failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"
@@ -303,8 +306,12 @@ class RankWorker:
         batches = e.pad_rounds(batches, rounds, self.reader.read if self.reader else None)
         if (self.rank, step, "sync", self.generation) in self.faults:
             self._fault_in_gradient_sync(step, rounds)
+        overflow = ((self.rank, step, "overflow", self.generation) in self.faults
+                    and self._overflow_gradients(step))
         meter = self._meter()
         loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
+        if overflow:
+            overflow.remove()
         self._fault(step, "update")  # after the gradient sync, before the step is prepared
         out = e.prepare_update()  # clip (the norm over the whole model)
         self.prepared = step
@@ -369,6 +376,17 @@ class RankWorker:
             log.warning("rank %d: injected fault at step %d (%s)", self.rank, step + 1, phase)
             os._exit(1)
 
+    def _overflow_gradients(self, step: int):
+        """Fault injection: this rank's backward of the step makes an inf gradient, as an
+        fp16 overflow on one rank (a hook on its first parameter's gradient, before the
+        gradient sync adds it up: the sum is inf on every dp replica, as an overflow's
+        is). Returns the hook's handle."""
+        import torch
+
+        log.warning("rank %d: injected gradient overflow at step %d", self.rank, step + 1)
+        param = self.engine.grad_sync.params[0]
+        return param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+
     def _fault_in_gradient_sync(self, step: int, rounds: int) -> None:
         """Fault injection: die while the step's gradient sync is under way, once the
         last micro-batch's gradient of the first parameter the sync holds is ready (the
@@ -409,6 +427,7 @@ class RankWorker:
         """Add what this rank holds (measured from its tensors) to the step's result."""
         if not self._measures():
             return
+        from raylm.parallel.compile import compiled_graphs
         from raylm.parallel.recompute import checkpointed_blocks
         from raylm.runtime.memory import state_bytes
 
@@ -417,7 +436,9 @@ class RankWorker:
                                        self.engine.grad_sync.held_gradients()),
                          "replica_elements": self.engine.replica_elements(),
                          "activations": meter.peak,
+                         "weight_copies": meter.copies_peak,
                          "checkpointed_blocks": checkpointed_blocks(self.engine.model),
+                         "compiled_graphs": compiled_graphs(),
                          "coords": self.plan.dims.coords(self.rank)}
 
     def state_digest(self) -> str:
@@ -480,9 +501,7 @@ class RankWorker:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
-            model.config.use_cache = True
-            model.save_pretrained(output_dir, safe_serialization=True)
-            model.config.use_cache = False
+            save_in_dtype(model, output_dir, saved_dtype(self.cfg))
         return True
 
     def shutdown(self) -> bool:

@@ -12,12 +12,17 @@ from raylm.parallel.zero.fsdp import FSDPGradients
 from raylm.parallel.zero.partitioned import ReduceScatterGradients, ShardedGradients
 
 
-def gradient_sync(stage: int, model, dp_group) -> GradientSync:
-    """The gradient sync of a ZeRO stage over ``dp_group``: 0 all-reduces full gradients,
-    1 reduce-scatters them once per step, 2 after every micro-batch into partitions, 3 is
-    FSDP's (the model must be sharded with apply_fsdp already)."""
+def gradient_sync(stage: int, model, dp_group, reduce_dtype=None) -> GradientSync:
+    """The gradient sync of a ZeRO stage over ``dp_group``: 0 all-reduces full gradients
+    (in ``reduce_dtype`` when given: bf16 on the wire), 1 reduce-scatters them once per
+    step, 2 after every micro-batch into partitions, 3 is FSDP's (the model must be
+    sharded with apply_fsdp already, whose policy holds its reduce dtype)."""
     if stage == 3:
         return FSDPGradients(model, dp_group)
     params = list(model.parameters())
-    kind = {0: GradientAllReduce, 1: ReduceScatterGradients, 2: ShardedGradients}[stage]
+    if stage == 0:
+        return GradientAllReduce(params, dp_group, reduce_dtype=reduce_dtype)
+    if reduce_dtype is not None:
+        raise ValueError("ZeRO 1/2 reduce-scatter fp32 gradients only")
+    kind = {1: ReduceScatterGradients, 2: ShardedGradients}[stage]
     return kind(params, dp_group)

@@ -18,13 +18,31 @@ from raylm.parallel.data import GradientSync
 from raylm.parallel.checkpoint_form import contiguous_stride, write_rows_back
 
 
-def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False) -> list:
+def mixed_precision(compute_dtype, reduce_dtype: str = "float32"):
+    """FSDP2's MixedPrecisionPolicy for autocast's ``compute_dtype`` (None: fp32, no
+    policy): parameters all-gathered in the compute dtype (half the bytes; autocast
+    would cast them to it anyway), gradients reduce-scattered in ``reduce_dtype``, the
+    sharded master weights and their gradients fp32."""
+    if compute_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    reduce = torch.bfloat16 if reduce_dtype == "bfloat16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce,
+                                output_dtype=None, cast_forward_inputs=False)
+
+
+def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False,
+               mp_policy=None) -> list:
     """Shard ``model`` over ``dp_mesh`` (a 1-D DeviceMesh): each block of ``model`` found
-    under ``roots`` (the modules whose forward runs), then each root. Returns the FSDP
-    modules, roots last."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    under ``roots`` (the modules whose forward runs), then each root, with FSDP2's
+    ``mp_policy`` (``mixed_precision``) when given. Returns the FSDP modules, roots
+    last."""
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
+                                        OffloadPolicy, fully_shard)
 
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    mp = mp_policy or MixedPrecisionPolicy()
     # Which module slots share a parameter (a tied embedding and head): fully_shard
     # replaces the parameter in the slots of the modules it wraps only, and under a
     # pipeline the stage module holds one of the two (the last stage's head).
@@ -36,9 +54,11 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
     inside = {id(m) for r in roots for m in r.modules()}
     units = [b for b in transformer_blocks(model) if id(b) in inside]
     for block in units:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload,
+                    mp_policy=mp)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload,
+                    mp_policy=mp)
     for group in slots.values():
         # Point every slot of a shared parameter at the one FSDP now manages (stale
         # slots would hold a second, unsharded, never-trained copy).

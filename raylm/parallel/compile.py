@@ -1,0 +1,47 @@
+"""Compile: each transformer block's forward through torch.compile, per block (as
+torchtitan does): identical blocks share one compiled graph (torch compiles a block's
+code once and takes each block's parameters as inputs), a graph stays small enough to
+compile in seconds, and whatever is not a block (embeddings, the head and its loss, the
+pipeline schedule, FSDP's hooks) stays eager.
+
+The block's ``forward`` is replaced, not the module wrapped: parameter names, and so
+checkpoints, tensor-parallel plans and the pipeline cut, stay the model's own, and a
+module hook (FSDP2 gathering a block's parameters) runs around the compiled code. It goes
+after tensor parallelism (the graph takes DTensor parameters) and before activation
+checkpointing, which then checkpoints the compiled forward: recomputing a block runs its
+compiled code again (build_engine's order: tensor parallel, compile, checkpointing,
+pipeline cut, FSDP).
+
+What does not compose yet is refused before any actor (raylm.plan.constraints:
+``compile_problem``): the generic pipeline split (torch.export traces the model into
+graphs with no blocks left). Under compile dropout draws its masks inside the compiled
+graph (per rank, as under tensor or pipeline parallelism), not raylm's per-sample masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylm.models.units import transformer_blocks
+
+
+def apply_compile(model: torch.nn.Module, backend=None, mode=None) -> int:
+    """Compile the forward of every block of ``model`` (torch.compile's ``backend``,
+    default inductor, and ``mode``); the blocks compiled."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        # A key-value cache object per layer would make every block a graph of its own.
+        config.use_cache = False
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend or "inductor",
+                                      mode=mode)
+    return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (identical blocks share
+    one: a model's blocks make one or a few)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
