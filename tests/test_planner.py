@@ -9,6 +9,7 @@ Llama (grouped-query attention, fused SDPA, gated MLP). No Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -552,6 +553,10 @@ def test_planner_takes_the_lowest_stage_that_fits(memory_gb, stage):
             assert a.time.step >= c.time.step
             if a.zero_stage:
                 assert a.zero_tried[a.zero_stage - 1] > limit
+    # Gradients summed in bf16: stages 1 and 2 (fp32 reduce-scatters) are passed over.
+    bf16 = dataclasses.replace(cfg, bf16=True, reduce_dtype="bfloat16")
+    assert make_plan(bf16, 4).zero_stage == 3
+    assert set(search_for_config(bf16, 4).chosen.zero_tried) == {0, 3}
 
 
 def test_the_users_layout_takes_the_lowest_stage_that_fits():

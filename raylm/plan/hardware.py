@@ -26,8 +26,8 @@ device kind:
   dropout mask element  4 bytes (CPU: float mask)     1 byte (bool)
 
 The run's precision is part of it: ``compute_bytes`` (2 under --bf16/--fp16: autocast's
-matmuls, their inputs and outputs; 4 in fp32 training) and ``reduce_bytes`` (the
-gradients on the wire: 2 with --reduce_dtype bfloat16, else 4).
+matmuls, their inputs and outputs; 4 in fp32 training) and ``reduce_dtype`` (the
+gradients on the wire: --reduce_dtype; ``reduce_bytes`` 2 for bfloat16, else 4).
 
 Bandwidths are per worker and direction, Gbit/s on the command line.
 """
@@ -64,7 +64,11 @@ class Hardware:
     stage_overhead: float = 0.0  # s per pipeline stage and micro-batch (schedule, p2p)
     use_gpu: bool = False
     compute_bytes: int = 4  # autocast's dtype under --bf16/--fp16 (2), else fp32 (4)
-    reduce_bytes: int = 4  # the gradients summed over dp (--reduce_dtype)
+    reduce_dtype: str = "float32"  # the gradients summed over dp (--reduce_dtype)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 2 if self.reduce_dtype == "bfloat16" else 4
     # where each figure came from: "flag", "cluster" or "default"
     source: dict = field(default_factory=dict, compare=False)
 
@@ -145,7 +149,7 @@ def hardware_for(cfg, cluster: dict | None = None) -> Hardware:
         memory_bw=2e12 if gpu else 10e9, mask_bytes=1 if gpu else 4,
         stage_overhead=0.2e-3 if gpu else 4e-3, use_gpu=gpu, source=source,
         compute_bytes=2 if half else 4,
-        reduce_bytes=2 if half and getattr(cfg, "reduce_dtype", "") == "bfloat16" else 4)
+        reduce_dtype=getattr(cfg, "reduce_dtype", "float32") if half else "float32")
 
 
 # Dense peak TFLOP/s of one GPU (vendor datasheets, without sparsity), by a piece of

@@ -39,8 +39,8 @@ from raylm.models.loading import resolve_block_size, resolve_model
 from raylm.models.tensor_plans import check_tensor_parallel
 from raylm.models.units import meta_model
 from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
-from raylm.plan.constraints import (recompute_problem, sequence_parallel_problem,
-                                    tensor_pipeline_problem)
+from raylm.plan.constraints import (recompute_problem, reduce_dtype_problem,
+                                    sequence_parallel_problem, tensor_pipeline_problem)
 from raylm.plan.cost import Layout, Memory, StepTime, rank_memory, single_stage, step_time
 from raylm.plan.dims import ParallelDims
 from raylm.plan.hardware import Hardware, hardware_for
@@ -294,7 +294,8 @@ def _lowest_stage(c: Candidate, shape: ModelShape, part, hw: Hardware, zero) -> 
     if zero is None and not c.fits and c.dp > 1:  # the lowest ZeRO stage that fits
         tried = {0: c.memory.total}
         for stage in ZERO_STAGES[1:]:
-            if unsupported(stage, c.pp, c.schedule, shape.own_stages):
+            if (unsupported(stage, c.pp, c.schedule, shape.own_stages)
+                    or reduce_dtype_problem(hw.reduce_dtype, stage)):
                 continue
             z = Candidate(dataclasses.replace(c.layout, zero_stage=stage), c.stage_bounds)
             _estimate(z, shape, part, hw)
