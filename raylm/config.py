@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 STRATEGIES = ("no", "steps", "epoch")  # TrainingArguments' IntervalStrategy
 # Older names of flags (TrainingArguments' deprecated spellings): old -> new.
-ALIASES = {"evaluation_strategy": "eval_strategy"}
+ALIASES = {"evaluation_strategy": "eval_strategy", "max_seq_length": "block_size"}
 
 SCHEDULER_TYPES = (
     "linear",
@@ -52,9 +52,20 @@ class TrainConfig:
         None, "Override config values when training from scratch, e.g. "
         "\"n_layer=2,n_embd=64,resid_pdrop=0.0\".", "model")
     objective: Optional[str] = _f(
-        None, "Training objective: causal (next token) or seq2seq (an encoder-decoder "
-        "model continues the first half of each block). Default: the model's own "
+        None, "Training objective: causal (next token), mlm (masked LM, as run_mlm) or "
+        "seq2seq (an encoder-decoder model continues the first half of each block). "
+        "Default: the model's own: mlm for encoders with a masked-LM head (BERT, RoBERTa, "
+        "DistilBERT, ALBERT), seq2seq for encoder-decoders, causal otherwise "
         "(raylm.models.objectives).", "model")
+    mlm: bool = _f(
+        False, "Train with masked language modelling (the same as --objective mlm; the "
+        "default for BERT-type models).", "model")
+    mlm_probability: float = _f(
+        0.15, "Share of tokens selected for masked LM (run_mlm's): of those, 80% become the "
+        "mask token, 10% a random token, 10% stay.", "model")
+    whole_word_masking: bool = _f(
+        False, "Masked LM selects whole words: the tokens of a word (WordPiece '##' "
+        "continuations) are masked together.", "model")
     tokenizer_name: Optional[str] = _f(
         None, "Tokenizer directory or Hub id, if not the model's. Default for a model "
         "trained from scratch: the tokenizer shipped with the built-in sample corpus.",
@@ -95,10 +106,15 @@ class TrainConfig:
         None, "Column holding the text in .jsonl/.csv/.parquet files (default: 'text', or "
         "the only string column).", "data")
     block_size: Optional[int] = _f(
-        None, "Tokens per training sample. Default: min(model max positions, 1024).", "data")
+        None, "Tokens per training sample. Default: min(model max positions, 1024). "
+        "--max_seq_length (run_mlm's name) is the same.", "data", aliases=("max_seq_length",))
     line_by_line: bool = _f(
         False, "Treat each line (or row) as one sample, padded/truncated to block_size, "
         "instead of concatenating and chunking.", "data")
+    pad_to_max_length: bool = _f(
+        False, "Accepted for run_mlm command lines. raylm always pads --line_by_line samples "
+        "to the block size (every layout needs static shapes); padding is masked out of "
+        "attention and the loss, so losses equal run_mlm's dynamic padding.", "data")
     keep_linebreaks: bool = _f(
         True, "Keep each line's line break in .txt files (run_clm's default; false joins the "
         "lines' tokens with no break between them).", "data")
@@ -390,7 +406,8 @@ class TrainConfig:
     RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None,
                            "keep_linebreaks": True, "max_train_samples": None,
                            "model_revision": "main", "dataset_name": None,
-                           "dataset_config_name": None, "bf16": False, "fp16": False}
+                           "dataset_config_name": None, "bf16": False, "fp16": False,
+                           "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

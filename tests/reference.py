@@ -13,10 +13,12 @@ import os
 from typing import NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
+from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
+                          get_scheduler)
 
-from raylm.data.reader import BlockReader
+from raylm.data.reader import IGNORE_INDEX, BlockReader
 from raylm.data.sampler import GlobalBatchSampler
+from raylm.models.objectives import mask_tokens
 
 
 class Reference(NamedTuple):
@@ -69,10 +71,17 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     every micro-batch's mean loss is divided by their number (gradient accumulation), so
     batches must be full (no epoch tail) for this to equal the global token mean. The
     model is initialised in fp32 whatever ``dtype`` (float64 starts from the same weights).
+
+    Masked LM (``spec.objective == "mlm"``) shares raylm's masks (``mask_tokens``: a
+    function of seed, epoch and sample id, as the sampler's order is of seed and step)
+    and weights each micro-batch's mean loss by its share of the step's masked tokens,
+    which differ between micro-batches.
     """
     torch.manual_seed(cfg.seed)
     seq2seq = bool(getattr(spec.config, "is_encoder_decoder", False))
-    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    mlm = spec.objective == "mlm"
+    auto = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForMaskedLM if mlm
+            else AutoModelForCausalLM)
     model = auto.from_config(spec.config, dtype=torch.float32).to(dtype)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -97,9 +106,17 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         ids = sampler.global_batch(step)
         assert len(ids) == global_batch_size, "reference needs full batches"
         chunks = [ids[i:i + mb] for i in range(0, len(ids), mb)]
+        batches = [reader.read(chunk) for chunk in chunks]
+        if mlm:
+            epoch = step // sampler.steps_per_epoch
+            for b in batches:
+                b["input_ids"], b["labels"] = mask_tokens(b["input_ids"], b["labels"],
+                                                          b["sample_ids"], spec.masking, epoch)
+            masked = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
         total = 0.0
-        for chunk in chunks:
-            b = reader.read(chunk)
+        for b in batches:
+            if mlm and not (b["labels"] != IGNORE_INDEX).any():
+                continue  # nothing masked: HF's mean would be 0/0; it adds nothing
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
                 if seq2seq:  # continuation: the encoder reads the first half, HF shifts
                     half = b["input_ids"].shape[1] // 2
@@ -107,7 +124,10 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
                                 labels=b["labels"][:, half:].contiguous())
                 else:
                     out = model(input_ids=b["input_ids"], labels=b["labels"])
-            loss = out.loss / len(chunks)
+            if mlm:
+                loss = out.loss * (int((b["labels"] != IGNORE_INDEX).sum()) / masked)
+            else:
+                loss = out.loss / len(chunks)
             scaler.scale(loss).backward()
             total += loss.item()
         if step in overflow_steps:

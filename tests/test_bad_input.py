@@ -92,7 +92,10 @@ def test_config_override_unknown_key(tmp_path, capsys, corpus_dir, cache_root):
 
 
 @pytest.mark.parametrize("objective,message", [
-    ("mlm", "--objective mlm: choose one of causal, seq2seq"),
+    ("span", "--objective span: choose one of causal, seq2seq, mlm"),
+    ("mlm", "--mlm: model type 'gpt2' has no masked-LM head in transformers (masked LM "
+     "trains encoders: bert, roberta, distilbert, albert, ...); its objective is causal "
+     "(drop --mlm)"),
     ("seq2seq", "--objective seq2seq does not train a decoder-only model ('gpt2'); its "
      "objective is causal (leave --objective unset)"),
 ])
@@ -102,6 +105,42 @@ def test_objective_the_model_cannot_train(objective, message, tmp_path, capsys, 
                             "--objective", objective)
     assert rc == 2
     assert errors == [f"raylm: error: {message}"]
+
+
+TINY_BERT = ("num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,"
+             "max_position_embeddings=64")
+
+
+@pytest.mark.parametrize("extra,message", [
+    # BERT's default objective is masked LM; the built-in (GPT-2 style) tokenizer has no
+    # mask token.
+    ((), "masked LM needs a tokenizer with a mask token, and {tok} has none: train one with "
+         "`raylm tokenizer train --type wordpiece` and give it with --tokenizer_name"),
+    (("--mlm", "--config_overrides", TINY_BERT + ",is_decoder=True"),
+     "--mlm: the 'bert' config is built as a decoder (is_decoder=True: causal attention); "
+     "masked LM attends both ways: drop is_decoder=True, or train it with --objective causal"),
+    (("--mlm", "--objective", "causal"),
+     "--mlm and --objective causal name two objectives: give one"),
+    (("--mlm_probability", "1.5", "--tokenizer_name", "{wordpiece}"),
+     "--mlm_probability must be between 0 and 1 (got 1.5)"),
+    (("--whole_word_masking", "--objective", "causal"),
+     "--whole_word_masking applies to masked LM, not to the causal objective"),
+])
+def test_masked_lm_bad_input(extra, message, tmp_path, capsys, corpus_dir, cache_root):
+    from raylm.data.sources import builtin_tokenizer_dir
+    from raylm.data.tokenizer_train import train_tokenizer
+
+    wordpiece = str(tmp_path / "wp")
+    if "{wordpiece}" in extra:
+        train_tokenizer([str(corpus_dir / "macbeth.txt")], wordpiece, type="wordpiece",
+                        vocab_size=300)
+    args = base_args(tmp_path, corpus_dir, cache_root)
+    args[args.index("--model_type") + 1] = "bert"
+    args[args.index("--config_overrides") + 1] = TINY_BERT
+    extra = [a.replace("{wordpiece}", wordpiece) for a in extra]
+    rc, errors, _ = run_cli(capsys, *args, *extra)
+    assert rc == 2
+    assert errors == ["raylm: error: " + message.format(tok=builtin_tokenizer_dir())]
 
 
 def test_output_dir_of_a_different_run(tmp_path, capsys, corpus_dir, cache_root):

@@ -52,6 +52,21 @@ def test_wordpiece_round_trips_through_auto_tokenizer(tmp_path, play):
     assert set(pair["token_type_ids"]) == {0, 1}
 
 
+def test_wordpiece_lowercase_is_bert_uncased(tmp_path, play):
+    """--lowercase: the normalizer lowercases and strips accents before WordPiece, as
+    bert-base-uncased's does; the vocabulary has no capitals."""
+    out = train_tokenizer(play, str(tmp_path / "uncased"), type="wordpiece", vocab_size=800,
+                          min_frequency=1, lowercase=True)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert not any(t != t.lower() for t in tok.get_vocab() if not t.startswith("["))
+    assert tok("FAIR is Foul")["input_ids"] == tok("fair is foul")["input_ids"]
+    assert tok("naïve")["input_ids"] == tok("naive")["input_ids"]
+    assert tok.decode(tok("Fair IS foul")["input_ids"], skip_special_tokens=True) == \
+        "fair is foul"
+    with pytest.raises(ConfigError, match="--lowercase applies to --type wordpiece"):
+        train_tokenizer(play, str(tmp_path / "bpe"), type="bpe", lowercase=True)
+
+
 def test_trains_from_a_table_column(tmp_path):
     rows = [{"id": i, "body": f"line {i} of the witches' song", "label": "x"} for i in range(50)]
     path = tmp_path / "songs.jsonl"

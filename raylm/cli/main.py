@@ -91,6 +91,9 @@ def build_parser() -> OneLineParser:
     tkt.add_argument("--min_frequency", type=int, default=2, help="(default: 2)")
     tkt.add_argument("--text_column", default=None,
                      help="text column of .jsonl/.csv/.parquet files")
+    tkt.add_argument("--lowercase", action="store_true",
+                     help="wordpiece: lowercase and strip accents, as BERT's uncased "
+                     "tokenizer (default: cased)")
     return parser
 
 
@@ -174,7 +177,8 @@ def cmd_tokenizer_train(ns) -> int:
     files = resolve_files(ns.files, "FILES")
     validate_files(files, ns.text_column, "FILES")
     out = train_tokenizer(files, ns.output_dir, type=ns.type, vocab_size=ns.vocab_size,
-                          min_frequency=ns.min_frequency, text_column=ns.text_column)
+                          min_frequency=ns.min_frequency, text_column=ns.text_column,
+                          lowercase=ns.lowercase)
     print(f"raylm: tokenizer saved to {out}")
     return 0
 

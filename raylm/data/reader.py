@@ -70,7 +70,8 @@ class BlockReader:
             labels[torch.from_numpy(pad)] = IGNORE_INDEX
         return {"input_ids": input_ids_t, "labels": labels,
                 "attention_mask": attention_mask.long(),
-                "sample_ids": torch.from_numpy(ids)}  # PAD_ID for filler rows
+                "sample_ids": torch.tensor(ids)}  # PAD_ID for filler rows (a copy: ids may
+        # be a read-only array Ray passed)
 
     def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         shard = self._shards.get(index)

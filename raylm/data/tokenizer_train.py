@@ -22,10 +22,10 @@ WORDPIECE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "
 
 def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
                     vocab_size: int = 8192, min_frequency: int = 2,
-                    text_column: Optional[str] = None) -> str:
-    """Train a ``bpe`` (byte-level, GPT-2 style) or ``wordpiece`` (BERT style, cased) tokenizer.
-
-    Returns ``output_dir``.
+                    text_column: Optional[str] = None, lowercase: bool = False) -> str:
+    """Train a ``bpe`` (byte-level, GPT-2 style) or ``wordpiece`` (BERT style; cased, or
+    with ``lowercase`` uncased as bert-base-uncased: lowercased, accents stripped)
+    tokenizer. Returns ``output_dir``.
     """
     from transformers import PreTrainedTokenizerFast  # imported late: only this command needs it
 
@@ -41,9 +41,14 @@ def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
         raise ConfigError(f"--min_frequency: must be an integer >= 1, got {min_frequency!r}")
     if not files:
         raise ConfigError("no training files for the tokenizer")
+    if lowercase and type != "wordpiece":
+        raise ConfigError("--lowercase applies to --type wordpiece (a byte-level BPE keeps "
+                          "every byte as it is)")
 
-    build = _bpe if type == "bpe" else _wordpiece
-    tokenizer, trainer, wrapper_kwargs = build(vocab_size, min_frequency)
+    if type == "bpe":
+        tokenizer, trainer, wrapper_kwargs = _bpe(vocab_size, min_frequency)
+    else:
+        tokenizer, trainer, wrapper_kwargs = _wordpiece(vocab_size, min_frequency, lowercase)
     seen = {"texts": 0}  # counted while the trainer consumes the texts (one pass over the files)
     tokenizer.train_from_iterator(_texts(files, text_column, seen), trainer=trainer)
     if not seen["texts"]:
@@ -81,15 +86,17 @@ def _bpe(vocab_size: int, min_frequency: int):
     return tokenizer, trainer, specials
 
 
-def _wordpiece(vocab_size: int, min_frequency: int):
-    """BERT's recipe (cased): BERT normalizer and pre-tokenizer, WordPiece with ``##``
-    continuations, and ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` added on encoding."""
+def _wordpiece(vocab_size: int, min_frequency: int, lowercase: bool = False):
+    """BERT's recipe: BERT normalizer (uncased: lowercase, accents stripped, as
+    BertTokenizerFast's defaults) and pre-tokenizer, WordPiece with ``##`` continuations,
+    and ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` added on encoding."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import trainers
 
     specials = list(WORDPIECE_SPECIALS.values())
     tokenizer = Tokenizer(models.WordPiece(unk_token=WORDPIECE_SPECIALS["unk_token"]))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=False)
+    # strip_accents unset follows lowercase, as in BERT's own tokenizers.
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     trainer = trainers.WordPieceTrainer(
@@ -103,4 +110,5 @@ def _wordpiece(vocab_size: int, min_frequency: int):
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     # As BERT's tokenizer, it returns token_type_ids (0 for A, 1 for B).
     return tokenizer, trainer, dict(
-        WORDPIECE_SPECIALS, model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+        WORDPIECE_SPECIALS, model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        do_lower_case=lowercase)

@@ -1,15 +1,51 @@
-"""The transformers Auto class raylm builds a model config with."""
+"""The transformers Auto class raylm builds a model config with.
+
+Which head a model gets follows its objective (raylm.models.objectives): causal LMs, T5-style
+encoder-decoders (seq2seq) and masked-LM encoders. The choice is kept where transformers
+keeps it, in ``config.architectures`` (``set_head``, on the driver), so every place that
+builds the model from its config (each rank, the meta-device skeleton, the planner) builds
+the same class, and the saved config.json names it for ``AutoModel*`` loaders.
+"""
 
 from __future__ import annotations
 
+from raylm.errors import ConfigError
+
+
+def _mappings():
+    from transformers.models.auto import modeling_auto as m
+
+    return {"causal": m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            "seq2seq": m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+            "mlm": m.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+
+
+def set_head(config, objective: str) -> None:
+    """Name in ``config.architectures`` the class that trains ``objective``; a one-line
+    ConfigError when transformers has none for the model type. (A model whose code comes
+    with it, --trust_remote_code, keeps its own.)"""
+    if getattr(config, "auto_map", None):
+        return
+    name = _mappings()[objective].get(config.model_type)
+    if name is None:
+        heads = [o for o, m in _mappings().items() if config.model_type in m]
+        raise ConfigError(f"model type '{config.model_type}' has no {objective} head in "
+                          f"transformers (it has: {', '.join(heads) or 'none'}); raylm trains "
+                          "causal LMs, masked-LM encoders and T5-style encoder-decoders")
+    config.architectures = [name]
+
 
 def model_class(config):
-    """Causal LMs, and encoder-decoder models (T5) for the seq2seq objective
-    (raylm.models.objectives)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    """The Auto class of the head ``config.architectures`` names: masked LM for a
+    masked-LM class of a non-encoder-decoder, seq2seq for an encoder-decoder, else
+    causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
     if getattr(config, "is_encoder_decoder", False):
         return AutoModelForSeq2SeqLM
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch is not None and arch == _mappings()["mlm"].get(config.model_type):
+        return AutoModelForMaskedLM
     return AutoModelForCausalLM
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError, first_line
-from raylm.models.auto import from_config, model_class
+from raylm.models.auto import from_config, model_class, set_head
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
+from raylm.models.objectives import resolve_objective
 
 log = logging.getLogger("raylm")
 
@@ -33,6 +34,8 @@ class ModelSpec:
     vocab_size: int  # len(tokenizer)
     hub: Optional[HubRef] = None  # where pretrained_path came from, for a Hub name
     trust_remote_code: bool = False
+    objective: Optional[str] = None  # the run's (raylm.models.objectives.resolve_objective)
+    masking: Optional[object] = None  # masked LM's Masking (raylm.models.objectives)
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -73,7 +76,8 @@ def _apply_overrides(config, overrides: Optional[str]) -> None:
 def resolve_model(cfg) -> ModelSpec:
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
     from transformers import AutoConfig, CONFIG_MAPPING
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    from transformers import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
@@ -126,11 +130,12 @@ def resolve_model(cfg) -> ModelSpec:
     remote = cfg.trust_remote_code and "AutoModelForCausalLM" in \
         (getattr(config, "auto_map", None) or {})
     if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
+            type(config) in MODEL_FOR_MASKED_LM_MAPPING) and not (
             getattr(config, "is_encoder_decoder", False)
             and type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING):
-        raise ConfigError(f"model type '{config.model_type}' has no causal-LM or seq2seq-LM "
-                          "head; raylm trains language models (run_clm, and T5-style "
-                          "encoder-decoders on block continuation)")
+        raise ConfigError(f"model type '{config.model_type}' has no causal-LM, masked-LM or "
+                          "seq2seq-LM head; raylm trains language models (run_clm, run_mlm, "
+                          "and T5-style encoder-decoders)")
 
     if cfg.tokenizer_name:
         tokenizer_dir = local(cfg.tokenizer_name, "--tokenizer_name")[0]
@@ -165,9 +170,13 @@ def resolve_model(cfg) -> ModelSpec:
             config.pad_token_id = 0
         if getattr(config, "decoder_start_token_id", None) is None:
             config.decoder_start_token_id = config.pad_token_id
+    # The objective decides the head (config.architectures) every rank builds.
+    objective, masking = resolve_objective(cfg, config, tokenizer, tokenizer_dir)
+    set_head(config, objective)
     return ModelSpec(config=config, pretrained_path=pretrained,
                      tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab, hub=hub,
-                     trust_remote_code=cfg.trust_remote_code)
+                     trust_remote_code=cfg.trust_remote_code, objective=objective,
+                     masking=masking)
 
 
 def _set_special_tokens(config, tokenizer) -> None:

@@ -1,11 +1,13 @@
 """Training objectives: which tensors a model is fed from a packed block, and its loss.
 
 An objective is chosen by name (``--objective``, ``OBJECTIVES``); unset, the model decides
-(``default_objective``: seq2seq for encoder-decoder models, causal otherwise). Its
-``split(batch, step)`` sees the batch's tokens and the ids of its samples
-(``batch["sample_ids"]``, raylm.data.reader) and the optimizer step (None when
-evaluating), so an objective that draws something per sample (dynamic masking) can make it
-a deterministic function of (seed, step, sample id), the same on every layout.
+(``default_objective``: seq2seq for encoder-decoder models, masked LM for encoder-only
+models with a masked-LM head (BERT, RoBERTa, DistilBERT, ALBERT, ...), causal otherwise).
+Its ``split(batch, epoch)`` sees the batch's tokens and the ids of its samples
+(``batch["sample_ids"]``, raylm.data.reader) and the epoch of the step (None when
+evaluating), so an objective that draws something per sample (masked LM's dynamic
+masking) makes it a deterministic function of (seed, epoch, sample id): the same on every
+layout, after every resume and every resize.
 
 raylm's data is packed token blocks (raylm.data). A decoder-only model learns the next
 token of each block (run_clm). An encoder-decoder model (T5) learns the continuation: the
@@ -22,6 +24,11 @@ whose (replicated) result is returned as a plain, differentiable tensor.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
 import torch.nn.functional as F
 
 from raylm.errors import ConfigError
@@ -32,7 +39,7 @@ IGNORE_INDEX = -100
 class CausalLM:
     name = "causal"
 
-    def split(self, batch: dict, step=None) -> dict:
+    def split(self, batch: dict, epoch=None) -> dict:
         return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
 
     def loss_sum(self, logits, labels):
@@ -46,7 +53,20 @@ class CausalLM:
         return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-class Seq2Seq:
+class _PerPosition:
+    """A loss on the labels as they stand (no shift): each label scores the logits at
+    its own position."""
+
+    def loss_sum(self, logits, labels):
+        return _local(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                      labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                      reduction="sum"))
+
+    def count(self, labels) -> int:
+        return int((labels != IGNORE_INDEX).sum())
+
+
+class Seq2Seq(_PerPosition):
     """Encoder input: the first half of a block; labels: the second half; decoder input:
     the labels shifted right behind the decoder start token (as HF's ``_shift_right``)."""
 
@@ -56,7 +76,7 @@ class Seq2Seq:
         self.pad = pad_token_id
         self.start = decoder_start_token_id
 
-    def split(self, batch: dict, step=None) -> dict:
+    def split(self, batch: dict, epoch=None) -> dict:
         ids, labels = batch["input_ids"], batch["labels"]
         half = ids.shape[1] // 2
         target = labels[:, half:].contiguous()
@@ -66,13 +86,83 @@ class Seq2Seq:
         return {"input_ids": ids[:, :half].contiguous(), "labels": target,
                 "decoder_input_ids": dec}
 
-    def loss_sum(self, logits, labels):
-        return _local(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                                      labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                      reduction="sum"))
 
-    def count(self, labels) -> int:
-        return int((labels != IGNORE_INDEX).sum())
+@dataclass(frozen=True)
+class Masking:
+    """What masked LM needs to know, settled on the driver from the flags and the
+    tokenizer (raylm.runtime.prepare): every rank masks with the same facts."""
+
+    seed: int
+    probability: float  # --mlm_probability
+    mask_token_id: int
+    special_ids: tuple  # never masked (the tokenizer's all_special_ids, as HF's collator)
+    vocab_size: int  # random replacements are drawn from [0, len(tokenizer))
+    # --whole_word_masking: the ids of tokens that continue a word (WordPiece's "##...").
+    continuation_ids: Optional[tuple] = None
+
+
+def _sample_generator(seed: int, epoch: Optional[int], sample_id: int) -> torch.Generator:
+    """A generator seeded from (seed, epoch, sample id) alone; evaluation (epoch None)
+    has a stream of its own, the same at every evaluation."""
+    key = [seed, 0, epoch, sample_id] if epoch is not None else [seed, 1, sample_id]
+    a, b = np.random.SeedSequence(key).generate_state(2)
+    return torch.Generator().manual_seed((int(a) << 31) ^ int(b))
+
+
+def mask_tokens(input_ids, labels, sample_ids, masking: Masking, epoch: Optional[int]):
+    """Dynamic masking as transformers' DataCollatorForLanguageModeling does it: each
+    token that has a label and is not special is selected with probability
+    ``masking.probability``; a selected token becomes the mask token 80% of the time, a
+    random token 10%, stays itself 10%; labels are the selected tokens' originals
+    (IGNORE_INDEX elsewhere). With ``continuation_ids`` a word's tokens are selected
+    together (the draw of its first token decides). Unlike the collator, which draws
+    from one stream in batch order, each sample's draws come from its own generator
+    (``_sample_generator``): which tokens of sample 17 are masked in epoch 2 is the same
+    whatever batch, rank or layout the sample lands in. Filler rows (negative ids) get
+    no labels. Returns (masked input ids, labels)."""
+    ids = input_ids.clone()
+    out = torch.full_like(input_ids, IGNORE_INDEX)
+    length = ids.shape[1]
+    specials = torch.tensor(masking.special_ids, dtype=ids.dtype)
+    candidate = (labels != IGNORE_INDEX) & ~torch.isin(input_ids, specials)
+    if masking.continuation_ids is not None:
+        starts = ~torch.isin(input_ids, torch.tensor(masking.continuation_ids,
+                                                     dtype=ids.dtype)) | ~candidate
+        positions = torch.arange(length).expand_as(ids)
+        # Each token's word start: the last start at or before it.
+        first = torch.cummax(torch.where(starts, positions, 0), dim=1).values
+    for row, sid in enumerate(sample_ids.tolist()):
+        if sid < 0:
+            continue
+        g = _sample_generator(masking.seed, epoch, sid)
+        select, replace, randomize = torch.rand(3, length, generator=g)
+        words = torch.randint(masking.vocab_size, (length,), generator=g, dtype=ids.dtype)
+        if masking.continuation_ids is not None:
+            select = select[first[row]]
+        chosen = candidate[row] & (select < masking.probability)
+        to_mask = chosen & (replace < 0.8)
+        to_random = chosen & ~to_mask & (randomize < 0.5)
+        out[row, chosen] = input_ids[row, chosen]
+        ids[row, to_mask] = masking.mask_token_id
+        ids[row, to_random] = words[to_random]
+    return ids, out
+
+
+class MaskedLM(_PerPosition):
+    """BERT's objective (run_mlm): predict the selected tokens of a bidirectionally
+    attended sample from their masked context (``mask_tokens``). The loss is over the
+    selected tokens only, unshifted."""
+
+    name = "mlm"
+
+    def __init__(self, masking: Masking):
+        self.masking = masking
+
+    def split(self, batch: dict, epoch=None) -> dict:
+        ids, labels = mask_tokens(batch["input_ids"], batch["labels"], batch["sample_ids"],
+                                  self.masking, epoch)
+        return {"input_ids": ids, "labels": labels}
+
 
 
 def _local(loss):
@@ -88,21 +178,43 @@ def is_seq2seq(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False))
 
 
-def _seq2seq(config) -> Seq2Seq:
+def has_masked_lm_head(config) -> bool:
+    """An encoder with a masked-LM head in transformers (BERT, RoBERTa, DistilBERT,
+    ALBERT, ...); encoder-decoders (BART) train as seq2seq, and a config built as a
+    decoder (``is_decoder=True``, BERT's causal-LM use) attends causally."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not is_seq2seq(config))
+
+
+def _seq2seq(config, masking=None) -> Seq2Seq:
     start = config.decoder_start_token_id
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     return Seq2Seq(pad, start if start is not None else pad)
 
 
+def _masked_lm(config, masking=None) -> MaskedLM:
+    if masking is None:
+        raise ValueError("the masked-LM objective needs its Masking (raylm.runtime.prepare)")
+    return MaskedLM(masking)
+
+
 # name -> (builds the objective for a model config, which models it trains)
 OBJECTIVES = {
-    "causal": (lambda config: CausalLM(), lambda config: not is_seq2seq(config)),
+    "causal": (lambda config, masking=None: CausalLM(), lambda config: not is_seq2seq(config)),
     "seq2seq": (_seq2seq, is_seq2seq),
+    "mlm": (_masked_lm, lambda config: has_masked_lm_head(config)
+            and not getattr(config, "is_decoder", False)),
 }
 
 
 def default_objective(config) -> str:
-    return "seq2seq" if is_seq2seq(config) else "causal"
+    if is_seq2seq(config):
+        return "seq2seq"
+    if has_masked_lm_head(config) and not getattr(config, "is_decoder", False):
+        return "mlm"
+    return "causal"
 
 
 def check_objective(config, name=None) -> str:
@@ -112,6 +224,15 @@ def check_objective(config, name=None) -> str:
     if name not in OBJECTIVES:
         raise ConfigError(f"--objective {name}: choose one of {', '.join(OBJECTIVES)}")
     if not OBJECTIVES[name][1](config):
+        if name == "mlm" and has_masked_lm_head(config):
+            raise ConfigError(f"--mlm: the '{config.model_type}' config is built as a decoder "
+                              "(is_decoder=True: causal attention); masked LM attends both "
+                              "ways: drop is_decoder=True, or train it with --objective causal")
+        if name == "mlm":
+            raise ConfigError(f"--mlm: model type '{config.model_type}' has no masked-LM head "
+                              "in transformers (masked LM trains encoders: bert, roberta, "
+                              f"distilbert, albert, ...); its objective is "
+                              f"{default_objective(config)} (drop --mlm)")
         kind = "an encoder-decoder" if is_seq2seq(config) else "a decoder-only"
         raise ConfigError(f"--objective {name} does not train {kind} model "
                           f"('{config.model_type}'); its objective is "
@@ -119,6 +240,42 @@ def check_objective(config, name=None) -> str:
     return name
 
 
-def objective_for(config, name=None):
-    """The objective object for ``config`` (``name``: --objective; None: the model's)."""
-    return OBJECTIVES[check_objective(config, name)][0](config)
+def objective_for(config, name=None, masking: Optional[Masking] = None):
+    """The objective object for ``config`` (``name``: --objective; None: the model's;
+    ``masking``: masked LM's facts)."""
+    return OBJECTIVES[check_objective(config, name)][0](config, masking)
+
+
+def resolve_objective(cfg, config, tokenizer, tokenizer_dir: str) -> tuple:
+    """(objective name, Masking or None) of a run (a TrainConfig) on the driver: --mlm or
+    --objective, else the model's; masked LM's facts from the flags and the tokenizer.
+    One clear error for flags that disagree, a tokenizer with no mask token (run_mlm's
+    collator refuses it too) or, with --whole_word_masking, no marked word continuations."""
+    if cfg.mlm and cfg.objective not in (None, "mlm"):
+        raise ConfigError(f"--mlm and --objective {cfg.objective} name two objectives: "
+                          "give one")
+    name = check_objective(config, "mlm" if cfg.mlm else cfg.objective)
+    if name != "mlm":
+        if cfg.whole_word_masking:
+            raise ConfigError(f"--whole_word_masking applies to masked LM, not to the "
+                              f"{name} objective")
+        return name, None
+    if not 0.0 < cfg.mlm_probability < 1.0:
+        raise ConfigError(f"--mlm_probability must be between 0 and 1 (got "
+                          f"{cfg.mlm_probability})")
+    if tokenizer.mask_token_id is None:
+        raise ConfigError(f"masked LM needs a tokenizer with a mask token, and {tokenizer_dir} "
+                          "has none: train one with `raylm tokenizer train --type wordpiece` "
+                          "and give it with --tokenizer_name")
+    continuation = None
+    if cfg.whole_word_masking:
+        continuation = tuple(sorted(i for t, i in tokenizer.get_vocab().items()
+                                    if t.startswith("##")))
+        if not continuation:
+            raise ConfigError(f"--whole_word_masking: the tokenizer {tokenizer_dir} marks no "
+                              "word continuations ('##' WordPiece tokens): use a WordPiece "
+                              "tokenizer, or drop --whole_word_masking")
+    return name, Masking(seed=cfg.seed, probability=float(cfg.mlm_probability),
+                         mask_token_id=int(tokenizer.mask_token_id),
+                         special_ids=tuple(sorted(set(tokenizer.all_special_ids))),
+                         vocab_size=len(tokenizer), continuation_ids=continuation)

@@ -101,7 +101,8 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
                  "world_size": plan.world_size,
                  "micro_batches_per_rank": m,
                  "stage_bounds": [list(b) for b in plan.stage_bounds]},
-        "model": {"model_type": config.model_type, "parameters": total_params,
+        "model": {"model_type": config.model_type, "objective": spec.objective,
+                  "parameters": total_params,
                   "hidden_size": shape.hidden, "num_heads": shape.heads,
                   "num_kv_heads": shape.kv_heads, "intermediate_size": shape.intermediate,
                   "vocab_size": shape.vocab, "seq_len": seq_len,
@@ -331,6 +332,11 @@ def _seconds(x: float) -> str:
     return f"{x:.3g} s" if x >= 1e-3 else f"{x * 1e3:.3g} ms"
 
 
+def _objective(model: dict) -> str:
+    names = {"causal": "causal LM", "mlm": "masked LM", "seq2seq": "seq2seq"}
+    return names.get(model.get("objective"), model.get("objective") or "causal LM")
+
+
 def format_plan_report(report: dict) -> list[str]:
     """The text `raylm plan` prints: the layout, the predicted memory per rank and step
     time, the alternatives, and (pp > 1) a table per pipeline stage and per pp rank."""
@@ -338,7 +344,8 @@ def format_plan_report(report: dict) -> list[str]:
     mb, m = p["micro_batch_size"], p["micro_batches_per_rank"]
     seq = model["seq_len"]
     lines = [f"plan: {report['layout']}",
-             f"model: {model['model_type']}, {model['parameters']:,} parameters, "
+             f"model: {model['model_type']} ({_objective(model)}), "
+             f"{model['parameters']:,} parameters, "
              f"{model.get('num_blocks') or '?'} blocks, hidden {model['hidden_size']}, "
              f"{model['num_heads']} heads, sequence {seq}"]
     pl = report["planner"]

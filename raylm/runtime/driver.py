@@ -82,6 +82,7 @@ class Driver:
         # kill a rank mid-run.
         self.callbacks = list(callbacks)
         self.state = None
+        self.steps_per_epoch = None  # the sampler's, once training starts
         self.workers: list = []
         self.worker_info: list[dict] = []
         self.inflight: list = []  # the ranks' calls of the step under way
@@ -245,7 +246,8 @@ class Driver:
 
     def _rank_settings(self) -> dict:
         """The settings a rank's engine is built from (and the injected faults)."""
-        return {**self.cfg.to_dict(), "faults": self.faults}
+        return {**self.cfg.to_dict(), "faults": self.faults,
+                "steps_per_epoch": self.steps_per_epoch}
 
     def _send_commit(self) -> None:
         """Send the decided commit on its own (before an evaluation, a checkpoint, the
@@ -313,6 +315,7 @@ class Driver:
         cfg = self.cfg
         sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.order_seed)
         steps = total_steps(cfg, sampler.steps_per_epoch)
+        self.steps_per_epoch = sampler.steps_per_epoch  # (masked LM draws per epoch)
         self.ckpt = CheckpointManager(cfg.output_dir)
         restore = inputs.resume_from
         state = read_trainer_state(restore) if restore else {}
@@ -376,7 +379,7 @@ class Driver:
         self.metrics.close()
         self._save_tokenizer(cfg.output_dir)
         trained = [h for h in run.history]
-        tokens = sum(h["tokens"] for h in trained)
+        tokens = sum(h.get("throughput_tokens", h["tokens"]) for h in trained)
         final.update({
             "global_step": run.step,
             "train_samples": sampler.num_samples,
@@ -456,10 +459,15 @@ class Driver:
             overflow = _overflow(results)
             now = time.time()
             wall, t_last = now - t_last, now
+            # Throughput counts the tokens the model read: a causal LM's labels are its
+            # inputs (shifted), masked LM's only the ~15% it predicts.
+            read = (len(sampler.global_batch(run.step - 1)) * self.block_size
+                    if self.spec.objective == "mlm" else out["tokens"])
             rec = {"step": run.step, "epoch": round(sampler.epoch_of(run.step), 4),
                    "loss": out["loss"], "learning_rate": out["learning_rate"],
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
-                   "tokens_per_second": out["tokens"] / wall, "step_time_s": wall,
+                   "throughput_tokens": read, "tokens_per_second": read / wall,
+                   "step_time_s": wall,
                    "data_wait_s": max(r["data_wait_s"] for r in results),
                    "snapshot_s": max(r.get("snapshot_s", 0.0) for r in results),
                    # The step boundary's cost: the rank that answered last waited least.
@@ -482,7 +490,7 @@ class Driver:
                         r["sample_ids"] for r in results if "sample_ids" in r]}) + "\n")
             if "memory" in results[0]:
                 self._memory_report(results)
-            window_tokens += out["tokens"]
+            window_tokens += read
             window_steps += 1
             self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
             if logs_after(run.step):

@@ -70,7 +70,11 @@ class Engine:
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.zero_stage = plan.zero_stage
-        self.objective = objective_for(spec.config, cfg.get("objective"))
+        self.objective = objective_for(spec.config, spec.objective or cfg.get("objective"),
+                                       spec.masking)
+        # The epoch of a step, for objectives that draw per (epoch, sample): the global
+        # batch is fixed across layouts, so this is too (the driver's sampler's).
+        self.steps_per_epoch = int(cfg.get("steps_per_epoch") or 1)
         self.model = None
         self.tensor_parallel = None  # TPState when tp > 1
         self.pipeline: Optional[PipelineRuntime] = None  # when pp > 1
@@ -161,11 +165,16 @@ class Engine:
 
     def count(self, batch: dict, step) -> int:
         """Label tokens of a micro-batch under the objective."""
-        return self.objective.count(self.objective.split(batch, step)["labels"])
+        return self.objective.count(self.objective.split(batch, self.epoch_of(step))["labels"])
+
+    def epoch_of(self, step):
+        """The epoch of optimizer step ``step`` (None, evaluating: None)."""
+        return None if step is None else step // self.steps_per_epoch
 
     def loss_sum(self, batch: dict, step):
         """Forward one micro-batch; its summed token loss and its labels."""
-        parts = {k: v.to(self.device) for k, v in self.objective.split(batch, step).items()}
+        parts = self.objective.split(batch, self.epoch_of(step))
+        parts = {k: v.to(self.device) for k, v in parts.items()}
         labels = parts.pop("labels")
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
         if bool((batch["attention_mask"] == 0).any()):
@@ -428,7 +437,7 @@ class PipelineEngine(Engine):
         splits them again). Each stage gets only what it uses; the attention mask only
         when the data has padding (line by line), and then every stage needs it."""
         pipe = self.pipeline
-        parts = [self.objective.split(b, step) for b in batches]
+        parts = [self.objective.split(b, self.epoch_of(step)) for b in batches]
 
         def stacked(key):
             return torch.cat([p[key] for p in parts]).to(self.device)

@@ -52,7 +52,6 @@ class Data:
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     from raylm.models.loading import resolve_block_size, resolve_model
-    from raylm.models.objectives import check_objective
 
     _check_numbers(cfg)
     check_precision(cfg)
@@ -63,8 +62,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
 
-    spec = resolve_model(cfg)
-    check_objective(spec.config, cfg.objective)
+    spec = resolve_model(cfg)  # (and its objective: raylm.models.objectives)
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
                     eval_files=eval_files, eval_names=eval_names)
