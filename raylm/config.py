@@ -52,17 +52,22 @@ class TrainConfig:
         None, "Override config values when training from scratch, e.g. "
         "\"n_layer=2,n_embd=64,resid_pdrop=0.0\".", "model")
     objective: Optional[str] = _f(
-        None, "Training objective: causal (next token), mlm (masked LM, as run_mlm) or "
-        "seq2seq (an encoder-decoder model continues the first half of each block). "
+        None, "Training objective: causal (next token), mlm (masked LM, as run_mlm), "
+        "span_corruption (T5's pretraining: spans cut from the input, predicted by the "
+        "decoder) or seq2seq (an encoder-decoder continues the first half of each block). "
         "Default: the model's own: mlm for encoders with a masked-LM head (BERT, RoBERTa, "
-        "DistilBERT, ALBERT), seq2seq for encoder-decoders, causal otherwise "
-        "(raylm.models.objectives).", "model")
+        "DistilBERT, ALBERT), span_corruption for T5, seq2seq for other encoder-decoders, "
+        "causal otherwise (raylm.models.objectives).", "model")
     mlm: bool = _f(
         False, "Train with masked language modelling (the same as --objective mlm; the "
         "default for BERT-type models).", "model")
     mlm_probability: float = _f(
         0.15, "Share of tokens selected for masked LM (run_mlm's): of those, 80% become the "
-        "mask token, 10% a random token, 10% stay.", "model")
+        "mask token, 10% a random token, 10% stay. For span corruption, the noise density "
+        "(run_t5_mlm_flax's use of the same flag).", "model")
+    mean_noise_span_length: float = _f(
+        3.0, "Span corruption: mean length of the spans cut from a sample (run_t5_mlm_flax's "
+        "name).", "model")
     whole_word_masking: bool = _f(
         False, "Masked LM selects whole words: the tokens of a word (WordPiece '##' "
         "continuations) are masked together.", "model")
@@ -107,7 +112,9 @@ class TrainConfig:
         "the only string column).", "data")
     block_size: Optional[int] = _f(
         None, "Tokens per training sample. Default: min(model max positions, 1024). "
-        "--max_seq_length (run_mlm's name) is the same.", "data", aliases=("max_seq_length",))
+        "--max_seq_length (run_mlm's name) is the same. Under span corruption: the "
+        "encoder's input length (samples are cut longer, as run_t5_mlm_flax).", "data",
+        aliases=("max_seq_length",))
     line_by_line: bool = _f(
         False, "Treat each line (or row) as one sample, padded/truncated to block_size, "
         "instead of concatenating and chunking.", "data")
@@ -407,7 +414,8 @@ class TrainConfig:
                            "keep_linebreaks": True, "max_train_samples": None,
                            "model_revision": "main", "dataset_name": None,
                            "dataset_config_name": None, "bf16": False, "fp16": False,
-                           "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False}
+                           "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False,
+                           "mean_noise_span_length": 3.0}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelF
 
 from raylm.data.reader import IGNORE_INDEX, BlockReader
 from raylm.data.sampler import GlobalBatchSampler
-from raylm.models.objectives import mask_tokens
+from raylm.models.objectives import corrupt_spans, mask_tokens
 
 
 class Reference(NamedTuple):
@@ -75,7 +75,8 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     Masked LM (``spec.objective == "mlm"``) shares raylm's masks (``mask_tokens``: a
     function of seed, epoch and sample id, as the sampler's order is of seed and step)
     and weights each micro-batch's mean loss by its share of the step's masked tokens,
-    which differ between micro-batches.
+    which differ between micro-batches. Span corruption shares raylm's corrupted inputs
+    and targets (``corrupt_spans``, of the same kind) and lets T5 shift the labels.
     """
     torch.manual_seed(cfg.seed)
     seq2seq = bool(getattr(spec.config, "is_encoder_decoder", False))
@@ -107,8 +108,12 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         assert len(ids) == global_batch_size, "reference needs full batches"
         chunks = [ids[i:i + mb] for i in range(0, len(ids), mb)]
         batches = [reader.read(chunk) for chunk in chunks]
+        epoch = step // sampler.steps_per_epoch
+        if spec.objective == "span_corruption":
+            for b in batches:
+                b["input_ids"], b["labels"] = corrupt_spans(b["input_ids"], b["sample_ids"],
+                                                            spec.masking, epoch)
         if mlm:
-            epoch = step // sampler.steps_per_epoch
             for b in batches:
                 b["input_ids"], b["labels"] = mask_tokens(b["input_ids"], b["labels"],
                                                           b["sample_ids"], spec.masking, epoch)
@@ -118,7 +123,9 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
             if mlm and not (b["labels"] != IGNORE_INDEX).any():
                 continue  # nothing masked: HF's mean would be 0/0; it adds nothing
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-                if seq2seq:  # continuation: the encoder reads the first half, HF shifts
+                if spec.objective == "span_corruption":  # T5 shifts the labels itself
+                    out = model(input_ids=b["input_ids"], labels=b["labels"])
+                elif seq2seq:  # continuation: the encoder reads the first half, HF shifts
                     half = b["input_ids"].shape[1] // 2
                     out = model(input_ids=b["input_ids"][:, :half],
                                 labels=b["labels"][:, half:].contiguous())

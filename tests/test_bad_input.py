@@ -92,7 +92,7 @@ def test_config_override_unknown_key(tmp_path, capsys, corpus_dir, cache_root):
 
 
 @pytest.mark.parametrize("objective,message", [
-    ("span", "--objective span: choose one of causal, seq2seq, mlm"),
+    ("span", "--objective span: choose one of causal, seq2seq, mlm, span_corruption"),
     ("mlm", "--mlm: model type 'gpt2' has no masked-LM head in transformers (masked LM "
      "trains encoders: bert, roberta, distilbert, albert, ...); its objective is causal "
      "(drop --mlm)"),
@@ -139,6 +139,41 @@ def test_masked_lm_bad_input(extra, message, tmp_path, capsys, corpus_dir, cache
     args[args.index("--config_overrides") + 1] = TINY_BERT
     extra = [a.replace("{wordpiece}", wordpiece) for a in extra]
     rc, errors, _ = run_cli(capsys, *args, *extra)
+    assert rc == 2
+    assert errors == ["raylm: error: " + message.format(tok=builtin_tokenizer_dir())]
+
+
+TINY_T5 = "num_layers=1,num_decoder_layers=1,d_model=32,d_kv=8,d_ff=64,num_heads=4"
+
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("gpt2", ("--objective", "span_corruption"),
+     "--objective span_corruption does not train a decoder-only model ('gpt2'); its "
+     "objective is causal (leave --objective unset)"),
+    # T5's default objective is span corruption; the built-in tokenizer has no sentinels.
+    ("t5", (), "span corruption needs T5's sentinel tokens (<extra_id_0>, ...), and the "
+               "tokenizer {tok} has none: use a T5 tokenizer, or train one with "
+               "`raylm tokenizer train --extra_ids 100`"),
+    ("t5", ("--line_by_line",), "span corruption cuts spans out of packed blocks: drop "
+                                "--line_by_line (or train with --objective seq2seq)"),
+    ("t5", ("--tokenizer_name", "{t5tok}", "--max_seq_length", "60"),
+     "span corruption of 66-token samples cuts 3 spans, but the tokenizer has 2 sentinel "
+     "tokens: use a shorter --max_seq_length or a tokenizer with more (raylm tokenizer "
+     "train --extra_ids N)"),
+])
+def test_span_corruption_bad_input(model, extra, message, tmp_path, capsys, corpus_dir,
+                                   cache_root):
+    from raylm.data.sources import builtin_tokenizer_dir
+    from raylm.data.tokenizer_train import train_tokenizer
+
+    t5tok = str(tmp_path / "t5tok")
+    if "{t5tok}" in extra:
+        train_tokenizer([str(corpus_dir / "macbeth.txt")], t5tok, vocab_size=300, extra_ids=2)
+    args = base_args(tmp_path, corpus_dir, cache_root)
+    if model == "t5":
+        args[args.index("--model_type") + 1] = "t5"
+        args[args.index("--config_overrides") + 1] = TINY_T5
+    rc, errors, _ = run_cli(capsys, *args, *[a.replace("{t5tok}", t5tok) for a in extra])
     assert rc == 2
     assert errors == ["raylm: error: " + message.format(tok=builtin_tokenizer_dir())]
 

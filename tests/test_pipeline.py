@@ -47,6 +47,8 @@ def pp_config(out, corpus, cache_root, model="gpt2", models=None, **kw) -> Train
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
                 warmup_steps=1, per_device_train_batch_size=MICRO,
                 gradient_accumulation_steps=GLOBAL_BATCH // MICRO)
+    if model_type == "t5":  # block continuation (span corruption: tests/test_t5_spans.py)
+        base["objective"] = "seq2seq"
     base.update(kw)
     return TrainConfig(**base)
 

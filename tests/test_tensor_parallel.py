@@ -101,13 +101,19 @@ def build(name: str, seed: int = 0):
     return auto.from_config(config, dtype=torch.float32)
 
 
+def objective_of(config):
+    """The objective these tests split random blocks with: T5 on block continuation
+    (span corruption needs a tokenizer's sentinels; the layouts treat both alike)."""
+    from raylm.models.objectives import objective_for
+
+    return objective_for(config, "seq2seq" if config.is_encoder_decoder else None)
+
+
 def batches(config, n: int, seed: int = 1) -> list:
     """n batches of (model inputs, labels), some labels ignored; as raylm's objectives
     split packed blocks."""
-    from raylm.models.objectives import objective_for
-
     g = torch.Generator().manual_seed(seed)
-    objective = objective_for(config)
+    objective = objective_of(config)
     out = []
     for _ in range(n):
         ids = torch.randint(3, V, (BATCH, SEQ * (2 if config.is_encoder_decoder else 1)),
@@ -133,11 +139,10 @@ def train(model, data, tps=None, dp_group=None, steps=STEPS):
     backward, the dp all-reduce, clipping to MAX_NORM, AdamW. Returns [(loss, norm)]."""
     import contextlib
 
-    from raylm.models.objectives import objective_for
     from raylm.parallel.data import GradientAllReduce, all_reduce_sum
     from raylm.parallel.clip import global_norm, norm_pieces
 
-    objective = objective_for(model.config)
+    objective = objective_of(model.config)
     opt = make_optimizer(model)
     params = list(model.parameters())
     sync = GradientAllReduce(params, dp_group) if tps is not None else None
@@ -394,14 +399,13 @@ def job_fsdp_tp_grads(rank, world, name):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raylm.models.objectives import objective_for
     from raylm.parallel.clip import global_norm, norm_pieces
     from raylm.parallel.tensor import apply_tensor_parallel
     from raylm.parallel.checkpoint_form import tp_shard_of
     from raylm.parallel.zero.fsdp import apply_fsdp
 
     def backward(model, micro, total, tps=None):
-        objective = objective_for(model.config)
+        objective = objective_of(model.config)
         with tps.loss_context() if tps is not None else contextlib.nullcontext():
             for inputs, labels in micro:
                 logits = model(**inputs, use_cache=False).logits
@@ -409,7 +413,7 @@ def job_fsdp_tp_grads(rank, world, name):
 
     ref = build(name, seed=7)
     data = batches(ref.config, 2, seed=3)
-    total = sum(objective_for(ref.config).count(labels) for _, labels in data)
+    total = sum(objective_of(ref.config).count(labels) for _, labels in data)
     backward(ref, data, total)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build(name, seed=7)
@@ -568,10 +572,8 @@ def save_ckpt(base, name, layout, tp=None, dp_group=None):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from raylm.models.objectives import objective_for
-
     model, tps, adapter, opt = _layout(name, tp, dp_group)
-    objective = objective_for(model.config)
+    objective = objective_of(model.config)
     for step in range(2):
         with tps.loss_context() if tps is not None else contextlib.nullcontext():
             for inputs, labels in batches(model.config, 1, seed=20 + step):

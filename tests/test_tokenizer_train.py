@@ -67,6 +67,18 @@ def test_wordpiece_lowercase_is_bert_uncased(tmp_path, play):
         train_tokenizer(play, str(tmp_path / "bpe"), type="bpe", lowercase=True)
 
 
+def test_extra_ids_are_t5s_sentinels(tmp_path, play):
+    """--extra_ids N: <extra_id_0> ... <extra_id_N-1> as T5's tokenizer has them: special,
+    at the top of the vocabulary, <extra_id_0> the highest id."""
+    out = train_tokenizer(play, str(tmp_path / "t5"), vocab_size=400, extra_ids=5)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 405
+    ids = [tok.convert_tokens_to_ids(f"<extra_id_{i}>") for i in range(5)]
+    assert ids == [404, 403, 402, 401, 400]
+    assert set(ids) <= set(tok.all_special_ids)
+    assert tok("a <extra_id_3> b")["input_ids"].count(401) == 1  # one token, never split
+
+
 def test_trains_from_a_table_column(tmp_path):
     rows = [{"id": i, "body": f"line {i} of the witches' song", "label": "x"} for i in range(50)]
     path = tmp_path / "songs.jsonl"

@@ -94,6 +94,9 @@ def build_parser() -> OneLineParser:
     tkt.add_argument("--lowercase", action="store_true",
                      help="wordpiece: lowercase and strip accents, as BERT's uncased "
                      "tokenizer (default: cased)")
+    tkt.add_argument("--extra_ids", type=int, default=0,
+                     help="add T5's N sentinel tokens <extra_id_0>... for span corruption "
+                     "(T5 has 100; default: 0)")
     return parser
 
 
@@ -178,7 +181,7 @@ def cmd_tokenizer_train(ns) -> int:
     validate_files(files, ns.text_column, "FILES")
     out = train_tokenizer(files, ns.output_dir, type=ns.type, vocab_size=ns.vocab_size,
                           min_frequency=ns.min_frequency, text_column=ns.text_column,
-                          lowercase=ns.lowercase)
+                          lowercase=ns.lowercase, extra_ids=ns.extra_ids)
     print(f"raylm: tokenizer saved to {out}")
     return 0
 

@@ -22,10 +22,13 @@ WORDPIECE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "
 
 def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
                     vocab_size: int = 8192, min_frequency: int = 2,
-                    text_column: Optional[str] = None, lowercase: bool = False) -> str:
+                    text_column: Optional[str] = None, lowercase: bool = False,
+                    extra_ids: int = 0) -> str:
     """Train a ``bpe`` (byte-level, GPT-2 style) or ``wordpiece`` (BERT style; cased, or
     with ``lowercase`` uncased as bert-base-uncased: lowercased, accents stripped)
-    tokenizer. Returns ``output_dir``.
+    tokenizer. ``extra_ids``: T5's sentinel tokens ``<extra_id_0>`` ... for span
+    corruption, appended as T5's tokenizer has them (``<extra_id_0>`` the highest id).
+    Returns ``output_dir``.
     """
     from transformers import PreTrainedTokenizerFast  # imported late: only this command needs it
 
@@ -41,6 +44,8 @@ def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
         raise ConfigError(f"--min_frequency: must be an integer >= 1, got {min_frequency!r}")
     if not files:
         raise ConfigError("no training files for the tokenizer")
+    if not isinstance(extra_ids, int) or extra_ids < 0:
+        raise ConfigError(f"--extra_ids: must be an integer >= 0, got {extra_ids!r}")
     if lowercase and type != "wordpiece":
         raise ConfigError("--lowercase applies to --type wordpiece (a byte-level BPE keeps "
                           "every byte as it is)")
@@ -54,8 +59,11 @@ def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
     if not seen["texts"]:
         raise ConfigError(f"the tokenizer training files contain no text: {', '.join(files)}")
 
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **wrapper_kwargs).save_pretrained(
-        output_dir)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **wrapper_kwargs)
+    if extra_ids:
+        wrapped.add_special_tokens({"additional_special_tokens": [
+            f"<extra_id_{i}>" for i in reversed(range(extra_ids))]})
+    wrapped.save_pretrained(output_dir)
     return output_dir
 
 

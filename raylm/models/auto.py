@@ -17,6 +17,7 @@ def _mappings():
 
     return {"causal": m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             "seq2seq": m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+            "span_corruption": m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
             "mlm": m.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config, model_class, set_head
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
-from raylm.models.objectives import resolve_objective
+from raylm.models.objectives import resolve_objective, spans_for_input_length
 
 log = logging.getLogger("raylm")
 
@@ -35,7 +35,8 @@ class ModelSpec:
     hub: Optional[HubRef] = None  # where pretrained_path came from, for a Hub name
     trust_remote_code: bool = False
     objective: Optional[str] = None  # the run's (raylm.models.objectives.resolve_objective)
-    masking: Optional[object] = None  # masked LM's Masking (raylm.models.objectives)
+    # What a drawing objective needs: masked LM's Masking, span corruption's Spans.
+    masking: Optional[object] = None
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -189,15 +190,24 @@ def _set_special_tokens(config, tokenizer) -> None:
 
 
 def resolve_block_size(cfg, spec: ModelSpec) -> int:
+    """The tokens of a sample in the data: --block_size (--max_seq_length), checked
+    against the model's positions. Under span corruption that flag is the encoder's
+    input length, and a sample is the longer raw span that corrupts to it (its lengths
+    are set on ``spec.masking`` here)."""
     limit = spec.max_positions
     if cfg.block_size is None:
-        return min(limit or 1024, 1024)
-    if cfg.block_size < 2:
+        size = min(limit or 1024, 1024)
+    elif cfg.block_size < 2:
         raise ConfigError(f"--block_size must be at least 2 (got {cfg.block_size})")
-    if limit is not None and cfg.block_size > limit:
+    elif limit is not None and cfg.block_size > limit:
         raise ConfigError(f"--block_size {cfg.block_size} is larger than the model's maximum "
                           f"positions ({limit})")
-    return cfg.block_size
+    else:
+        size = cfg.block_size
+    if spec.objective == "span_corruption":
+        spec.masking = spans_for_input_length(spec.masking, size)
+        return spec.masking.tokens_length
+    return size
 
 
 def build_model(spec: ModelSpec, seed: int, device=None):

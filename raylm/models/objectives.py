@@ -24,6 +24,7 @@ whose (replicated) result is returned as a plain, differentiable tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,6 +67,14 @@ class _PerPosition:
         return int((labels != IGNORE_INDEX).sum())
 
 
+def shift_right(labels, start: int, pad: int):
+    """The decoder's input for ``labels``: shifted right behind the start token, ignored
+    positions as pad (HF's ``_shift_right``)."""
+    dec = labels.new_full(labels.shape, start)
+    dec[:, 1:] = labels[:, :-1]
+    return dec.masked_fill_(dec == IGNORE_INDEX, pad)
+
+
 class Seq2Seq(_PerPosition):
     """Encoder input: the first half of a block; labels: the second half; decoder input:
     the labels shifted right behind the decoder start token (as HF's ``_shift_right``)."""
@@ -80,11 +89,8 @@ class Seq2Seq(_PerPosition):
         ids, labels = batch["input_ids"], batch["labels"]
         half = ids.shape[1] // 2
         target = labels[:, half:].contiguous()
-        dec = target.new_full(target.shape, self.start)
-        dec[:, 1:] = target[:, :-1]
-        dec.masked_fill_(dec == IGNORE_INDEX, self.pad)
         return {"input_ids": ids[:, :half].contiguous(), "labels": target,
-                "decoder_input_ids": dec}
+                "decoder_input_ids": shift_right(target, self.start, self.pad)}
 
 
 @dataclass(frozen=True)
@@ -101,11 +107,16 @@ class Masking:
     continuation_ids: Optional[tuple] = None
 
 
-def _sample_generator(seed: int, epoch: Optional[int], sample_id: int) -> torch.Generator:
-    """A generator seeded from (seed, epoch, sample id) alone; evaluation (epoch None)
-    has a stream of its own, the same at every evaluation."""
+def _sample_seed(seed: int, epoch: Optional[int], sample_id: int) -> np.ndarray:
+    """Two 32-bit words from (seed, epoch, sample id) alone: what a sample's random draws
+    start from. Evaluation (epoch None) has a stream of its own, the same at every
+    evaluation."""
     key = [seed, 0, epoch, sample_id] if epoch is not None else [seed, 1, sample_id]
-    a, b = np.random.SeedSequence(key).generate_state(2)
+    return np.random.SeedSequence(key).generate_state(2)
+
+
+def _sample_generator(seed: int, epoch: Optional[int], sample_id: int) -> torch.Generator:
+    a, b = _sample_seed(seed, epoch, sample_id)
     return torch.Generator().manual_seed((int(a) << 31) ^ int(b))
 
 
@@ -165,6 +176,126 @@ class MaskedLM(_PerPosition):
 
 
 
+
+# -- T5 span corruption ----------------------------------------------------------------------
+# T5's pretraining objective (Raffel et al., and transformers' run_t5_mlm_flax.py, whose
+# algorithm this follows draw for draw): ~noise density of a sample's tokens, in spans of
+# mean length ``mean_span``, are cut from the encoder's input, each span replaced by one
+# sentinel token; the decoder predicts the spans, each behind its sentinel. Written here
+# because transformers ships it only inside that example script (and in Flax).
+
+
+@dataclass(frozen=True)
+class Spans:
+    """What span corruption needs, settled on the driver (resolve_objective, then
+    resolve_block_size for the lengths)."""
+
+    seed: int
+    density: float  # --mlm_probability (run_t5_mlm_flax's name for it)
+    mean_span: float  # --mean_noise_span_length
+    sentinel_ids: tuple  # sentinel k (from 1) is sentinel_ids[k - 1]: <extra_id_{k-1}>
+    eos_id: int
+    pad_id: int
+    start_id: int  # the decoder's start token
+    input_length: Optional[int] = None  # the encoder's (--max_seq_length)
+    tokens_length: Optional[int] = None  # a sample's raw tokens (the data's block size)
+
+    def counts(self, length: int) -> tuple:
+        """(noise tokens, noise spans) of a sample of ``length`` raw tokens."""
+        noise = min(max(int(np.round(length * self.density)), 1), length - 1)
+        return noise, max(int(np.round(noise / self.mean_span)), 1)
+
+    def lengths(self, length: int) -> tuple:
+        """(encoder input, target) lengths, EOS included, of ``length`` raw tokens."""
+        noise, spans = self.counts(length)
+        return length - noise + spans + 1, noise + spans + 1
+
+
+def span_lengths(input_length: int, density: float, mean_span: float) -> tuple:
+    """(raw tokens per sample, target length) that make an encoder input of exactly
+    ``input_length`` tokens: the longest raw sample whose corrupted input still fits
+    (run_t5_mlm_flax's compute_input_and_target_lengths)."""
+    def lengths(tokens):
+        noise = int(round(tokens * density))
+        spans = int(round(noise / mean_span))
+        return tokens - noise + spans + 1, noise + spans + 1
+
+    tokens = input_length
+    while lengths(tokens + 1)[0] <= input_length:
+        tokens += 1
+    inputs, targets = lengths(tokens)
+    if density == 0.5 and targets > inputs:  # (theirs: keep targets at the round number)
+        tokens, targets = tokens - 1, targets - 1
+    return tokens, targets
+
+
+def noise_mask(length: int, spans: Spans, rng: np.random.RandomState) -> np.ndarray:
+    """Which of ``length`` tokens are noise: alternating non-noise and noise spans,
+    non-noise first, every split into that many non-empty spans equally likely. Draws
+    from ``rng`` exactly as T5's random_spans_noise_mask draws from numpy's global
+    generator: one shuffle for the noise spans' lengths, then one for the others'."""
+    noise, n_spans = spans.counts(length)
+
+    def segment_lengths(items: int) -> np.ndarray:
+        # n_spans - 1 cut points among the items - 1 gaps, chosen by a shuffle.
+        cuts = np.arange(items - 1) < (n_spans - 1)
+        rng.shuffle(cuts)
+        return np.bincount(np.cumsum(np.concatenate([[False], cuts])))
+
+    noise_lengths = segment_lengths(noise)  # (first: the order of the draws)
+    interleaved = np.stack([segment_lengths(length - noise), noise_lengths], axis=1).reshape(-1)
+    starts = np.zeros(length, dtype=np.int8)
+    starts[np.cumsum(interleaved)[:-1]] = 1
+    return np.cumsum(starts) % 2 == 1
+
+
+def _fuse(tokens: np.ndarray, mask: np.ndarray, sentinel_ids: tuple, eos: int) -> np.ndarray:
+    """``tokens`` with each run of masked positions replaced by the next sentinel, then
+    EOS."""
+    first = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each run
+    out = tokens.copy()
+    out[first] = np.asarray(sentinel_ids)[np.cumsum(first)[first] - 1]
+    return np.concatenate([out[~mask | first], [eos]])
+
+
+def corrupt_spans(input_ids, sample_ids, spans: Spans, epoch: Optional[int]) -> tuple:
+    """(encoder input ids, labels) of a [B, T] batch of raw samples: each row's noise
+    mask drawn from (seed, epoch, sample id) alone (``_sample_seed``), so a sample is
+    corrupted the same way in every layout, resume and resize. Filler rows (negative
+    ids) get pad inputs and no labels."""
+    ids = input_ids.numpy()
+    length = ids.shape[1]
+    n_in, n_out = spans.lengths(length)
+    inputs = np.full((len(ids), n_in), spans.pad_id, dtype=np.int64)
+    labels = np.full((len(ids), n_out), IGNORE_INDEX, dtype=np.int64)
+    for row, sid in enumerate(sample_ids.tolist()):
+        if sid < 0:
+            continue
+        rng = np.random.RandomState(int(_sample_seed(spans.seed, epoch, sid)[0]))
+        mask = noise_mask(length, spans, rng)
+        inputs[row] = _fuse(ids[row], mask, spans.sentinel_ids, spans.eos_id)
+        labels[row] = _fuse(ids[row], ~mask, spans.sentinel_ids, spans.eos_id)
+    return torch.from_numpy(inputs), torch.from_numpy(labels)
+
+
+class SpanCorruption(_PerPosition):
+    """T5's span corruption on raylm's packed blocks (each block one raw sample of
+    ``tokens_length`` tokens): encoder input and labels from ``corrupt_spans``, decoder
+    input the labels shifted right behind the start token (as T5's ``_shift_right``)."""
+
+    name = "span_corruption"
+
+    def __init__(self, spans: Spans):
+        self.spans = spans
+
+    def split(self, batch: dict, epoch=None) -> dict:
+        inputs, labels = corrupt_spans(batch["input_ids"], batch["sample_ids"], self.spans,
+                                       epoch)
+        return {"input_ids": inputs, "labels": labels,
+                "decoder_input_ids": shift_right(labels, self.spans.start_id,
+                                                 self.spans.pad_id)}
+
+
 def _local(loss):
     """Under tensor parallelism the logits are vocabulary-sharded DTensors and
     loss_parallel's cross-entropy is a replicated DTensor: every rank holds the whole
@@ -194,24 +325,36 @@ def _seq2seq(config, masking=None) -> Seq2Seq:
     return Seq2Seq(pad, start if start is not None else pad)
 
 
-def _masked_lm(config, masking=None) -> MaskedLM:
-    if masking is None:
-        raise ValueError("the masked-LM objective needs its Masking (raylm.runtime.prepare)")
-    return MaskedLM(masking)
+def _drawn(cls, kind):
+    """The builder of an objective that draws per sample from ``kind`` facts."""
+    def build(config, masking=None):
+        if not isinstance(masking, kind):
+            raise ValueError(f"the {cls.name} objective needs its {kind.__name__} "
+                             "(raylm.models.objectives.resolve_objective)")
+        return cls(masking)
+    return build
 
+
+# T5's own family: span corruption is its pretraining objective.
+T5_TYPES = ("t5", "mt5", "umt5")
 
 # name -> (builds the objective for a model config, which models it trains)
 OBJECTIVES = {
     "causal": (lambda config, masking=None: CausalLM(), lambda config: not is_seq2seq(config)),
     "seq2seq": (_seq2seq, is_seq2seq),
-    "mlm": (_masked_lm, lambda config: has_masked_lm_head(config)
+    "mlm": (_drawn(MaskedLM, Masking), lambda config: has_masked_lm_head(config)
             and not getattr(config, "is_decoder", False)),
+    "span_corruption": (_drawn(SpanCorruption, Spans), is_seq2seq),
 }
+
+# Objectives whose labels are a sample of what the model reads: throughput counts the
+# tokens read.
+PREDICTS_A_SAMPLE = ("mlm", "span_corruption")
 
 
 def default_objective(config) -> str:
     if is_seq2seq(config):
-        return "seq2seq"
+        return "span_corruption" if config.model_type in T5_TYPES else "seq2seq"
     if has_masked_lm_head(config) and not getattr(config, "is_decoder", False):
         return "mlm"
     return "causal"
@@ -240,29 +383,33 @@ def check_objective(config, name=None) -> str:
     return name
 
 
-def objective_for(config, name=None, masking: Optional[Masking] = None):
+def objective_for(config, name=None, masking=None):
     """The objective object for ``config`` (``name``: --objective; None: the model's;
-    ``masking``: masked LM's facts)."""
+    ``masking``: what a drawing objective needs: masked LM's Masking, span corruption's
+    Spans)."""
     return OBJECTIVES[check_objective(config, name)][0](config, masking)
 
 
 def resolve_objective(cfg, config, tokenizer, tokenizer_dir: str) -> tuple:
-    """(objective name, Masking or None) of a run (a TrainConfig) on the driver: --mlm or
-    --objective, else the model's; masked LM's facts from the flags and the tokenizer.
-    One clear error for flags that disagree, a tokenizer with no mask token (run_mlm's
-    collator refuses it too) or, with --whole_word_masking, no marked word continuations."""
+    """(objective name, Masking, Spans or None) of a run (a TrainConfig) on the driver:
+    --mlm or --objective, else the model's; a drawing objective's facts from the flags and
+    the tokenizer. One clear error for flags that disagree, a tokenizer with no mask token
+    (run_mlm's collator refuses it too), with --whole_word_masking no marked word
+    continuations, or for span corruption no sentinel tokens."""
     if cfg.mlm and cfg.objective not in (None, "mlm"):
         raise ConfigError(f"--mlm and --objective {cfg.objective} name two objectives: "
                           "give one")
     name = check_objective(config, "mlm" if cfg.mlm else cfg.objective)
-    if name != "mlm":
-        if cfg.whole_word_masking:
-            raise ConfigError(f"--whole_word_masking applies to masked LM, not to the "
-                              f"{name} objective")
+    if cfg.whole_word_masking and name != "mlm":
+        raise ConfigError(f"--whole_word_masking applies to masked LM, not to the "
+                          f"{name} objective")
+    if name not in PREDICTS_A_SAMPLE:
         return name, None
     if not 0.0 < cfg.mlm_probability < 1.0:
         raise ConfigError(f"--mlm_probability must be between 0 and 1 (got "
                           f"{cfg.mlm_probability})")
+    if name == "span_corruption":
+        return name, _spans(cfg, config, tokenizer, tokenizer_dir)
     if tokenizer.mask_token_id is None:
         raise ConfigError(f"masked LM needs a tokenizer with a mask token, and {tokenizer_dir} "
                           "has none: train one with `raylm tokenizer train --type wordpiece` "
@@ -279,3 +426,47 @@ def resolve_objective(cfg, config, tokenizer, tokenizer_dir: str) -> tuple:
                          mask_token_id=int(tokenizer.mask_token_id),
                          special_ids=tuple(sorted(set(tokenizer.all_special_ids))),
                          vocab_size=len(tokenizer), continuation_ids=continuation)
+
+
+def _spans(cfg, config, tokenizer, tokenizer_dir: str) -> Spans:
+    if cfg.line_by_line:
+        raise ConfigError("span corruption cuts spans out of packed blocks: drop "
+                          "--line_by_line (or train with --objective seq2seq)")
+    if cfg.mean_noise_span_length < 1:
+        raise ConfigError(f"--mean_noise_span_length must be >= 1 (got "
+                          f"{cfg.mean_noise_span_length})")
+    vocab = tokenizer.get_vocab()
+    sentinels = []
+    while f"<extra_id_{len(sentinels)}>" in vocab:
+        sentinels.append(vocab[f"<extra_id_{len(sentinels)}>"])
+    if not sentinels:
+        raise ConfigError(f"span corruption needs T5's sentinel tokens (<extra_id_0>, ...), "
+                          f"and the tokenizer {tokenizer_dir} has none: use a T5 tokenizer, "
+                          "or train one with `raylm tokenizer train --extra_ids 100`")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"span corruption ends inputs and targets with EOS, and the "
+                          f"tokenizer {tokenizer_dir} has no eos token")
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    start = config.decoder_start_token_id
+    return Spans(seed=cfg.seed, density=float(cfg.mlm_probability),
+                 mean_span=float(cfg.mean_noise_span_length), sentinel_ids=tuple(sentinels),
+                 eos_id=int(tokenizer.eos_token_id), pad_id=int(pad),
+                 start_id=int(start if start is not None else pad))
+
+
+def spans_for_input_length(spans: Spans, input_length: int) -> Spans:
+    """``spans`` with the lengths that give an encoder input of ``input_length`` tokens
+    (--max_seq_length); a one-line error when that is too short to corrupt or the
+    tokenizer has fewer sentinels than a sample has spans."""
+    tokens, _ = span_lengths(input_length, spans.density, spans.mean_span)
+    if tokens < 2 or spans.lengths(tokens)[0] != input_length:
+        raise ConfigError(f"--max_seq_length {input_length} is too short for span corruption "
+                          f"at noise density {spans.density} and mean span "
+                          f"{spans.mean_span}: give a longer one")
+    needed = spans.counts(tokens)[1]
+    if needed > len(spans.sentinel_ids):
+        raise ConfigError(f"span corruption of {tokens}-token samples cuts {needed} spans, "
+                          f"but the tokenizer has {len(spans.sentinel_ids)} sentinel tokens: "
+                          "use a shorter --max_seq_length or a tokenizer with more "
+                          "(raylm tokenizer train --extra_ids N)")
+    return dataclasses.replace(spans, input_length=input_length, tokens_length=tokens)

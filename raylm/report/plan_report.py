@@ -333,7 +333,8 @@ def _seconds(x: float) -> str:
 
 
 def _objective(model: dict) -> str:
-    names = {"causal": "causal LM", "mlm": "masked LM", "seq2seq": "seq2seq"}
+    names = {"causal": "causal LM", "mlm": "masked LM", "seq2seq": "seq2seq",
+             "span_corruption": "T5 span corruption"}
     return names.get(model.get("objective"), model.get("objective") or "causal LM")
 
 

@@ -39,6 +39,7 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
+from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
@@ -460,9 +461,9 @@ class Driver:
             now = time.time()
             wall, t_last = now - t_last, now
             # Throughput counts the tokens the model read: a causal LM's labels are its
-            # inputs (shifted), masked LM's only the ~15% it predicts.
+            # inputs (shifted), masked LM's and span corruption's a sample of them.
             read = (len(sampler.global_batch(run.step - 1)) * self.block_size
-                    if self.spec.objective == "mlm" else out["tokens"])
+                    if self.spec.objective in PREDICTS_A_SAMPLE else out["tokens"])
             rec = {"step": run.step, "epoch": round(sampler.epoch_of(run.step), 4),
                    "loss": out["loss"], "learning_rate": out["learning_rate"],
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
