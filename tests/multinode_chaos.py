@@ -23,7 +23,9 @@ from raylm import TrainConfig, train
 from multinode_common import pid_alive, start_cluster
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
-STEPS = 100
+# The suite runs 60 steps (six planned events); a longer soak: give the steps after the
+# cache root (python tests/multinode_chaos.py CORPUS CACHE 1000).
+STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 60
 
 
 def config(out, **kw):

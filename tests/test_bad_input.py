@@ -29,6 +29,19 @@ def base_args(tmp_path, data, cache_root):
             str(tmp_path / "out"), "--max_steps", "2", "--disable_tqdm"]
 
 
+def test_help_lists_every_flag(capsys):
+    """`raylm train --help` prints (a literal % in a help text once broke it) and names
+    every TrainConfig field as a flag."""
+    import dataclasses
+
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if f"--{f.name}" not in out]
+    assert missing == []
+
+
 def test_unknown_flag_is_one_line_from_the_real_command():
     proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "train", "--learning_rat",
                            "0.1"], capture_output=True, text=True, timeout=120)

@@ -151,7 +151,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> N
         group = groups[gname]
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs = {"help": meta.get("help", ""), "default": argparse.SUPPRESS}
+        # argparse %-formats help text: a literal % ("15% of the tokens") is written %%.
+        kwargs = {"help": meta.get("help", "").replace("%", "%%"),
+                  "default": argparse.SUPPRESS}
         if tp is bool:
             kwargs.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
         elif tp is list or typing.get_origin(tp) is list:
