@@ -4,7 +4,8 @@ The head has room for one rank. First a reference run on one rank (no request, s
 node is launched); then the run with --max_workers 3: it starts on one rank and asks the
 autoscaler for three ranks' bundles; the autoscaler launches two 1-CPU nodes; raylm sees
 the room, starts two newcomers that warm up while it trains, and grows to three ranks at
-a step boundary. Steps are paced (0.25 s) until then, as steps of a real model would be.
+a step boundary. Steps are paced (0.5 s, and from step 5 on until the nodes are up) until
+then, as steps of a real model would be.
 After the run (the request withdrawn, the actors gone) the nodes go idle and the
 autoscaler removes them. Prints one JSON line.
 """
@@ -21,6 +22,10 @@ from raylm import TrainConfig, train
 address, corpus, cache_root, out = sys.argv[1:5]
 
 
+def alive_nodes() -> list:
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
 class Pace:
     def __init__(self):
         self.t0 = time.time()
@@ -28,17 +33,20 @@ class Pace:
 
     def on_step_end(self, driver, step, record):
         driver.grow_check_s = 0.5
-        if self.first_nodes_s is None and len([n for n in ray.nodes() if n["Alive"]]) > 1:
+        if self.first_nodes_s is None and len(alive_nodes()) > 1:
             self.first_nodes_s = time.time() - self.t0
         if driver.record.plan.world_size < 3:
-            # Steps of a real size: the autoscaler launches nodes meanwhile (~10-13 s
-            # here, within the run's 50 steps), and the newcomers warm up, joining at the
-            # next boundary once they have.
+            # Steps of a real size: the autoscaler launches nodes meanwhile, and the
+            # newcomers warm up, joining at the next boundary once they have. Launches
+            # take ~10-13 s here but a minute or more on a loaded machine: from step 5 on
+            # the run waits for the nodes (up to 4 minutes) rather than ending first.
             if driver.newcomers is not None:
                 warm = driver.newcomers[2]
                 ray.wait(warm, num_returns=len(warm), timeout=60)
             else:
                 time.sleep(0.5)
+                while step >= 5 and len(alive_nodes()) < 3 and time.time() - self.t0 < 240:
+                    time.sleep(1.0)
 
 
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")

@@ -363,6 +363,14 @@ def test_prefetcher_returns_what_a_direct_read_returns(ray_local, tmp_path, thre
         pf.submit(4, [[1]])
         pf.submit(5, [[2]])  # depth 2: drops the read for key 3
         assert torch.equal(pf.get(3, [[0]])[0]["input_ids"], reader.read([0])["input_ids"])
+    # prepare(key, batch) runs in the prefetch thread on submitted reads only.
+    seen = []
+    with Prefetcher(reader, prepare=lambda key, b: seen.append((key, b["sample_ids"].tolist()))
+                    ) as pf:
+        pf.submit(7, step0)
+        pf.get(7, step0)
+        pf.get(8, step1)  # read now: not prepared
+    assert seen == [(7, [0, 3]), (7, [7, 1])]
 
 
 def test_cache_dir_can_be_moved(ray_local, tmp_path, three_files):

@@ -66,7 +66,11 @@ def make_spec(model: str) -> ModelSpec:
     from raylm.config import TrainConfig
 
     model_type, overrides = OVERRIDES[model]
-    spec = resolve_model(TrainConfig(model_type=model_type, config_overrides=overrides))
+    # T5 on block continuation: its default, span corruption, needs a tokenizer with
+    # sentinel tokens; the model built is the same.
+    objective = "seq2seq" if model_type == "t5" else None
+    spec = resolve_model(TrainConfig(model_type=model_type, config_overrides=overrides,
+                                     objective=objective))
     if model == "llama_tied":
         assert spec.config.tie_word_embeddings and spec.config.pad_token_id is not None
     return spec

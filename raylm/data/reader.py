@@ -106,11 +106,14 @@ class Prefetcher:
     most ``depth`` submitted reads are kept: submitting more drops the oldest.
     """
 
-    def __init__(self, reader: BlockReader, depth: int = 2):
+    def __init__(self, reader: BlockReader, depth: int = 2, prepare=None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.reader = reader
         self.depth = depth
+        # prepare(key, batch): more work on a submitted read's batches in the same thread
+        # (the engine's objective split: masked LM's and span corruption's draws).
+        self.prepare = prepare
         # One thread: reads are memory-bound numpy work and come in step order.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-prefetch")
         self._pending: collections.OrderedDict[Hashable, tuple[list[np.ndarray], Future]] = (
@@ -120,7 +123,7 @@ class Prefetcher:
         if key in self._pending:
             return
         ids = [np.asarray(m, dtype=np.int64) for m in ids_per_microbatch]
-        self._pending[key] = (ids, self._pool.submit(self._read_all, ids))
+        self._pending[key] = (ids, self._pool.submit(self._read_all, ids, key))
         while len(self._pending) > self.depth:
             _, (_, future) = self._pending.popitem(last=False)
             future.cancel()
@@ -143,8 +146,12 @@ class Prefetcher:
         self._pending.clear()
         self._pool.shutdown(wait=True)
 
-    def _read_all(self, ids: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
-        return [self.reader.read(m) for m in ids]
+    def _read_all(self, ids: list[np.ndarray], key=None) -> list[dict[str, torch.Tensor]]:
+        batches = [self.reader.read(m) for m in ids]
+        if key is not None and self.prepare is not None:
+            for b in batches:
+                self.prepare(key, b)
+        return batches
 
     def __enter__(self) -> "Prefetcher":
         return self

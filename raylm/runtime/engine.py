@@ -165,16 +165,26 @@ class Engine:
 
     def count(self, batch: dict, step) -> int:
         """Label tokens of a micro-batch under the objective."""
-        return self.objective.count(self.objective.split(batch, self.epoch_of(step))["labels"])
+        return self.objective.count(self.split(batch, step)["labels"])
 
     def epoch_of(self, step):
         """The epoch of optimizer step ``step`` (None, evaluating: None)."""
         return None if step is None else step // self.steps_per_epoch
 
+    def split(self, batch: dict, step) -> dict:
+        """The objective's model inputs and labels of a micro-batch at ``step``, computed
+        once and kept in the batch: a step counts its label tokens before its forward,
+        and masked LM's and span corruption's per-sample draws cost milliseconds. The
+        worker's prefetch thread calls this for the next step's batches (``prepare``)."""
+        epoch = self.epoch_of(step)
+        kept = batch.get("objective_parts")
+        if kept is None or kept[0] != epoch:
+            kept = batch["objective_parts"] = (epoch, self.objective.split(batch, epoch))
+        return kept[1]
+
     def loss_sum(self, batch: dict, step):
         """Forward one micro-batch; its summed token loss and its labels."""
-        parts = self.objective.split(batch, self.epoch_of(step))
-        parts = {k: v.to(self.device) for k, v in parts.items()}
+        parts = {k: v.to(self.device) for k, v in self.split(batch, step).items()}
         labels = parts.pop("labels")
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
         if bool((batch["attention_mask"] == 0).any()):
@@ -437,7 +447,7 @@ class PipelineEngine(Engine):
         splits them again). Each stage gets only what it uses; the attention mask only
         when the data has padding (line by line), and then every stage needs it."""
         pipe = self.pipeline
-        parts = [self.objective.split(b, self.epoch_of(step)) for b in batches]
+        parts = [self.split(b, step) for b in batches]
 
         def stacked(key):
             return torch.cat([p[key] for p in parts]).to(self.device)

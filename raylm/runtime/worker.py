@@ -171,10 +171,17 @@ class RankWorker:
         self.measure_next = True  # the first step measures what the rank holds
         self.committed_step = 0  # (load_checkpoint: the checkpoint's)
         self.reader = BlockReader(dataset) if dataset is not None else None
-        self.prefetcher = Prefetcher(self.reader) if self.reader is not None else None
+        # The next step's batches are read, and split by the objective, meanwhile.
+        self.prefetcher = (Prefetcher(self.reader, prepare=self._prepare)
+                           if self.reader is not None else None)
         self.eval_reader = None
         return {"rank": self.rank, "setup_s": time.time() - t0,
                 "parameters": sum(p.numel() for p in self.engine.model.parameters())}
+
+    def _prepare(self, step: int, batch: dict) -> None:
+        engine = self.engine  # (the prefetch thread: the engine of the moment)
+        if engine is not None:
+            engine.split(batch, step)
 
     @property
     def _seed_rank(self) -> int:
