@@ -68,10 +68,10 @@ class BlockReader:
         labels = input_ids_t.masked_fill(~attention_mask, IGNORE_INDEX)
         if pad.any():
             labels[torch.from_numpy(pad)] = IGNORE_INDEX
+        # sample_ids: PAD_ID for filler rows; a copy, as ids may be a read-only array
+        # Ray passed.
         return {"input_ids": input_ids_t, "labels": labels,
-                "attention_mask": attention_mask.long(),
-                "sample_ids": torch.tensor(ids)}  # PAD_ID for filler rows (a copy: ids may
-        # be a read-only array Ray passed)
+                "attention_mask": attention_mask.long(), "sample_ids": torch.tensor(ids)}
 
     def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         shard = self._shards.get(index)

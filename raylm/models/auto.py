@@ -21,6 +21,11 @@ def _mappings():
             "mlm": m.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
 
 
+def heads_of(config) -> list:
+    """The objectives transformers has a head class for, for ``config``'s model type."""
+    return [o for o, m in _mappings().items() if config.model_type in m]
+
+
 def set_head(config, objective: str) -> None:
     """Name in ``config.architectures`` the class that trains ``objective``; a one-line
     ConfigError when transformers has none for the model type. (A model whose code comes
@@ -29,10 +34,10 @@ def set_head(config, objective: str) -> None:
         return
     name = _mappings()[objective].get(config.model_type)
     if name is None:
-        heads = [o for o, m in _mappings().items() if config.model_type in m]
         raise ConfigError(f"model type '{config.model_type}' has no {objective} head in "
-                          f"transformers (it has: {', '.join(heads) or 'none'}); raylm trains "
-                          "causal LMs, masked-LM encoders and T5-style encoder-decoders")
+                          f"transformers (it has: {', '.join(heads_of(config)) or 'none'}); "
+                          "raylm trains causal LMs, masked-LM encoders and T5-style "
+                          "encoder-decoders")
     config.architectures = [name]
 
 

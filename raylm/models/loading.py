@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raylm.errors import ConfigError, first_line
-from raylm.models.auto import from_config, model_class, set_head
+from raylm.models.auto import from_config, heads_of, model_class, set_head
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
-from raylm.models.objectives import resolve_objective, spans_for_input_length
+from raylm.models.objectives import raw_length, resolve_objective
 
 log = logging.getLogger("raylm")
 
@@ -77,8 +77,6 @@ def _apply_overrides(config, overrides: Optional[str]) -> None:
 def resolve_model(cfg) -> ModelSpec:
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
     from transformers import AutoConfig, CONFIG_MAPPING
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
-    from transformers import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
@@ -130,10 +128,7 @@ def resolve_model(cfg) -> ModelSpec:
 
     remote = cfg.trust_remote_code and "AutoModelForCausalLM" in \
         (getattr(config, "auto_map", None) or {})
-    if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
-            type(config) in MODEL_FOR_MASKED_LM_MAPPING) and not (
-            getattr(config, "is_encoder_decoder", False)
-            and type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING):
+    if not remote and not heads_of(config):
         raise ConfigError(f"model type '{config.model_type}' has no causal-LM, masked-LM or "
                           "seq2seq-LM head; raylm trains language models (run_clm, run_mlm, "
                           "and T5-style encoder-decoders)")
@@ -192,8 +187,7 @@ def _set_special_tokens(config, tokenizer) -> None:
 def resolve_block_size(cfg, spec: ModelSpec) -> int:
     """The tokens of a sample in the data: --block_size (--max_seq_length), checked
     against the model's positions. Under span corruption that flag is the encoder's
-    input length, and a sample is the longer raw span that corrupts to it (its lengths
-    are set on ``spec.masking`` here)."""
+    input length, and a sample is the longer raw span that corrupts to it."""
     limit = spec.max_positions
     if cfg.block_size is None:
         size = min(limit or 1024, 1024)
@@ -205,8 +199,7 @@ def resolve_block_size(cfg, spec: ModelSpec) -> int:
     else:
         size = cfg.block_size
     if spec.objective == "span_corruption":
-        spec.masking = spans_for_input_length(spec.masking, size)
-        return spec.masking.tokens_length
+        return raw_length(spec.masking, size)
     return size
 
 

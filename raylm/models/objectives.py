@@ -24,7 +24,6 @@ whose (replicated) result is returned as a plain, differentiable tensor.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,7 +95,7 @@ class Seq2Seq(_PerPosition):
 @dataclass(frozen=True)
 class Masking:
     """What masked LM needs to know, settled on the driver from the flags and the
-    tokenizer (raylm.runtime.prepare): every rank masks with the same facts."""
+    tokenizer (resolve_objective): every rank masks with the same facts."""
 
     seed: int
     probability: float  # --mlm_probability
@@ -175,8 +174,6 @@ class MaskedLM(_PerPosition):
         return {"input_ids": ids, "labels": labels}
 
 
-
-
 # -- T5 span corruption ----------------------------------------------------------------------
 # T5's pretraining objective (Raffel et al., and transformers' run_t5_mlm_flax.py, whose
 # algorithm this follows draw for draw): ~noise density of a sample's tokens, in spans of
@@ -187,8 +184,9 @@ class MaskedLM(_PerPosition):
 
 @dataclass(frozen=True)
 class Spans:
-    """What span corruption needs, settled on the driver (resolve_objective, then
-    resolve_block_size for the lengths)."""
+    """What span corruption needs, settled on the driver (resolve_objective). A sample's
+    lengths follow from its raw length (``lengths``), which resolve_block_size sets from
+    --max_seq_length (``raw_length``)."""
 
     seed: int
     density: float  # --mlm_probability (run_t5_mlm_flax's name for it)
@@ -197,8 +195,6 @@ class Spans:
     eos_id: int
     pad_id: int
     start_id: int  # the decoder's start token
-    input_length: Optional[int] = None  # the encoder's (--max_seq_length)
-    tokens_length: Optional[int] = None  # a sample's raw tokens (the data's block size)
 
     def counts(self, length: int) -> tuple:
         """(noise tokens, noise spans) of a sample of ``length`` raw tokens."""
@@ -279,8 +275,8 @@ def corrupt_spans(input_ids, sample_ids, spans: Spans, epoch: Optional[int]) -> 
 
 
 class SpanCorruption(_PerPosition):
-    """T5's span corruption on raylm's packed blocks (each block one raw sample of
-    ``tokens_length`` tokens): encoder input and labels from ``corrupt_spans``, decoder
+    """T5's span corruption on raylm's packed blocks (each block one raw sample, of the
+    length ``raw_length`` gave the data): encoder input and labels from ``corrupt_spans``, decoder
     input the labels shifted right behind the start token (as T5's ``_shift_right``)."""
 
     name = "span_corruption"
@@ -454,10 +450,10 @@ def _spans(cfg, config, tokenizer, tokenizer_dir: str) -> Spans:
                  start_id=int(start if start is not None else pad))
 
 
-def spans_for_input_length(spans: Spans, input_length: int) -> Spans:
-    """``spans`` with the lengths that give an encoder input of ``input_length`` tokens
-    (--max_seq_length); a one-line error when that is too short to corrupt or the
-    tokenizer has fewer sentinels than a sample has spans."""
+def raw_length(spans: Spans, input_length: int) -> int:
+    """The raw tokens of a sample that corrupts to an encoder input of ``input_length``
+    tokens (--max_seq_length): the data's block size. A one-line error when that is too
+    short to corrupt or the tokenizer has fewer sentinels than a sample has spans."""
     tokens, _ = span_lengths(input_length, spans.density, spans.mean_span)
     if tokens < 2 or spans.lengths(tokens)[0] != input_length:
         raise ConfigError(f"--max_seq_length {input_length} is too short for span corruption "
@@ -469,4 +465,4 @@ def spans_for_input_length(spans: Spans, input_length: int) -> Spans:
                           f"but the tokenizer has {len(spans.sentinel_ids)} sentinel tokens: "
                           "use a shorter --max_seq_length or a tokenizer with more "
                           "(raylm tokenizer train --extra_ids N)")
-    return dataclasses.replace(spans, input_length=input_length, tokens_length=tokens)
+    return tokens
