@@ -71,6 +71,23 @@ class TrainConfig:
     whole_word_masking: bool = _f(
         False, "Masked LM selects whole words: the tokens of a word (WordPiece '##' "
         "continuations) are masked together.", "model")
+    use_peft: bool = _f(
+        False, "Fine-tune with LoRA (peft): the model's weights stay frozen and low-rank "
+        "adapters on --lora_target_modules are trained; the output is the adapter "
+        "(PeftModel.from_pretrained loads it).", "model")
+    lora_rank: Optional[int] = _f(
+        None, "LoRA: the adapters' rank r (default: 8).", "model")
+    lora_alpha: Optional[float] = _f(
+        None, "LoRA: the adapters' scale is lora_alpha / lora_rank (default: 16).", "model")
+    lora_dropout: Optional[float] = _f(
+        None, "LoRA: dropout on the adapters' input (default: 0.05).", "model")
+    lora_target_modules: list = _f(
+        [], "LoRA: the layers to adapt, by name (peft's target_modules: a module name's last "
+        "part, e.g. q_proj v_proj, or c_attn for GPT-2). Default: peft's for the model type.",
+        "model", metavar="NAME")
+    merge_lora: bool = _f(
+        False, "LoRA: also save the model with the adapters merged into its weights "
+        "(output_dir/merged, loads with plain transformers).", "model")
     tokenizer_name: Optional[str] = _f(
         None, "Tokenizer directory or Hub id, if not the model's. Default for a model "
         "trained from scratch: the tokenizer shipped with the built-in sample corpus.",
@@ -415,7 +432,9 @@ class TrainConfig:
                            "model_revision": "main", "dataset_name": None,
                            "dataset_config_name": None, "bf16": False, "fp16": False,
                            "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False,
-                           "mean_noise_span_length": 3.0}
+                           "mean_noise_span_length": 3.0, "use_peft": False,
+                           "lora_rank": None, "lora_alpha": None, "lora_dropout": None,
+                           "lora_target_modules": []}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

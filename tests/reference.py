@@ -83,7 +83,10 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     mlm = spec.objective == "mlm"
     auto = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForMaskedLM if mlm
             else AutoModelForCausalLM)
-    model = auto.from_config(spec.config, dtype=torch.float32).to(dtype)
+    model = auto.from_config(spec.config, dtype=torch.float32)
+    if spec.lora is not None:
+        model = with_adapters(model, spec.lora, cfg.seed)
+    model = model.to(dtype)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -156,6 +159,25 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
         losses.append(total)
     return (losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()},
             lr_sum)
+
+
+def with_adapters(model, lora, seed: int):
+    """peft's LoRA adapters on ``model`` (the base frozen), started from raylm's initial
+    adapter values (a function of seed and name, as the sampler's order is of seed and
+    step: raylm.models.lora.adapter_value)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from raylm.models.lora import adapter_value
+
+    model = inject_adapter_in_model(LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        fan_in_fan_out=model.config.model_type == "gpt2"), model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(adapter_value(name, p.shape, seed))
+    return model
 
 
 _CACHE: dict = {}

@@ -191,6 +191,31 @@ def test_span_corruption_bad_input(model, extra, message, tmp_path, capsys, corp
     assert errors == ["raylm: error: " + message.format(tok=builtin_tokenizer_dir())]
 
 
+@pytest.mark.parametrize("extra,message", [
+    (("--use_peft", "--lora_target_modules", "q_proj", "v_proj"),
+     "--lora_target_modules q_proj v_proj: Target modules {'q_proj', 'v_proj'} not found in "
+     "the base model. Please check the target modules and try again. (this gpt2 model's "
+     "linear layers: c_attn, c_proj, c_fc, lm_head)"),
+    (("--lora_rank", "4"), "--lora_rank is a LoRA setting: add --use_peft to fine-tune with "
+                           "LoRA"),
+    (("--merge_lora",), "--merge_lora is a LoRA setting: add --use_peft to fine-tune with "
+                        "LoRA"),
+    (("--use_peft", "--lora_dropout", "1.5"), "--lora_dropout must be in [0, 1) (got 1.5)"),
+    (("--use_peft", "--lora_rank", "0"), "--lora_rank must be at least 1 (got 0)"),
+    (("--use_peft", "--tp", "2", "--num_workers", "2", "--sequence_parallel"),
+     "--sequence_parallel: sequence parallelism with LoRA adapters is not supported yet; "
+     "drop --sequence_parallel (tensor parallelism alone shards the adapters)"),
+])
+def test_lora_bad_input(extra, message, tmp_path, capsys, corpus_dir, cache_root):
+    rc, errors, err = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root), *extra)
+    assert rc == 2 and "Traceback" not in err
+    if "{'q_proj', 'v_proj'}" in message:  # (a set: either order)
+        alt = message.replace("{'q_proj', 'v_proj'}", "{'v_proj', 'q_proj'}")
+        assert errors in (["raylm: error: " + message], ["raylm: error: " + alt])
+    else:
+        assert errors == ["raylm: error: " + message]
+
+
 def test_output_dir_of_a_different_run(tmp_path, capsys, corpus_dir, cache_root):
     out = tmp_path / "out"
     out.mkdir()

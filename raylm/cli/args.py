@@ -60,9 +60,6 @@ FOREIGN = {
     "half_precision_backend": "raylm's --bf16 and --fp16 are torch.autocast; drop the flag",
     "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
                  "(`raylm tokenize` builds it ahead)",
-    **{name: f"LoRA (peft) {_NOT_YET}: raylm fine-tunes every parameter" for name in (
-        "use_peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
-        "merge_lora")},
 }
 
 

@@ -7,6 +7,7 @@ any actor starts. Each rank actor then builds the same model from the resolved s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Optional
 from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config, heads_of, model_class, set_head
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
+from raylm.models.lora import Lora, add_lora, resolve_lora
 from raylm.models.objectives import raw_length, resolve_objective
 
 log = logging.getLogger("raylm")
@@ -37,6 +39,7 @@ class ModelSpec:
     objective: Optional[str] = None  # the run's (raylm.models.objectives.resolve_objective)
     # What a drawing objective needs: masked LM's Masking, span corruption's Spans.
     masking: Optional[object] = None
+    lora: Optional[Lora] = None  # --use_peft: the adapters every rank adds (raylm.models.lora)
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -169,10 +172,12 @@ def resolve_model(cfg) -> ModelSpec:
     # The objective decides the head (config.architectures) every rank builds.
     objective, masking = resolve_objective(cfg, config, tokenizer, tokenizer_dir)
     set_head(config, objective)
-    return ModelSpec(config=config, pretrained_path=pretrained,
+    spec = ModelSpec(config=config, pretrained_path=pretrained,
                      tokenizer_dir=os.path.abspath(tokenizer_dir), vocab_size=vocab, hub=hub,
                      trust_remote_code=cfg.trust_remote_code, objective=objective,
                      masking=masking)
+    spec.lora = resolve_lora(cfg, config)
+    return spec
 
 
 def _set_special_tokens(config, tokenizer) -> None:
@@ -227,9 +232,9 @@ def build_model(spec: ModelSpec, seed: int, device=None):
     if device is not None and torch.device(device).type == "meta":
         from raylm.models.materialize import meta_skeleton
 
-        model = meta_skeleton(spec, seed)
+        model = meta_skeleton(without_lora(spec), seed)
         model.config.use_cache = False
-        return model
+        return add_lora(model, spec.lora, seed) if spec.lora is not None else model
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"build_model: device must be None, 'cpu' or 'meta' (got {device!r})")
     auto = model_class(spec.config)
@@ -241,4 +246,9 @@ def build_model(spec: ModelSpec, seed: int, device=None):
         model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
     # HF models default to the KV cache for generation; training never uses it.
     model.config.use_cache = False
-    return model
+    return add_lora(model, spec.lora, seed) if spec.lora is not None else model
+
+
+def without_lora(spec: ModelSpec) -> ModelSpec:
+    """The spec of the base model (no adapters)."""
+    return dataclasses.replace(spec, lora=None) if spec.lora is not None else spec

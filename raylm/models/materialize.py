@@ -58,6 +58,7 @@ tied partner; a missing persistent buffer takes its built value).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from raylm.models.auto import from_config
+from raylm.models.lora import add_lora, adapter_value, base_name, is_adapter
 
 __all__ = ["initial_state", "meta_skeleton", "MaterializeError"]
 
@@ -515,6 +517,9 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
     Tensors yielded for the same storage (tied weights) are the same tensor object;
     copy before writing into one.
     """
+    if getattr(spec, "lora", None) is not None:
+        yield from _with_adapters(spec, seed, names)
+        return
     if spec.pretrained_path:
         yield from _pretrained_state(spec, seed, names)
         return
@@ -535,6 +540,23 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
                 tensors[ref] = _tensor(storage, ref)
             yield name, tensors[ref]
         del storage, tensors
+
+
+def _with_adapters(spec, seed: int, names) -> Iterator:
+    """initial_state of a model with LoRA adapters (raylm.models.lora): the adapters'
+    values (a function of seed and name), then the base model's under the wrapped
+    layers' names (``c_attn.base_layer.weight`` is the base's ``c_attn.weight``)."""
+    base = dataclasses.replace(spec, lora=None)
+    model = add_lora(meta_skeleton(base, seed), spec.lora, seed)
+    state = model.state_dict(keep_vars=True)
+    wanted = _check_names(state, names)
+    shapes = {n: tuple(state[n].shape) for n in wanted if is_adapter(n)}
+    of_base = {base_name(n): n for n in wanted if not is_adapter(n)}
+    del model, state
+    for name, shape in shapes.items():
+        yield name, adapter_value(name, shape, seed)
+    for name, value in initial_state(base, seed, names=set(of_base)):
+        yield of_base[name], value
 
 
 def _cpu_value(t: torch.Tensor) -> torch.Tensor:

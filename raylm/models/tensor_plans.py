@@ -264,6 +264,42 @@ def match(model: nn.Module, prefix: str, pattern: str, parameters: bool = False)
     return out
 
 
+# Under sequence parallelism a row-parallel layer's output is a sequence-sharded DTensor,
+# which the plain lora_B beside it does not take.
+LORA_SP = ("sequence parallelism with LoRA adapters is not supported yet; drop "
+           "--sequence_parallel (tensor parallelism alone shards the adapters)")
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "colwise_rep")
+ROW_STYLES = ("rowwise", "rowwise_split_input", "rowwise_rep")
+
+
+def is_lora_layer(module) -> bool:
+    """A layer peft wrapped in a LoRA layer (raylm.models.lora): the original is its
+    ``base_layer``, the adapters its ``lora_A`` / ``lora_B``."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def layer_styles(model: nn.Module, fqn: str, style: str) -> list:
+    """[(module fqn, style)] that a plan entry of ``fqn`` shards: the module itself, or for
+    a LoRA layer the layer it wraps and its adapters, sharded with it. Under a
+    column-parallel layer ``lora_B`` is column-parallel (its output shard is the
+    layer's) and ``lora_A`` whole; under a row-parallel layer ``lora_A`` is row-parallel
+    (its input is the layer's input shard; its output summed over tp) and ``lora_B``
+    whole. (Megatron-style LoRA, e.g. NeMo's, splits adapters the same way.)"""
+    module = model.get_submodule(fqn)
+    if not is_lora_layer(module):
+        return [(fqn, style)]
+    if style in COLUMN_STYLES:
+        kind = "lora_B"
+    elif style in ROW_STYLES:
+        kind = "lora_A"
+    else:
+        raise ConfigError(f"--use_peft with --tp: {fqn} is tensor-parallel as '{style}', and "
+                          "raylm shards LoRA adapters only with column- or row-parallel "
+                          "layers; leave it out of --lora_target_modules")
+    return [(f"{fqn}.base_layer", style)] + \
+        [(f"{fqn}.{kind}.{name}", style) for name in getattr(module, kind)]
+
+
 # -- what a plan does to each parameter's shape ---------------------------------------------
 @dataclass(frozen=True)
 class TensorParallelShapes:
@@ -321,11 +357,12 @@ def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
         for pattern, style in plan.layers.items():
             if style not in STYLES:
                 continue  # refused by check_tensor_parallel before anything is built
-            for fqn in match(model, prefix, pattern):
+            for fqn, st in [x for f in match(model, prefix, pattern)
+                            for x in layer_styles(model, f, style)]:
                 module = model.get_submodule(fqn)
                 embedding = isinstance(module, nn.Embedding)
                 for pname, p in module.named_parameters(recurse=False):
-                    dim = shard_dim(style, embedding, pname)
+                    dim = shard_dim(st, embedding, pname)
                     if dim is not None:
                         shard[names[id(p)]] = dim
     padded = math.ceil(vocab / tp) * tp

@@ -9,10 +9,10 @@ the pipeline cut keeps a rank's units (raylm.parallel.pipeline.stages).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
-from raylm.models.auto import from_config
 from raylm.models.families import Family, family_of
+from raylm.models.lora import add_lora, meta_base
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,6 +28,21 @@ class Unit:
     name: str
     params: int  # distinct parameters held
     flops: float  # forward FLOPs per token (estimate)
+    # Of params, those trained (None: all): frozen ones (a LoRA run's base) have no
+    # gradient and no optimizer state.
+    trainable: Optional[int] = None
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+
+def _unit(name: str, params, flops: float) -> Unit:
+    """A Unit of ``params`` (parameters), counting the trainable ones."""
+    params = list(params)
+    n = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    return Unit(name, n, flops, None if trained == n else trained)
 
 
 def distinct_params(modules) -> dict:
@@ -54,24 +69,22 @@ def family_units(model: nn.Module, family: Family, seq_len: int) -> tuple:
     for i, blk in enumerate(model.get_submodule(family.layers)):
         ps = list(distinct_params([blk]).values())
         # attention scores and their weighted sum: 2 x 2 x seq_len x hidden per token
-        blocks.append(Unit(f"{family.layers}.{i}", sum(p.numel() for p in ps),
-                           matmul_flops(ps) + 4.0 * seq_len * hidden))
+        blocks.append(_unit(f"{family.layers}.{i}", ps,
+                            matmul_flops(ps) + 4.0 * seq_len * hidden))
     head_modules = [model.get_submodule(p) for p in family.final] + \
         [model.get_submodule(family.head)]
     head = distinct_params(head_modules)
-    return (Unit("embeddings (" + ", ".join(family.embed) + ")",
-                 sum(p.numel() for p in embed.values()), 0.0),
+    return (_unit("embeddings (" + ", ".join(family.embed) + ")", embed.values(), 0.0),
             blocks,
-            Unit(", ".join(family.final + (family.head,)),
-                 sum(p.numel() for p in head.values()), matmul_flops(head.values())))
+            _unit(", ".join(family.final + (family.head,)), head.values(),
+                  matmul_flops(head.values())))
 
 
 def meta_model(spec) -> nn.Module:
     """The model's structure with no weights (for planning; any size is instant)."""
-    import torch
-
-    with torch.device("meta"):
-        return from_config(spec.config, spec.trust_remote_code)
+    model = meta_base(spec.config, spec.trust_remote_code)
+    lora = getattr(spec, "lora", None)
+    return add_lora(model, lora, 0) if lora is not None else model
 
 
 def model_units(model: nn.Module, seq_len: int) -> tuple:
@@ -94,17 +107,15 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
     blocks = []
     for name in names:
         ps = list(distinct_params([model.get_submodule(name)]).values())
-        blocks.append(Unit(name, sum(p.numel() for p in ps),
-                           matmul_flops(ps) + 4.0 * seq_len * hidden))
+        blocks.append(_unit(name, ps, matmul_flops(ps) + 4.0 * seq_len * hidden))
     head = distinct_params([model.get_output_embeddings()])
     in_blocks = distinct_params(model.get_submodule(n) for n in names)
     # Everything outside the blocks and the head (embeddings, position tables, final
     # norms) is counted with the first stage: an estimate, close for these models.
     embed = {i: p for i, p in distinct_params([model]).items()
              if i not in in_blocks and i not in head}
-    return (Unit("input embeddings", sum(p.numel() for p in embed.values()), 0.0), blocks,
-            Unit("output head", sum(p.numel() for p in head.values()),
-                 matmul_flops(head.values())))
+    return (_unit("input embeddings", embed.values(), 0.0), blocks,
+            _unit("output head", head.values(), matmul_flops(head.values())))
 
 
 def transformer_blocks(model: nn.Module) -> list:

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from raylm.models.tensor_plans import RAYLM_PLANS, base_prefix, match
+from raylm.models.tensor_plans import RAYLM_PLANS, base_prefix, is_lora_layer, match
 from raylm.parallel.data import local_tensor
 from raylm.plan.zero import owned_rows
 
@@ -177,6 +177,37 @@ class _Fused:
         return full.reshape(full.shape[0], -1) if full.ndim == 3 else full.reshape(-1)
 
 
+class _FusedRows:
+    """The rows of a fused projection's outputs in a matrix of their own: a LoRA
+    adapter's ``lora_B`` [parts*n, r] under GPT-2's c_attn (its rows are c_attn's
+    outputs, reordered per rank under tensor parallelism as c_attn's are). Canonical:
+    [parts, n, r], Shard(1) under tp (each rank's rows [p0_r; p1_r; ...] are a shard of
+    that view, as for _Fused)."""
+
+    def __init__(self, parts: int, tp: bool):
+        self.parts, self.tp = parts, tp
+
+    def canonical(self, t):
+        k = self.parts
+        if not self.tp:
+            if isinstance(t, DTensor) and any(pl.is_shard() for pl in t.placements):
+                # Rows split over dp (ZeRO-3): the [parts, n, r] form is no DTensor
+                # shard of them; use the whole (small) adapter, written back by rows.
+                t = t.redistribute(placements=[Replicate()] * len(t.placements))
+            return t.view(k, -1, t.shape[-1])
+        if not isinstance(t, DTensor):
+            return t.view(k, -1, t.shape[-1])
+        pl = _one_dim(t)
+        if not (isinstance(pl, Shard) and pl.dim == 0):
+            raise NotImplementedError(f"fused rows placed {t.placements}")
+        local = t.to_local()
+        return _make(local.view(k, -1, local.shape[-1]), t, Shard(1),
+                     (k, t.shape[0] // k, t.shape[-1]))
+
+    def to_hf(self, full):
+        return full.reshape(-1, full.shape[-1])
+
+
 def _write_back(dest, value: torch.Tensor) -> None:
     """When a canonical form is a copy rather than a view (a dp-sharded fused bias), put
     the rows of ``dest`` back from the whole ``value``."""
@@ -188,7 +219,7 @@ def _write_back(dest, value: torch.Tensor) -> None:
         if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             local.copy_(flat.view_as(local))
         return
-    write_rows_back(dest, flat)
+    write_rows_back(dest, value.reshape(dest.shape))
 
 
 class CanonicalAdapter:
@@ -275,12 +306,20 @@ def canonical_adapter(model: nn.Module, tps=None) -> CanonicalAdapter:
             prefix = base_prefix(model)
             for pattern, parts in plan.fused.items():
                 for fqn in match(model, prefix, pattern):
-                    if isinstance(model.get_submodule(fqn), Conv1D):
+                    module = model.get_submodule(fqn)
+                    if is_lora_layer(module):  # (LoRA: the wrapped layer, its lora_B)
+                        for name in module.lora_B:
+                            rules[f"{fqn}.lora_B.{name}.weight"] = _FusedRows(parts, False)
+                        fqn, module = f"{fqn}.base_layer", module.base_layer
+                    if isinstance(module, Conv1D):
                         rules[f"{fqn}.weight"] = rules[f"{fqn}.bias"] = _Fused(parts, True)
     else:
         if tps.padded_vocab_size != tps.vocab_size:
             for fqn in tps.vocab_params:
                 rules[fqn] = _Vocab(tps.vocab_size)
+        for fqn, parts in tps.fused.items():
+            if fqn not in tps.converted:  # a LoRA lora_B under a fused layer
+                rules[f"{fqn}.weight"] = _FusedRows(parts, True)
         for fqn in tps.converted:
             if fqn in tps.fused:
                 rules[f"{fqn}.weight"] = rules[f"{fqn}.bias"] = _Fused(tps.fused[fqn], False)

@@ -142,22 +142,26 @@ def single_stage(shape: ModelShape) -> Partition:
 
 
 def _rank_stage_params(shape: ModelShape, part: Partition, pp: int) -> list:
-    """Per pp rank: (parameters held, of which tensor-parallel sharded)."""
+    """Per pp rank: (parameters held, of which tensor-parallel sharded, of which
+    trained)."""
     last = part.num_stages - 1
     out = []
     for r in range(pp):
         stages = part.stages_of(r)
-        total = split = 0
+        total = split = trained = 0
         for s in stages:
             a, b = part.bounds[s]
             total += part.stage_params(s)
+            trained += part.stage_trainable(s)
             split += sum(shape.block_split[a:b])
             split += shape.embed_split if s == 0 else 0
             split += shape.head_split if s == last else 0
         if 0 in stages and last in stages and shape.tied:  # one table, once
+            if trained == total:
+                trained -= shape.tied
             total -= shape.tied
             split -= shape.tied
-        out.append((total, split))
+        out.append((total, split, min(trained, total)))
     return out
 
 
@@ -213,10 +217,16 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
                                               layout.recompute, low)
     last = part.num_stages - 1
     out = []
-    for r, (total, split) in enumerate(_rank_stage_params(shape, part, pp)):
+    for r, (total, split, trained) in enumerate(_rank_stage_params(shape, part, pp)):
         psi = (total - split) + split / tp  # elements this rank holds
+        # Frozen parameters (a LoRA run's base) have no gradient and no optimizer state;
+        # tensor parallelism shards its share of the trained ones (the adapters).
+        share = shape.trained_split_share
+        trained_psi = psi if trained >= total else \
+            min(psi, trained * (1 - share) + trained * share / tp)
         stages = part.stages_of(r)
-        states = theory_bytes(psi, zero, dp, param_bytes=FP32)  # (ValueError: no such stage)
+        states = theory_bytes(psi, zero, dp, param_bytes=FP32,
+                              trainable=trained_psi)  # (ValueError: no such stage)
         params, grads, opt = states["parameters"], states["gradients"], states["optimizer"]
         work = logits * (1.5 if pp > 1 else 1.0) if last in stages else widest
         if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):

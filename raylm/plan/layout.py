@@ -15,7 +15,7 @@ from typing import Optional
 
 from raylm.errors import ConfigError
 from raylm.models.families import family_of
-from raylm.models.tensor_plans import check_tensor_parallel
+from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel
 from raylm.models.units import has_own_stages, meta_model, model_units
 from raylm.plan.activations import requested_recompute
 from raylm.plan.constraints import (compile_problem, recompute_problem,
@@ -252,6 +252,8 @@ def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
     if plan.tp <= 1:
         return
     check_tensor_parallel(spec.config, plan.tp, plan.sequence_parallel)
+    if plan.sequence_parallel and getattr(spec, "lora", None) is not None:
+        raise ConfigError(f"--sequence_parallel: {LORA_SP}")
     problem = (sequence_parallel_problem(plan.tp, plan.pp, plan.sequence_parallel, seq_len)
                or tensor_pipeline_problem(plan.tp, plan.pp, has_own_stages(spec.config),
                                           spec.config.model_type))

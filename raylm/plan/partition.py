@@ -50,6 +50,9 @@ class Partition:
     def stage_params(self, s: int) -> int:
         return self._stage_sum(s, "params")
 
+    def stage_trainable(self, s: int) -> int:
+        return self._stage_sum(s, "trained")
+
     def stage_flops(self, s: int) -> float:
         return self._stage_sum(s, "flops")
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 from raylm.errors import ConfigError, first_line
 from raylm.models.loading import resolve_block_size, resolve_model
-from raylm.models.tensor_plans import check_tensor_parallel
+from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel
 from raylm.models.units import meta_model
 from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
 from raylm.plan.constraints import (recompute_problem, reduce_dtype_problem,
@@ -323,7 +323,9 @@ def _tp_problem(shape: ModelShape, tp: int, sp: bool, cache: dict) -> str:
     if key in cache:
         return cache[key]
     problem = ""
-    if shape.config is not None:
+    if sp and shape.lora:
+        problem = f"tp={tp}: {LORA_SP}"
+    elif shape.config is not None:
         try:
             check_tensor_parallel(shape.config, tp, sp)
         except ConfigError as e:

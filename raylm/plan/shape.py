@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raylm.models.tensor_plans import is_lora_layer, tensor_parallel_shapes
 from raylm.models.units import Unit, has_own_stages, model_units
 from raylm.plan.activations import ActivationRecipe, recipe_for
 
@@ -55,6 +56,11 @@ class ModelShape:
     cuttable: bool  # raylm can cut it into pipeline stages
     own_stages: bool  # cut by raylm's own stages (a family, T5), not torch.export
     config: object = field(default=None, compare=False, repr=False)
+    lora: bool = False  # LoRA adapters on its layers (raylm.models.lora)
+    # Of the trained parameters when some are frozen (LoRA's adapters), the share that
+    # tensor parallelism shards (lora_B of column-parallel layers, lora_A of row-parallel).
+    trained_split_share: float = 0.0
+    trainable_params: Optional[int] = None  # distinct trained parameters (None: all)
 
     @property
     def num_blocks(self) -> int:
@@ -128,4 +134,27 @@ def model_shape(model, seq_len: int, use_gpu: bool = False) -> ModelShape:
         head_split=min(out_n, head.params), tied=tied,
         recipe=recipe_for(config, hidden, heads, kv, head_dim, inter, vocab, use_gpu),
         tensor_parallel=tensor_parallel_supported(config), cuttable=cuttable,
-        own_stages=has_own_stages(config), config=config)
+        own_stages=has_own_stages(config), config=config,
+        lora=any(is_lora_layer(m) for m in model.modules()),
+        trained_split_share=_trained_split_share(model),
+        trainable_params=_trainable(model, total))
+
+
+def _trainable(model, total: int) -> Optional[int]:
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return None if n == total else n
+
+
+def _trained_split_share(model) -> float:
+    """The share of the trained parameters that tensor parallelism shards, when some
+    parameters are frozen (0.0 otherwise, or when the model has no tensor-parallel
+    plan): from the one model of what a plan shards (tensor_parallel_shapes)."""
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    total = sum(p.numel() for p in model.parameters())
+    if not trained or sum(trained.values()) == total:
+        return 0.0
+    try:
+        shard = tensor_parallel_shapes(model, 2).shard
+    except Exception:  # noqa: BLE001 - no plan for this model: nothing is sharded
+        return 0.0
+    return sum(n for name, n in trained.items() if name in shard) / sum(trained.values())

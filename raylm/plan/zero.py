@@ -62,19 +62,21 @@ def owned_partition(shapes: dict, dp: int, dp_rank: int) -> tuple[dict, int]:
 
 
 def theory_bytes(elements: int, stage: int, dp: int, param_bytes: int = 4,
-                 optimizer_bytes_per_param: int = 8) -> dict:
+                 optimizer_bytes_per_param: int = 8, trainable=None) -> dict:
     """The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5)
     for a replica of ``elements`` parameters: fp32 parameters and gradients (4 bytes
     each) and AdamW's two moments (K = 8 bytes per parameter), each divided by dp once
-    its stage partitions it."""
+    its stage partitions it. ``trainable``: of the elements, those trained (default:
+    all); frozen ones have no gradient and no optimizer state."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage {stage}: choose one of {ZERO_STAGES}")
     parts = STAGE_PARTITIONS[stage]
     n = max(1, dp)
+    trained = elements if trainable is None else trainable
     return {
         "parameters": elements * param_bytes / (n if "parameters" in parts else 1),
-        "gradients": elements * param_bytes / (n if "gradients" in parts else 1),
-        "optimizer": elements * optimizer_bytes_per_param / (n if "optimizer" in parts else 1),
+        "gradients": trained * param_bytes / (n if "gradients" in parts else 1),
+        "optimizer": trained * optimizer_bytes_per_param / (n if "optimizer" in parts else 1),
     }
 
 

@@ -115,7 +115,10 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
     it owns of each tensor it holds (the whole tensor when nothing is partitioned).
     Ranks of equal (pp shapes, dp rank) share one ``rows`` dict. ``model``: the meta
     model, if the caller built one (it is not modified)."""
+    model = model if model is not None else meta_model(spec)
     groups = held_shapes(spec, plan, seq_len, model)
+    # Frozen parameters (a LoRA run's base) have no gradient and no optimizer state.
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     stage = plan.zero_stage
     parts = STAGE_PARTITIONS[stage]
     split = stage > 0 and plan.dp > 1
@@ -129,11 +132,17 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
         if key not in cache:
             whole, held = owned_partition(shapes, 1, 0)  # everything, nothing split
             rows, owned = owned_partition(shapes, plan.dp, d) if split else (whole, held)
-            cache[key] = (rows, held, owned)
-        rows, held, owned = cache[key]
+            trained = {n: s for n, s in shapes.items() if n not in frozen}
+            t_held = owned_partition(trained, 1, 0)[1]
+            t_owned = owned_partition(trained, plan.dp, d)[1] if split else t_held
+            cache[key] = (rows, held, owned, t_held, t_owned)
+        rows, held, owned, t_held, t_owned = cache[key]
         elements = {"held": held, "owned": owned}
         for c in CATEGORIES:
-            elements[c] = owned if (split and c in parts) else held
+            if c == "parameters":
+                elements[c] = owned if (split and c in parts) else held
+            else:  # trained tensors only
+                elements[c] = t_owned if (split and c in parts) else t_held
         nbytes = {c: BYTES[c] * elements[c] for c in CATEGORIES}
         nbytes["total"] = sum(nbytes.values())
         entries.append({"rank": rank, "coords": coords,

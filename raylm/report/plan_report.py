@@ -106,7 +106,10 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
                   "hidden_size": shape.hidden, "num_heads": shape.heads,
                   "num_kv_heads": shape.kv_heads, "intermediate_size": shape.intermediate,
                   "vocab_size": shape.vocab, "seq_len": seq_len,
-                  "num_blocks": shape.num_blocks},
+                  "num_blocks": shape.num_blocks,
+                  "trainable_parameters": (total_params if shape.trainable_params is None
+                                           else shape.trainable_params),
+                  "lora": dataclasses.asdict(spec.lora) if spec.lora is not None else None},
         "estimate": {"bytes_per_param": BYTES_PER_PARAM,
                      "activation_bytes_per_block": per_block,
                      "embedding_activation_bytes": rec.embed_bytes(
@@ -349,6 +352,14 @@ def format_plan_report(report: dict) -> list[str]:
              f"{model['parameters']:,} parameters, "
              f"{model.get('num_blocks') or '?'} blocks, hidden {model['hidden_size']}, "
              f"{model['num_heads']} heads, sequence {seq}"]
+    lora = model.get("lora")
+    if lora:
+        trained = model["trainable_parameters"]
+        lines.append(f"LoRA (peft): rank {lora['rank']}, alpha {lora['alpha']:g}, dropout "
+                     f"{lora['dropout']:g} on {', '.join(lora['target_modules'])}: "
+                     f"{trained:,} trainable parameters "
+                     f"({100.0 * trained / max(model['parameters'], 1):.2f}%), the rest "
+                     "frozen (no gradients, no optimizer state)")
     pl = report["planner"]
     if pl["searched"]:
         lines.append(f"chosen by the planner: dp={c['dp']} x tp={c['tp']} x pp={c['pp']}, "

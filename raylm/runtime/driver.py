@@ -40,6 +40,7 @@ from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_s
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
 from raylm.models.objectives import PREDICTS_A_SAMPLE
+from raylm.models.lora import lora_line, lora_model_dirs, point_adapter_at_own_base
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
@@ -163,6 +164,8 @@ class Driver:
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
+            if inputs.spec.lora is not None:
+                log.info("%s", lora_line(inputs.spec))
             if plan.zero_stage and plan.dp > 1:
                 try:
                     from raylm.report.ownership import ownership_lines, zero_ownership
@@ -379,6 +382,8 @@ class Driver:
         self.progress.close()
         self.metrics.close()
         self._save_tokenizer(cfg.output_dir)
+        for sub in lora_model_dirs(self.spec, cfg.output_dir):  # (LoRA's whole models)
+            self._save_tokenizer(sub)
         trained = [h for h in run.history]
         tokens = sum(h.get("throughput_tokens", h["tokens"]) for h in trained)
         final.update({
@@ -746,12 +751,14 @@ class Driver:
             ranks.append({"measured": {k: m[k] for k in MEASURED},
                           "coords": m["coords"], "predicted": pred,
                           "replica_elements": m.get("replica_elements"),
+                          "replica_trained": m.get("replica_trained"),
                           "checkpointed_blocks": m.get("checkpointed_blocks"),
                           "compiled_graphs": m.get("compiled_graphs"),
                           # The ZeRO paper's per-rank model states for the elements the
                           # rank's replica holds (fp32, AdamW).
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,
-                                                      plan.zero_stage, plan.dp),
+                                                      plan.zero_stage, plan.dp,
+                                                      trainable=m.get("replica_trained")),
                           "peak_rss_bytes": r.get("peak_rss_bytes")})
             meas = sum(ranks[-1]["measured"].values())
             log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
@@ -826,8 +833,12 @@ class Driver:
                 log.warning("the best checkpoint %s is gone: saving the last model", best)
             elif read_trainer_state(best).get("model_only"):
                 for name in os.listdir(best):
-                    if name != TRAINER_STATE:
-                        shutil.copy2(os.path.join(best, name), os.path.join(out, name))
+                    src = os.path.join(best, name)
+                    if os.path.isdir(src):  # (a LoRA run's base_model/, merged/)
+                        shutil.copytree(src, os.path.join(out, name), dirs_exist_ok=True)
+                    elif name != TRAINER_STATE:
+                        shutil.copy2(src, os.path.join(out, name))
+                point_adapter_at_own_base(out)
                 log.info("saved the model of the best checkpoint, %s (%s)", best,
                          self.best.describe())
                 return

@@ -298,13 +298,14 @@ class Engine:
             group["lr"] = lr
         self.scheduler._last_lr = lrs
 
-    def replica_elements(self) -> int:
+    def replica_elements(self, trained: bool = False) -> int:
         """Parameters this rank's data-parallel replica holds of what this rank holds
         (its stage, its tensor-parallel shard; before any ZeRO partition): the Psi of the
-        ZeRO formulas for this rank."""
+        ZeRO formulas for this rank. ``trained``: only those that train (not a LoRA
+        run's frozen base)."""
         total, seen = 0, set()
         for p in self.model.parameters():
-            if id(p) not in seen:
+            if id(p) not in seen and (p.requires_grad or not trained):
                 seen.add(id(p))
                 total += p.numel() // sharded_axes(p).get("tp", 1)
         return total
@@ -520,8 +521,10 @@ def _adamw(model, cfg: dict) -> tuple:
     weights (as HF's Trainer does)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg["weight_decay"]},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # (An empty group is left out: torch.distributed.checkpoint cannot name one, and a
+    # LoRA run's trained parameters are all matrices.)
+    groups = [g for g in ({"params": decay, "weight_decay": cfg["weight_decay"]},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     hyper = dict(lr=cfg["learning_rate"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
                  eps=cfg["adam_epsilon"])
     return groups, hyper

@@ -14,6 +14,7 @@ import socket
 import time
 from datetime import timedelta
 
+from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
@@ -442,6 +443,7 @@ class RankWorker:
         out["memory"] = {**state_bytes(self.engine.model, self.engine.optimizer,
                                        self.engine.grad_sync.held_gradients()),
                          "replica_elements": self.engine.replica_elements(),
+                         "replica_trained": self.engine.replica_elements(trained=True),
                          "activations": meter.peak,
                          "weight_copies": meter.copies_peak,
                          "checkpointed_blocks": checkpointed_blocks(self.engine.model),
@@ -508,7 +510,12 @@ class RankWorker:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
-            save_in_dtype(model, output_dir, saved_dtype(self.cfg))
+            dtype = saved_dtype(self.cfg)
+            if self.spec.lora is not None:  # the adapter (and the merged model)
+                save_lora(model, self.spec, output_dir, dtype,
+                          lambda m, d: save_in_dtype(m, d, dtype))
+            else:
+                save_in_dtype(model, output_dir, dtype)
         return True
 
     def shutdown(self) -> bool:

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
 
 from raylm.errors import ConfigError
 from raylm.models.tensor_plans import (TensorParallelShapes, base_prefix, check_tensor_parallel,
-                                       match, plan_for, tensor_parallel_shapes)
+                                       layer_styles, match, plan_for, tensor_parallel_shapes)
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -278,8 +278,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     fused = {}
     for pattern, parts in plan.fused.items():
         for fqn in match(model, prefix, pattern):
-            _reorder_fused(model.get_submodule(fqn), parts, tp)
-            fused[fqn] = parts
+            # (a LoRA layer: the layer it wraps, and lora_B, whose rows are its outputs)
+            for sub, _ in layer_styles(model, fqn, "colwise"):
+                _reorder_fused(model.get_submodule(sub), parts, tp)
+                fused[sub] = parts
     for pattern, attrs in plan.local_attrs.items():
         for fqn in match(model, prefix, pattern):
             module = model.get_submodule(fqn)
@@ -323,9 +325,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
             raise ConfigError(f"--tp {tp}: the {config.model_type} tensor-parallel plan "
                               f"shards the parameter {pattern} directly, which raylm does "
                               "not translate; run this model without --tp")
-        style = torch_style(name, sp is not None, config)
-        if style is not None:
-            styles.update((fqn, style) for fqn in fqns)
+        for fqn, sub_name in [x for f in fqns for x in layer_styles(model, f, name)]:
+            style = torch_style(sub_name, sp is not None, config)
+            if style is not None:
+                styles[fqn] = style
     names = {id(m): n for n, m in model.named_modules()}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.weight is emb.weight:
@@ -354,7 +357,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
                 styles[fqn] = PrepareModuleOutput(output_layouts=Replicate(),
                                                   desired_output_layouts=Shard(1),
                                                   use_local_output=False)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
+    # torch's styles make every parameter they distribute trainable: frozen ones (a LoRA
+    # run's base) stay frozen.
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in frozen:
+            p.requires_grad_(False)
 
     # 5. Re-tie: point every holder of a tied parameter at one DTensor parameter.
     for hs in ties:
