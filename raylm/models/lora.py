@@ -194,8 +194,11 @@ def save_lora(model, spec, output_dir: str, dtype, save_model) -> None:
     lora = spec.lora
     adapters = get_peft_model_state_dict(model, adapter_name=ADAPTER)
     base = _without_adapters(model)
-    if spec.pretrained_path:
-        base_path = spec.hub.name if spec.hub is not None else spec.pretrained_path
+    revision = None
+    if spec.hub is not None:  # a Hub model: its id, at the snapshot trained from
+        base_path, revision = spec.hub.repo_id, spec.hub.commit
+    elif spec.pretrained_path:
+        base_path = spec.pretrained_path
     else:
         base_path = os.path.join(os.path.abspath(output_dir), BASE_DIR)
         _atomic(base_path, lambda d: save_model(base, d))
@@ -210,6 +213,7 @@ def save_lora(model, spec, output_dir: str, dtype, save_model) -> None:
         raise RuntimeError(f"save_lora: the adapter's {len(adapters)} tensors did not load "
                            f"into a PeftModel (unexpected: {loaded.unexpected_keys[:3]})")
     peft_model.peft_config[ADAPTER].base_model_name_or_path = base_path
+    peft_model.peft_config[ADAPTER].revision = revision
     if dtype != torch.float32:
         peft_model.to(dtype)
     staging = os.path.join(output_dir, ".adapter.tmp")
