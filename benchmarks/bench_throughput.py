@@ -138,7 +138,15 @@ def run_baseline(args, name: str, nproc: int, config_dir: str, data_dir: str) ->
     out = summarize(name, f"{nproc} x {threads} thr", r["step_times"], args.warmup,
                     args.global_batch * r["block_size"], r["losses"])
     out["parameters"] = r["parameters"]
+    out["parts"] = median_parts(r.get("parts") or [], args.warmup)
     return out
+
+
+def median_parts(parts: list, warmup: int) -> dict:
+    """Each part's median over the timed steps (seconds per step)."""
+    timed = parts[warmup:]
+    keys = sorted({k for p in timed for k in p})
+    return {k: statistics.median(p.get(k) or 0.0 for p in timed) for k in keys}
 
 
 def run_raylm(args, name: str, workers: int, cache: str, work: str) -> dict:
@@ -155,6 +163,7 @@ def run_raylm(args, name: str, workers: int, cache: str, work: str) -> dict:
     timed = hist[args.warmup:]
     r["data_wait_s"] = statistics.mean(h["data_wait_s"] for h in timed)
     r["run_wall_s"] = wall
+    r["parts"] = median_parts([h["breakdown"] for h in hist], args.warmup)
     return r
 
 
@@ -250,6 +259,21 @@ def main(argv=None) -> int:
             ratios[f"{a}/{b}"] = {"best": rb, "median": rm}
             print(f"{a} / {b}: {rb:.3f} (best rounds), {rm:.3f} (median rounds)"
                   f"   goal >= {goal}")
+    print()
+    print("where a step goes (ms per step, medians of the best round; raylm: its slowest "
+          "rank, raylm.runtime.profiling; a baseline's gradient all-reduce is inside its "
+          "backward; 'rest' is the step time the parts do not cover)")
+    cols = (("data_wait_s", "data"), ("forward_backward_s", "fwd+bwd"),
+            ("grad_sync_s", "grad sync"), ("clip_s", "clip"), ("optimizer_s", "optimizer"),
+            ("boundary_idle_s", "boundary"))
+    print(f"{'run':<9} " + " ".join(f"{title:>10}" for _, title in cols) + f" {'rest':>10}")
+    for name in rows:
+        parts = best[name].get("parts") or {}
+        covered = sum(parts.get(k, 0.0) for k, _ in cols)
+        cells = [f"{parts[k] * 1000:>10.1f}" if k in parts else f"{'-':>10}" for k, _ in cols]
+        print(f"{name:<9} " + " ".join(cells)
+              + f" {(best[name]['median_s'] - covered) * 1000:>10.1f}")
+    print()
     for name in ("raylm-1", "raylm-2"):
         if name in best:
             r = best[name]

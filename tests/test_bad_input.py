@@ -216,6 +216,12 @@ def test_lora_bad_input(extra, message, tmp_path, capsys, corpus_dir, cache_root
         assert errors == ["raylm: error: " + message]
 
 
+def test_profile_steps_below_one(tmp_path, capsys, corpus_dir, cache_root):
+    rc, errors, _ = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root), "--profile",
+                            "--profile_steps", "0")
+    assert rc == 2 and errors == ["raylm: error: --profile_steps must be >= 1 (got 0)"]
+
+
 def test_output_dir_of_a_different_run(tmp_path, capsys, corpus_dir, cache_root):
     out = tmp_path / "out"
     out.mkdir()

@@ -39,8 +39,8 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
 from raylm.errors import ConfigError, TrainingFailed
-from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.models.lora import lora_line, lora_model_dirs, point_adapter_at_own_base
+from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
 from raylm.runtime import cluster
@@ -48,6 +48,7 @@ from raylm.runtime.best import BestTracker
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics, perplexity
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.precision import LossScale
+from raylm.runtime.profiling import WindowBreakdown, slowest_breakdown
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
 from raylm.runtime.snapshots import Snapshots
@@ -251,7 +252,8 @@ class Driver:
     def _rank_settings(self) -> dict:
         """The settings a rank's engine is built from (and the injected faults)."""
         return {**self.cfg.to_dict(), "faults": self.faults,
-                "steps_per_epoch": self.steps_per_epoch}
+                "steps_per_epoch": self.steps_per_epoch,
+                "profile_dir": os.path.join(os.path.abspath(self.cfg.output_dir), "profile")}
 
     def _send_commit(self) -> None:
         """Send the decided commit on its own (before an evaluation, a checkpoint, the
@@ -338,6 +340,16 @@ class Driver:
         self.metrics.truncate_after(start_step)
         if restore:
             log.info("resuming from %s at step %d of %d", restore, start_step, steps)
+        if cfg.profile:
+            first = start_step + 3  # (the first step is not traced, the second warms up)
+            if first + cfg.profile_steps - 1 > steps:
+                log.warning("--profile traces steps %d-%d, past the run's last step (%d): "
+                            "no trace will be written", first,
+                            first + cfg.profile_steps - 1, steps)
+            else:
+                log.info("--profile: tracing steps %d-%d on every rank into %s", first,
+                         first + cfg.profile_steps - 1,
+                         os.path.join(cfg.output_dir, "profile"))
         log.info("training %d step(s): %d sample(s), %d step(s) per epoch", steps,
                  sampler.num_samples, sampler.steps_per_epoch)
 
@@ -413,6 +425,7 @@ class Driver:
         cfg, run = self.cfg, self.record
         plan = run.plan
         window_tokens, window_start, window_steps = 0, time.time(), 0
+        window_parts = WindowBreakdown()
 
         def schedule(step):
             if step >= steps:
@@ -480,6 +493,7 @@ class Driver:
                    "boundary_idle_s": min((r["boundary_idle_s"] for r in results
                                            if r.get("boundary_idle_s") is not None),
                                           default=None),
+                   "breakdown": slowest_breakdown(results),
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
                    "world_size": plan.world_size}
             if scale is not None:  # fp16: the scale used, and the state after the step
@@ -498,6 +512,7 @@ class Driver:
                 self._memory_report(results)
             window_tokens += read
             window_steps += 1
+            window_parts.add(rec["breakdown"])
             self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
             if logs_after(run.step):
                 # Speed over the steps since the last log (with their boundaries).
@@ -508,7 +523,9 @@ class Driver:
                          **({"loss_scale": scale.scale} if scale is not None else {}),
                          "step_time_s": elapsed / window_steps,
                          "tokens_per_second": window_tokens / elapsed,
-                         "world_size": plan.world_size}
+                         "world_size": plan.world_size,
+                         # seconds per step, of the slowest rank (runtime.profiling)
+                         "breakdown": window_parts.take()}
                 mfu = self._mfu(entry["tokens_per_second"], plan.world_size)
                 if mfu is not None:
                     entry["mfu"] = mfu

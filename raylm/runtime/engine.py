@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import time
 from typing import Optional
 
 import torch
@@ -93,6 +94,7 @@ class Engine:
         self.reduce_dtype = reduce_dtype(cfg)  # gradients on the wire (None: fp32)
         self.loss_scale = 1.0
         self.overflow = False
+        self.sync_s = 0.0  # the last step's exposed gradient sync (finish_sync)
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -145,8 +147,15 @@ class Engine:
             sync.arm(loss_sum)
         for _ in range(rounds - len(batches)):
             sync.end_round(force=True)  # as many rounds as the other ranks
-        global_loss = sync.finish()  # gradients (and the loss) summed over dp
+        global_loss = self.finish_sync()  # gradients (and the loss) summed over dp
         return float(global_loss.item()), float(global_tokens[0].item()), local_tokens
+
+    def finish_sync(self):
+        """The gradient sync's end (what backward did not hide of it), timed: sync_s."""
+        t0 = time.perf_counter()
+        out = self.grad_sync.finish()
+        self.sync_s = time.perf_counter() - t0
+        return out
 
     def evaluate(self, micro_batch_ids: list, read) -> tuple:
         """(summed loss, label tokens) of this rank's eval micro-batches (``read(ids)``
@@ -422,7 +431,7 @@ class PipelineEngine(Engine):
         for mb_loss in losses:  # (each the scaled loss of pipeline_loss)
             loss_sum += mb_loss.detach().double() * (self.global_tokens / self.loss_scale)
         sync.arm(loss_sum)
-        global_loss = sync.finish()  # dp sum (each stage over its own dp group)
+        global_loss = self.finish_sync()  # dp sum (each stage over its own dp group)
         pipe.sync_tied_grads(sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
         return float(global_loss.item()), float(global_tokens), local_tokens
 

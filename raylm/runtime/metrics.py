@@ -66,8 +66,16 @@ def tag(key: str) -> str:
 
 
 def scalars(record: dict) -> dict:
-    return {tag(k): float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The record's numbers by tag; a dict of them (the step's ``breakdown``) under
+    ``train/<key>/<part>``."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    out = {tag(k): float(v) for k, v in record.items() if k != "step" and number(v)}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update({f"{tag(k)}/{part}": float(x) for part, x in v.items() if number(x)})
+    return out
 
 
 class TensorBoardSink:

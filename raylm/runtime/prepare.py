@@ -148,6 +148,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--cpus_per_worker must be >= 0")
     if cfg.max_failures < 0:
         raise ConfigError("--max_failures must be >= 0")
+    if cfg.profile_steps < 1:
+        raise ConfigError(f"--profile_steps must be >= 1 (got {cfg.profile_steps})")
     if cfg.snapshot_steps < 0:
         raise ConfigError("--snapshot_steps must be >= 0 (0: no snapshots)")
     if not 0 <= cfg.warmup_ratio <= 1:

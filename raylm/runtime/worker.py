@@ -12,13 +12,17 @@ import logging
 import os
 import socket
 import time
+import contextlib
 from datetime import timedelta
 
 from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
+from raylm.runtime.profiling import StepProfiler
 from raylm.runtime.snapshots import SnapshotSender
+
+_NO_REGION = contextlib.nullcontext()
 
 log = logging.getLogger("raylm")
 
@@ -52,6 +56,9 @@ class RankWorker:
         # When the last step returned, and the time of the calls run since (its commit,
         # a checkpoint, an evaluation): boundary_idle_s.
         self.returned_at, self.busy_s = None, 0.0
+        self.optimizer_s = None  # the last optimizer step's time (commit)
+        self.profiler = None  # raylm.runtime.profiling.StepProfiler under --profile
+        self.profiled = False
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -176,6 +183,11 @@ class RankWorker:
         self.prefetcher = (Prefetcher(self.reader, prepare=self._prepare)
                            if self.reader is not None else None)
         self.eval_reader = None
+        if train_cfg.get("profile") and self.profiler is None and not self.profiled:
+            self.profiler = StepProfiler(train_cfg["profile_dir"], self.rank,
+                                         int(train_cfg.get("profile_steps") or 1),
+                                         cuda=torch.cuda.is_available())
+            self.profiled = True  # once per process (a rebuild does not trace again)
         return {"rank": self.rank, "setup_s": time.time() - t0,
                 "parameters": sum(p.numel() for p in self.engine.model.parameters())}
 
@@ -317,11 +329,18 @@ class RankWorker:
         overflow = ((self.rank, step, "overflow", self.generation) in self.faults
                     and self._overflow_gradients(step))
         meter = self._meter()
-        loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
+        t_fb = time.time()
+        with self._region("raylm.forward_backward"):
+            loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
+        t_clip = time.time()
         if overflow:
             overflow.remove()
         self._fault(step, "update")  # after the gradient sync, before the step is prepared
-        out = e.prepare_update()  # clip (the norm over the whole model)
+        with self._region("raylm.clip"):
+            out = e.prepare_update()  # clip (the norm over the whole model)
+        # Where the step's time went (raylm.runtime.profiling).
+        out.update({"forward_backward_s": t_clip - t_fb - e.sync_s, "grad_sync_s": e.sync_s,
+                    "clip_s": time.time() - t_clip, "optimizer_s": self.optimizer_s})
         self.prepared = step
         self._report_memory(out, meter)
         out["snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
@@ -332,8 +351,14 @@ class RankWorker:
         # Each sample once: from the first stage's first tensor-parallel rank.
         if self.cfg.get("log_sample_ids") and e.speaks_for_replica:
             out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
+        if self.profiler is not None and not self.profiler.step():
+            self.profiler = None  # (its trace is written)
         self.returned_at, self.busy_s = time.time(), 0.0
         return out
+
+    def _region(self, name: str):
+        """A named region of --profile's trace (nothing when not tracing)."""
+        return self.profiler.region(name) if self.profiler is not None else _NO_REGION
 
     def commit(self, step: int, generation: int = 0) -> bool:
         """Apply prepared step ``step``: optimizer, schedule (the driver sends this once
@@ -345,7 +370,10 @@ class RankWorker:
         self._fault(step, "commit")
         t0 = time.time()
         self._state_settled()
-        self.engine.apply_update()
+        t_opt = time.time()
+        with self._region("raylm.optimizer"):
+            self.engine.apply_update()
+        self.optimizer_s = time.time() - t_opt
         self.prepared, self.committed_step = None, step + 1  # steps done
         every = self.cfg.get("snapshot_steps") or 0
         if every and self.committed_step % every == 0 and self.keepers:
@@ -523,6 +551,8 @@ class RankWorker:
 
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.profiler is not None:
+            self.profiler.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -1,0 +1,101 @@
+"""Where a step's time goes: the per-step breakdown every run logs, and --profile's traces.
+
+Each rank times the parts of its step (RankWorker._train_step): waiting for its batches
+(``data_wait_s``), forward and backward over the micro-batches (``forward_backward_s``;
+under a pipeline the schedule, sends and receives included), what backward did not hide
+of the gradient sync (``grad_sync_s``), clipping with the global norm (``clip_s``) and the
+optimizer step (``optimizer_s``: applied when the driver commits the step, so a rank
+reports the last one it applied). The driver adds the step boundary
+(``boundary_idle_s``: the rank idle between returning one step and starting the next,
+the driver's round trip) and logs the parts of the slowest rank, averaged over each
+logging window, in metrics.jsonl as ``breakdown``.
+
+``--profile`` runs torch's profiler (``torch.profiler``, CPU and, on GPUs, CUDA activity)
+over ``--profile_steps`` steps after one step of warm-up, on every rank, and writes a
+Chrome trace per rank to ``output_dir/profile/rank-N.json`` (written to a temporary name
+and renamed).
+"""
+
+from __future__ import annotations
+
+import os
+
+BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
+             "boundary_idle_s")
+
+
+def slowest_breakdown(results: list) -> dict:
+    """The step's parts on the rank that took longest (the one the others waited for),
+    with the boundary of the rank that waited least for the driver."""
+    slowest = max(results, key=lambda r: r.get("step_s", 0.0) + (r.get("optimizer_s") or 0.0))
+    out = {k: float(slowest.get(k) or 0.0) for k in BREAKDOWN if k != "boundary_idle_s"}
+    idle = [r["boundary_idle_s"] for r in results if r.get("boundary_idle_s") is not None]
+    out["boundary_idle_s"] = min(idle) if idle else 0.0
+    return out
+
+
+class WindowBreakdown:
+    """The mean breakdown over the steps of a logging window."""
+
+    def __init__(self):
+        self.sums, self.steps = dict.fromkeys(BREAKDOWN, 0.0), 0
+
+    def add(self, parts: dict) -> None:
+        for k in BREAKDOWN:
+            self.sums[k] += parts.get(k) or 0.0
+        self.steps += 1
+
+    def take(self) -> dict:
+        """The window's means (seconds per step), and a new window."""
+        out = {k: v / max(self.steps, 1) for k, v in self.sums.items()}
+        self.__init__()
+        return out
+
+
+class StepProfiler:
+    """torch.profiler over ``steps`` steps of one rank after one of warm-up (the run's
+    first step is not traced: it builds what later steps reuse); ``step()`` marks each
+    step's end. The trace goes to ``directory/rank-{rank}.json``; ``close()`` writes what
+    was traced of a run that ended first."""
+
+    def __init__(self, directory: str, rank: int, steps: int, cuda: bool = False):
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.path = os.path.join(directory, f"rank-{rank}.json")
+        os.makedirs(directory, exist_ok=True)
+        self.remaining = 1 + 1 + steps  # skipped, warm-up, traced
+        self.prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
+            on_trace_ready=self._write, record_shapes=False, with_stack=False)
+        self.prof.start()
+
+    def _write(self, prof) -> None:
+        tmp = self.path + ".tmp"
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, self.path)
+
+    def step(self) -> bool:
+        """Mark a step's end; False once the trace is written (the caller drops the
+        profiler)."""
+        self.prof.step()
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.close()
+            return False
+        return True
+
+    @staticmethod
+    def region(name: str):
+        """A named span in the trace (torch.profiler.record_function)."""
+        import torch
+
+        return torch.profiler.record_function(name)
+
+    def close(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
