@@ -7,7 +7,6 @@ any actor starts. Each rank actor then builds the same model from the resolved s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Optional
 from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config, heads_of, model_class, set_head
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
-from raylm.models.lora import Lora, add_lora, resolve_lora
+from raylm.models.lora import Lora, add_lora, resolve_lora, without_lora
 from raylm.models.objectives import raw_length, resolve_objective
 
 log = logging.getLogger("raylm")
@@ -248,7 +247,3 @@ def build_model(spec: ModelSpec, seed: int, device=None):
     model.config.use_cache = False
     return add_lora(model, spec.lora, seed) if spec.lora is not None else model
 
-
-def without_lora(spec: ModelSpec) -> ModelSpec:
-    """The spec of the base model (no adapters)."""
-    return dataclasses.replace(spec, lora=None) if spec.lora is not None else spec

@@ -30,6 +30,7 @@ What raylm adds, and why it is not peft's:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import zlib
@@ -63,6 +64,11 @@ class Lora:
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), bias="none",
                           fan_in_fan_out=getattr(config, "model_type", None) == "gpt2")
+
+
+def without_lora(spec):
+    """The spec of the base model (no adapters)."""
+    return dataclasses.replace(spec, lora=None) if spec.lora is not None else spec
 
 
 def is_adapter(name: str) -> bool:

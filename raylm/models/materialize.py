@@ -58,7 +58,6 @@ tied partner; a missing persistent buffer takes its built value).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -70,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from raylm.models.auto import from_config
-from raylm.models.lora import add_lora, adapter_value, base_name, is_adapter
+from raylm.models.lora import add_lora, adapter_value, base_name, is_adapter, without_lora
 
 __all__ = ["initial_state", "meta_skeleton", "MaterializeError"]
 
@@ -546,7 +545,7 @@ def _with_adapters(spec, seed: int, names) -> Iterator:
     """initial_state of a model with LoRA adapters (raylm.models.lora): the adapters'
     values (a function of seed and name), then the base model's under the wrapped
     layers' names (``c_attn.base_layer.weight`` is the base's ``c_attn.weight``)."""
-    base = dataclasses.replace(spec, lora=None)
+    base = without_lora(spec)
     model = add_lora(meta_skeleton(base, seed), spec.lora, seed)
     state = model.state_dict(keep_vars=True)
     wanted = _check_names(state, names)

@@ -183,7 +183,7 @@ class RankWorker:
         self.prefetcher = (Prefetcher(self.reader, prepare=self._prepare)
                            if self.reader is not None else None)
         self.eval_reader = None
-        if train_cfg.get("profile") and self.profiler is None and not self.profiled:
+        if train_cfg.get("profile") and not self.profiled:
             self.profiler = StepProfiler(train_cfg["profile_dir"], self.rank,
                                          int(train_cfg.get("profile_steps") or 1),
                                          cuda=torch.cuda.is_available())
