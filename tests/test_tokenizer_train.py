@@ -52,6 +52,29 @@ def test_wordpiece_round_trips_through_auto_tokenizer(tmp_path, play):
     assert set(pair["token_type_ids"]) == {0, 1}
 
 
+def test_wordpiece_is_the_same_on_every_run(tmp_path, play):
+    """The same files give the same tokenizer, byte for byte (tokenizers' own
+    WordPieceTrainer numbers its ``##`` tokens in hash order: another vocabulary on almost
+    every run), and the vocabulary is the one that trainer learns up to its ties."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    saved = []
+    for run in range(3):
+        out = train_tokenizer(play, str(tmp_path / f"wp{run}"), type="wordpiece",
+                              vocab_size=800, lowercase=True)
+        with open(f"{out}/tokenizer.json", "rb") as f:
+            saved.append(f.read())
+    assert saved[0] == saved[1] == saved[2]
+    ours = set(json.loads(saved[0])["model"]["vocab"])
+    theirs = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    theirs.normalizer = normalizers.BertNormalizer(lowercase=True)
+    theirs.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    theirs.train(play, trainers.WordPieceTrainer(
+        vocab_size=800, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        continuing_subword_prefix="##", show_progress=False))
+    assert len(ours & set(theirs.get_vocab())) >= 0.98 * 800
+
+
 def test_wordpiece_lowercase_is_bert_uncased(tmp_path, play):
     """--lowercase: the normalizer lowercases and strips accents before WordPiece, as
     bert-base-uncased's does; the vocabulary has no capitals."""

@@ -50,12 +50,13 @@ def train_tokenizer(files: list[str], output_dir: str, *, type: str = "bpe",
         raise ConfigError("--lowercase applies to --type wordpiece (a byte-level BPE keeps "
                           "every byte as it is)")
 
+    seen = {"texts": 0}  # counted while the trainer consumes the texts (one pass over the files)
     if type == "bpe":
         tokenizer, trainer, wrapper_kwargs = _bpe(vocab_size, min_frequency)
+        tokenizer.train_from_iterator(_texts(files, text_column, seen), trainer=trainer)
     else:
-        tokenizer, trainer, wrapper_kwargs = _wordpiece(vocab_size, min_frequency, lowercase)
-    seen = {"texts": 0}  # counted while the trainer consumes the texts (one pass over the files)
-    tokenizer.train_from_iterator(_texts(files, text_column, seen), trainer=trainer)
+        tokenizer, wrapper_kwargs = _wordpiece(files, text_column, seen, vocab_size,
+                                               min_frequency, lowercase)
     if not seen["texts"]:
         raise ConfigError(f"the tokenizer training files contain no text: {', '.join(files)}")
 
@@ -94,22 +95,44 @@ def _bpe(vocab_size: int, min_frequency: int):
     return tokenizer, trainer, specials
 
 
-def _wordpiece(vocab_size: int, min_frequency: int, lowercase: bool = False):
+def _wordpiece(files: list[str], text_column: Optional[str], seen: dict, vocab_size: int,
+               min_frequency: int, lowercase: bool = False):
     """BERT's recipe: BERT normalizer (uncased: lowercase, accents stripped, as
     BertTokenizerFast's defaults) and pre-tokenizer, WordPiece with ``##`` continuations,
-    and ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` added on encoding."""
+    and ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` added on encoding. The same files give
+    the same vocabulary, id for id, on every run (see ``_continuations``)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import trainers
 
     specials = list(WORDPIECE_SPECIALS.values())
-    tokenizer = Tokenizer(models.WordPiece(unk_token=WORDPIECE_SPECIALS["unk_token"]))
-    # strip_accents unset follows lowercase, as in BERT's own tokenizers.
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
+
+    def pipeline(model):
+        tokenizer = Tokenizer(model)
+        # strip_accents unset follows lowercase, as in BERT's own tokenizers.
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        return tokenizer
+
+    unk = WORDPIECE_SPECIALS["unk_token"]
+    continuations = _continuations(files, text_column, pipeline(models.WordPiece(unk_token=unk)))
+    tokenizer = pipeline(models.WordPiece(unk_token=unk))
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
-        continuing_subword_prefix="##", show_progress=False)
+        vocab_size=vocab_size, min_frequency=min_frequency,
+        special_tokens=specials + continuations, continuing_subword_prefix="##",
+        show_progress=False)
+    tokenizer.train_from_iterator(_texts(files, text_column, seen), trainer=trainer)
+
+    # Rebuilt from the learnt vocabulary with only BERT's specials special, and in BERT's
+    # order: the specials, the characters, their continuations, then the merges as learnt.
+    learnt = tokenizer.get_vocab()
+    order = sorted(learnt, key=learnt.get)
+    ranked = (specials + sorted(t for t in order if len(t) == 1 and t not in specials)
+              + [t for t in continuations if t in learnt]
+              + [t for t in order if t not in set(specials) | set(continuations) and len(t) > 1])
+    tokenizer = pipeline(models.WordPiece({t: i for i, t in enumerate(ranked)}, unk_token=unk,
+                                          continuing_subword_prefix="##"))
+    tokenizer.add_special_tokens(specials)
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
     # The special tokens come first in the vocabulary, in this order: their ids are known
     # before training, which the post-processor needs.
     cls_id, sep_id = specials.index("[CLS]"), specials.index("[SEP]")
@@ -117,6 +140,33 @@ def _wordpiece(vocab_size: int, min_frequency: int, lowercase: bool = False):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     # As BERT's tokenizer, it returns token_type_ids (0 for A, 1 for B).
-    return tokenizer, trainer, dict(
+    return tokenizer, dict(
         WORDPIECE_SPECIALS, model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         do_lower_case=lowercase)
+
+
+def _continuations(files: list[str], text_column: Optional[str], tokenizer) -> list[str]:
+    """``##c`` for every character c that can continue a word after normalization, sorted.
+
+    Written here because tokenizers' WordPieceTrainer (0.23) numbers the ``##c`` tokens in
+    the iteration order of a randomly seeded hash map, and breaks ties between merges of
+    equal count by those numbers: the same corpus gave another vocabulary on about every
+    other run (huggingface/tokenizers#1794, fix proposed in #2066). Handed to the trainer
+    first, as special tokens, they have fixed numbers, so its ties, and the vocabulary, are
+    the same on every run. One extra pass over the files collects the characters: a set of
+    the raw characters, each then normalized on its own and after a letter (lowercasing's
+    one context rule, a final sigma), and those the pre-tokenizer keeps inside a word."""
+    raw: set = set()
+    for path in files:
+        for texts in iter_texts(path, text_column, flag="--train_file"):
+            for text in texts:
+                raw.update(text)
+    normalize = tokenizer.normalizer.normalize_str
+    chars = set()
+    for c in raw:
+        chars.update(normalize(c))
+        chars.update(normalize("a" + c)[1:])
+    # A character the pre-tokenizer splits off (whitespace, punctuation) never continues one.
+    split = tokenizer.pre_tokenizer.pre_tokenize_str
+    inside = (c for c in chars if [w for w, _ in split("a" + c)] == ["a" + c])
+    return ["##" + c for c in sorted(inside)]
