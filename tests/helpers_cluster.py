@@ -245,6 +245,18 @@ class HeadNode:
         except (OSError, TypeError):
             return "(no log)"
 
+    def session_log_tail(self, pattern: str = "monitor.*", n: int = 60) -> str:
+        """The tails of the cluster's own log files matching ``pattern`` (the autoscaler's
+        monitor.log by default), for a failing test's message."""
+        import glob
+
+        out = []
+        logs = os.path.join(self.temp_dir or "", "session_latest", "logs")
+        for path in sorted(glob.glob(os.path.join(logs, pattern))):
+            lines = Path(path).read_text(errors="replace").splitlines()[-n:]
+            out.append(f"== {os.path.basename(path)}\n" + "\n".join(lines))
+        return "\n".join(out) or f"(no {pattern} in {logs})"
+
     # -- processes ---------------------------------------------------------------------------------
     def _remember(self) -> dict[int, int]:
         """Record (and return) the live processes of this cluster: its session, and every

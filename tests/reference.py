@@ -93,7 +93,7 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon)
+                            eps=cfg.adam_epsilon, fused=cfg.optim == "adamw_torch_fused")
     sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
                           num_training_steps=steps)
     sampler = GlobalBatchSampler(train_ids, global_batch_size, cfg.seed)

@@ -89,6 +89,13 @@ def import_rank_state(storage_reader, model, optimizer, adapter, zero=None) -> N
 
 def _load(model, optimizer, adapter, zero, **source) -> None:
     init_optimizer_state(optimizer)
+    # The saved parameter groups carry the implementation they were trained with (torch's
+    # load_state_dict takes every group setting from them); this run's --optim stands (the
+    # same update either way).
+    implementation = [{k: g[k] for k in ("fused", "foreach") if k in g}
+                      for g in optimizer.param_groups]
     form = RankStateForm(model, optimizer, adapter, zero)
     dcp.load(form.state, **source)
     form.apply_loaded()
+    for group, kept in zip(optimizer.param_groups, implementation):
+        group.update(kept)

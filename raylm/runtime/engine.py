@@ -528,14 +528,21 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
 def _adamw(model, cfg: dict) -> tuple:
     """AdamW's parameter groups and settings: decay matrices only, not biases or norm
     weights (as HF's Trainer does)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    # (An empty group is left out: torch.distributed.checkpoint cannot name one, and a
-    # LoRA run's trained parameters are all matrices.)
-    groups = [g for g in ({"params": decay, "weight_decay": cfg["weight_decay"]},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    # One group per (decay, kind of tensor): the fused and foreach kernels take a group's
+    # tensors in one call, which cannot mix DTensors with plain tensors (tensor
+    # parallelism leaves some parameters plain) or DTensors of different meshes.
+    groups: dict = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            decay = p.ndim >= 2  # matrices; not biases or norm weights
+            kind = (decay, id(p.device_mesh) if isinstance(p, DTensor) else None)
+            groups.setdefault(kind, {"params": [], "weight_decay": cfg["weight_decay"]
+                                     if decay else 0.0})["params"].append(p)
+    # (Groups are never empty: torch.distributed.checkpoint cannot name an empty one, and
+    # a LoRA run's trained parameters are all matrices.)
+    groups = list(groups.values())
     hyper = dict(lr=cfg["learning_rate"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
-                 eps=cfg["adam_epsilon"])
+                 eps=cfg["adam_epsilon"], fused=cfg["optim"] == "adamw_torch_fused")
     return groups, hyper
 
 
