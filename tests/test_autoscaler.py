@@ -60,7 +60,7 @@ def test_raylm_asks_the_autoscaler_for_nodes_and_grows_onto_them(corpus_dir, cac
         r = json.loads(line[len("RESULT "):])
         sizes = r["world_sizes"]
         # Started on the head, grew to 3 (the autoscaler's log says why not).
-        assert sizes[0] == 1 and sizes[-1] == 3, (sizes, head.session_log_tail())
+        assert sizes[0] == 1 and sizes[-1] == 3, f"{sizes}\n{head.session_log_tail()}"
     assert r["first_nodes_s"] is not None
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
     assert any("grew in memory to 3 rank(s)" in l for l in log) or \

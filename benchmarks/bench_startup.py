@@ -1,0 +1,106 @@
+"""Where a `raylm train` call's start-up goes, part by part (Driver.startup, written to
+all_results.json as startup_s and logged as "started in ...").
+
+    python benchmarks/bench_startup.py              # 3 runs of each row (~2 min here)
+    python benchmarks/bench_startup.py --runs 5
+
+Rows, a tiny GPT-2 (2 x 32) on one play for 2 steps, so that the start-up is nearly all of
+the call:
+
+  cold-1, cold-2   `raylm train` as a command, 1 and 2 ranks: it starts Ray itself
+  warm-1, warm-2   `raylm.train(...)` in a driver that has Ray running and has trained once
+                   (the data cached), as a script or a notebook running several trainings
+
+Prints the median seconds of each part over the runs, and the whole call's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+VENV_BIN = os.path.dirname(sys.executable)
+TINY = ("n_layer=2,n_embd=32,n_head=2,n_positions=64,resid_pdrop=0.0,embd_pdrop=0.0,"
+        "attn_pdrop=0.0")
+
+
+def flags(out: str, cache: str, play: str, workers: int) -> dict:
+    return dict(model_type="gpt2", config_overrides=TINY, train_file=[play], block_size=32,
+                data_cache_dir=cache, output_dir=out, overwrite_output_dir=True, max_steps=2,
+                save_steps=10**6, logging_steps=1, disable_tqdm=True, do_eval=False,
+                per_device_train_batch_size=2, num_workers=workers,
+                cpus_per_worker=1 / workers)
+
+
+def cold(out: str, cache: str, play: str, workers: int) -> dict:
+    args = []
+    for k, v in flags(out, cache, play, workers).items():
+        if v is True:
+            args.append(f"--{k}")
+        elif v is not False:
+            args += [f"--{k}", *(map(str, v) if isinstance(v, list) else [str(v)])]
+    t0 = time.time()
+    subprocess.run([os.path.join(VENV_BIN, "raylm"), "train", *args], check=True,
+                   capture_output=True, text=True)
+    wall = time.time() - t0
+    return {**json.load(open(os.path.join(out, "all_results.json")))["startup_s"],
+            "call": wall}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each row (default 3)")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from raylm import TrainConfig, train
+    from raylm.data.sources import builtin_sample_files
+    from raylm.runtime.driver import STARTUP_PARTS
+
+    play = [f for f in builtin_sample_files() if f.endswith("macbeth.txt")][0]
+    work = tempfile.mkdtemp(prefix="raylm-startup-")
+    cache = os.path.join(work, "cache")
+    rows: dict[str, list[dict]] = {}
+    try:
+        for workers in (1, 2):
+            rows[f"cold-{workers}"] = [cold(os.path.join(work, f"c{workers}-{i}"), cache, play,
+                                            workers) for i in range(args.runs)]
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        train(TrainConfig(**flags(os.path.join(work, "first"), cache, play, 1)))
+        for workers in (1, 2):
+            runs = []
+            for i in range(args.runs):
+                t0 = time.time()
+                r = train(TrainConfig(**flags(os.path.join(work, f"w{workers}-{i}"), cache,
+                                              play, workers)))
+                runs.append({**r.metrics["startup_s"], "call": time.time() - t0})
+            rows[f"warm-{workers}"] = runs
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    cols = [(k, t) for k, t in STARTUP_PARTS if k != "restore"] + [
+        ("first_step", "1st step"), ("call", "whole call")]
+    print(f"median seconds over {args.runs} run(s); 'whole call' includes the final save "
+          "and Ray's shutdown (cold rows)")
+    print(f"{'row':<8}" + "".join(f"{t:>15}" for _, t in cols))
+    for name, runs in rows.items():
+        cells = [statistics.median(r.get(k, 0.0) for r in runs) for k, _ in cols]
+        print(f"{name:<8}" + "".join(f"{c:>15.2f}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
