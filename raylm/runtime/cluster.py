@@ -107,18 +107,61 @@ def request_workers(num: int, cpus_per_worker: float, use_gpu: bool, group: int 
     """Ask the autoscaler for ``num`` rank actors' bundles (one per group of ``group``
     ranks, as ``reserve`` places them); 0 withdraws the request. A cluster without an
     autoscaler records the request and does nothing. Returns True when a request is
-    standing."""
-    from ray.autoscaler.sdk import request_resources
-
+    standing. The request lapses ``REQUEST_TTL_S`` after it was last made
+    (``refresh_request``): a driver that dies leaves no standing request behind."""
     bundle = {"CPU": cpus_per_worker * group}
     if use_gpu:
         bundle["GPU"] = group
     bundles = [dict(bundle) for _ in range(num // group)]
-    request_resources(bundles=bundles)
+    _REQUEST["bundles"] = bundles
+    _send_request(bundles)
     if bundles:
         log.info("asked the autoscaler for %d bundle(s) of %s (--max_workers %d)",
                  len(bundles), bundle, num)
     return bool(bundles)
+
+
+def refresh_request() -> None:
+    """Make the standing request again (the driver calls this between steps, at most
+    every REQUEST_REFRESH_S): it lapses REQUEST_TTL_S after the last time."""
+    if _REQUEST.get("bundles") and time.time() - _REQUEST.get("sent", 0) > REQUEST_REFRESH_S:
+        _send_request(_REQUEST["bundles"])
+
+
+# Ray's autoscaler keeps one request_resources() per cluster: the last one written. Ray
+# Data sends its own through a coordinator actor (one per cluster, detached) that writes
+# the merged requests of its users every 20 s, so a request written directly with
+# ray.autoscaler.sdk.request_resources is wiped within 20 s once any Ray Data pipeline has
+# run on the cluster (raylm's own tokenization is one): the nodes were never launched, or
+# removed as idle while raylm still wanted them. raylm's request therefore goes through
+# that coordinator, as one more of its users, and is merged with Ray Data's. (Ray has no
+# public API for it; without the module, the plain request is written.)
+REQUEST_TTL_S = 120.0
+REQUEST_REFRESH_S = 30.0
+_REQUEST: dict = {}
+
+
+def _send_request(bundles: list) -> None:
+    _REQUEST["sent"] = time.time()
+    try:
+        from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import (
+            ResourceRequestPriority)
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            DefaultAutoscalingCoordinator)
+    except ImportError:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+        return
+    requester = f"raylm-{ray.get_runtime_context().get_job_id()}"
+    coordinator = DefaultAutoscalingCoordinator(requester)
+    if bundles:
+        # Low priority: the coordinator also hands its users' Ray Data pipelines a share
+        # of the cluster by priority; raylm's ranks take theirs through placement groups.
+        coordinator.request_resources(bundles, expire_after_s=REQUEST_TTL_S,
+                                      priority=ResourceRequestPriority.LOW)
+    else:
+        coordinator.cancel_request()
 
 
 def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: int,

@@ -605,6 +605,7 @@ class Driver:
             if time.time() - self.last_grow_check < self.grow_check_s:
                 return False
             self.last_grow_check = time.time()
+            cluster.refresh_request()  # (an autoscaler request lapses unless renewed)
             group = plan.dims.node_group_size
             room = plan.world_size + len(self._free_slots(group)) + \
                 cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu, group)
