@@ -114,8 +114,8 @@ def _wordpiece(files: list[str], text_column: Optional[str], seen: dict, vocab_s
         return tokenizer
 
     unk = WORDPIECE_SPECIALS["unk_token"]
-    continuations = _continuations(files, text_column, pipeline(models.WordPiece(unk_token=unk)))
     tokenizer = pipeline(models.WordPiece(unk_token=unk))
+    continuations = _continuations(files, text_column, tokenizer)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency,
         special_tokens=specials + continuations, continuing_subword_prefix="##",
@@ -126,9 +126,10 @@ def _wordpiece(files: list[str], text_column: Optional[str], seen: dict, vocab_s
     # order: the specials, the characters, their continuations, then the merges as learnt.
     learnt = tokenizer.get_vocab()
     order = sorted(learnt, key=learnt.get)
-    ranked = (specials + sorted(t for t in order if len(t) == 1 and t not in specials)
+    given = set(specials) | set(continuations)
+    ranked = (specials + sorted(t for t in order if len(t) == 1 and t not in given)
               + [t for t in continuations if t in learnt]
-              + [t for t in order if t not in set(specials) | set(continuations) and len(t) > 1])
+              + [t for t in order if t not in given and len(t) > 1])
     tokenizer = pipeline(models.WordPiece({t: i for i, t in enumerate(ranked)}, unk_token=unk,
                                           continuing_subword_prefix="##"))
     tokenizer.add_special_tokens(specials)

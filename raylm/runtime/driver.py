@@ -20,6 +20,7 @@ restarted on the live nodes). The global batch stays the run's throughout.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -81,6 +82,16 @@ STARTUP_PARTS = (("inputs", "inputs"), ("ray", "Ray"), ("plan", "plan"), ("data"
                  ("placement", "placement"), ("processes", "rank processes"),
                  ("process_group", "process group"), ("engines", "engines"),
                  ("restore", "checkpoint"))
+
+
+@contextlib.contextmanager
+def _timed(into: dict, key: str):
+    """Seconds the block took, into ``into[key]``."""
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        into[key] = time.time() - t0
 
 
 def startup_line(startup: dict) -> str:
@@ -153,12 +164,10 @@ class Driver:
     def run(self) -> TrainResult:
         cfg = self.cfg
         self._enter("planning")
-        t0 = time.time()
-        inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
-        self.startup["inputs"] = time.time() - t0
-        t0 = time.time()
-        owns_ray = cluster.connect(cfg.address)
-        self.startup["ray"] = time.time() - t0
+        with _timed(self.startup, "inputs"):
+            inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
+        with _timed(self.startup, "ray"):
+            owns_ray = cluster.connect(cfg.address)
         asked = False
         try:
             group = cfg.tp or 1
@@ -185,12 +194,10 @@ class Driver:
                     "--cpus_per_worker, or add larger nodes")
             if cfg.max_workers:
                 cap = min(cap, cfg.max_workers)
-            t0 = time.time()
-            plan = self.plan(inputs, cap)
-            self.startup["plan"] = time.time() - t0
-            t0 = time.time()
-            data = prepare_data(cfg, inputs)
-            self.startup["data"] = time.time() - t0
+            with _timed(self.startup, "plan"):
+                plan = self.plan(inputs, cap)
+            with _timed(self.startup, "data"):
+                data = prepare_data(cfg, inputs)
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
@@ -250,28 +257,25 @@ class Driver:
             plan = plan.resized(n)
             log.info("re-planned: %s", plan.describe())
         times = {"placement": time.time() - t0}
-        t0 = time.time()
-        self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
-        self.workers = _rank_actors(plan, self.slots, range(n), n)
-        self.worker_info = self._wait([w.info.remote() for w in self.workers])
-        times["processes"] = time.time() - t0
+        with _timed(times, "processes"):
+            self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
+            self.workers = _rank_actors(plan, self.slots, range(n), n)
+            self.worker_info = self._wait([w.info.remote() for w in self.workers])
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
                      i["node_id"][:8], i["ip"])
-        t0 = time.time()
-        master = self._master_address()
-        self.record.generation += 1
-        self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s,
-                                  self.record.generation) for w in self.workers])
-        times["process_group"] = time.time() - t0
-        t0 = time.time()
-        self._wait([w.build.remote(inputs.spec, data.train, self._rank_settings(), steps)
-                    for w in self.workers])
-        times["engines"] = time.time() - t0
+        with _timed(times, "process_group"):
+            master = self._master_address()
+            self.record.generation += 1
+            self._wait([w.join.remote(master, plan, self.cfg.collective_timeout_s,
+                                      self.record.generation) for w in self.workers])
+        with _timed(times, "engines"):
+            self._wait([w.build.remote(inputs.spec, data.train, self._rank_settings(), steps)
+                        for w in self.workers])
         if restore:
-            t0 = time.time()
-            self._wait([w.load_checkpoint.remote(restore, restore_step) for w in self.workers])
-            times["restore"] = time.time() - t0
+            with _timed(times, "restore"):
+                self._wait([w.load_checkpoint.remote(restore, restore_step)
+                            for w in self.workers])
             log.info("restored %s (step %d)", restore, restore_step)
         if "engines" not in self.startup:  # the run's first group (not a recovery's)
             self.startup.update(times)
