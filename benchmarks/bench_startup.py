@@ -10,6 +10,9 @@ the call:
   cold-1, cold-2   `raylm train` as a command, 1 and 2 ranks: it starts Ray itself
   warm-1, warm-2   `raylm.train(...)` in a driver that has Ray running and has trained once
                    (the data cached), as a script or a notebook running several trainings
+  kept-1, kept-2   the same inside `raylm.keep_ranks()`: each run takes the rank processes
+                   the last run of its shape left up (the first run of each shape starts
+                   them and is not counted)
 
 Prints the median seconds of each part over the runs, and the whole call's wall time.
 """
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from raylm import TrainConfig, train
+    from raylm import TrainConfig, keep_ranks, train
     from raylm.data.sources import builtin_sample_files
     from raylm.runtime.driver import STARTUP_PARTS
 
@@ -86,6 +89,15 @@ def main(argv=None) -> int:
                                               play, workers)))
                 runs.append({**r.metrics["startup_s"], "call": time.time() - t0})
             rows[f"warm-{workers}"] = runs
+        for workers in (1, 2):
+            with keep_ranks():
+                runs = []
+                for i in range(args.runs + 1):
+                    t0 = time.time()
+                    r = train(TrainConfig(**flags(os.path.join(work, f"k{workers}-{i}"),
+                                                  cache, play, workers)))
+                    runs.append({**r.metrics["startup_s"], "call": time.time() - t0})
+            rows[f"kept-{workers}"] = runs[1:]
     finally:
         if ray.is_initialized():
             ray.shutdown()

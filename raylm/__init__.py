@@ -10,7 +10,7 @@ from raylm.config import TrainConfig
 from raylm.errors import ConfigError, TrainingFailed
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "train", "TrainResult", "plot_run", "ConfigError",
+__all__ = ["TrainConfig", "train", "TrainResult", "keep_ranks", "plot_run", "ConfigError",
            "TrainingFailed"]
 
 
@@ -20,6 +20,10 @@ def __getattr__(name):
         from raylm.runtime import driver
 
         return getattr(driver, name)
+    if name == "keep_ranks":
+        from raylm.runtime.kept import keep_ranks
+
+        return keep_ranks
     if name == "plot_run":
         from raylm.cli.plot import plot_run
 

@@ -35,6 +35,17 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kept_ranks():
+    """Within a test module, a run's rank processes stay up for the module's next run of
+    the same shape (raylm.keep_ranks), which then starts in about a second instead of
+    eight; stopped at the module's end."""
+    import raylm
+
+    with raylm.keep_ranks():
+        yield
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """Three Shakespeare plays copied into a temporary directory (a small sharded corpus)."""

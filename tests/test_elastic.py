@@ -46,6 +46,13 @@ def samples_per_step(output_dir) -> dict:
                 for r in map(json.loads, f)}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kept_ranks():
+    """None kept here (conftest keeps them per module): this module checks that a run's
+    rank processes are gone when it ends."""
+    yield
+
+
 @pytest.fixture(scope="module")
 def unchanged(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("unchanged") / "out"

@@ -31,7 +31,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -120,7 +120,9 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
                             line_by_line: bool = False, text_column: Optional[str] = None,
                             cache_root: Optional[str] = None,
                             num_workers: Optional[int] = None, keep_linebreaks: bool = True,
-                            overwrite: bool = False) -> TokenizedDataset:
+                            overwrite: bool = False,
+                            before_tokenizing: Optional[Callable[[], None]] = None
+                            ) -> TokenizedDataset:
     """Tokenize ``files`` into the cache, or return the cache built earlier from the same inputs.
 
     Default: run_clm's ``group_texts`` per file (concatenate the token ids of all its texts,
@@ -129,7 +131,8 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     ``line_by_line``: one sample per non-empty line or row, truncated to ``block_size`` and
     padded (lines without their breaks, as run_mlm reads them). ``overwrite``: build anew
     even when the cache holds these inputs (--overwrite_cache), replacing the old build
-    atomically. Ray must be initialised.
+    atomically. ``before_tokenizing``: called once the cache is known not to hold these
+    inputs, before Ray Data's tasks start. Ray must be initialised.
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ConfigError(f"--block_size: must be a positive integer, got {block_size!r}")
@@ -153,6 +156,8 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     if _has_manifest(fs, final_path) and not overwrite:
         return dataclasses.replace(TokenizedDataset.load(final), reused=True)
 
+    if before_tokenizing is not None:
+        before_tokenizing()
     if local:
         _remove_stale_tmp(root_path, key)
     tokenizer = load_tokenizer(tokenizer_dir)

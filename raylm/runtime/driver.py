@@ -44,7 +44,7 @@ from raylm.models.lora import lora_line, lora_model_dirs, point_adapter_at_own_b
 from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition, human_bytes
-from raylm.runtime import cluster
+from raylm.runtime import cluster, kept
 from raylm.runtime.best import BestTracker
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics, perplexity
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
@@ -151,6 +151,10 @@ class Driver:
         # Where the run's start-up went, in seconds (STARTUP_PARTS; the first step's time
         # is its history's): the log's "started in" line and all_results.json's startup_s.
         self.startup: dict = {}
+        # Rank processes a last run left up (raylm.keep_ranks) that this run may take,
+        # and whether this run finished (then its own may stay up for the next).
+        self.kept: Optional[kept.KeptRanks] = None
+        self.finished = False
 
     # -- state machine ---------------------------------------------------------------------
     def _enter(self, state: str, detail: str = "") -> None:
@@ -196,8 +200,10 @@ class Driver:
                 cap = min(cap, cfg.max_workers)
             with _timed(self.startup, "plan"):
                 plan = self.plan(inputs, cap)
+            self.kept = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu)
             with _timed(self.startup, "data"):
-                data = prepare_data(cfg, inputs)
+                # Ray Data's tokenization tasks need the CPUs that kept ranks hold.
+                data = prepare_data(cfg, inputs, before_tokenizing=self._release_kept)
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
@@ -216,7 +222,7 @@ class Driver:
                 return self._train(inputs, data, plan)
             return self._evaluate_only(inputs, data, plan)
         finally:
-            self._teardown()
+            self._teardown(keep=self.finished and not owns_ray)
             if self.metrics is not None:
                 self.metrics.close()  # (the sinks a failed run left open)
             if asked:
@@ -243,24 +249,28 @@ class Driver:
         self._enter("starting", f"{plan.world_size} rank(s)")
         t0 = time.time()
         n = plan.world_size
-        while True:
-            self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu, timeout_s=30,
-                                     group=plan.dims.node_group_size)
-            if self.pg is not None:
-                break
-            fewer = self.scaling.fewer(plan, n)
-            if fewer is None:
-                raise TrainingFailed("could not place a single rank actor on the cluster")
-            log.warning("could not place %d rank(s) within 30 s; trying %d", n, fewer)
-            n = fewer
-        if n != plan.world_size:
-            plan = plan.resized(n)
-            log.info("re-planned: %s", plan.describe())
-        times = {"placement": time.time() - t0}
+        times = {"placement": 0.0}
         with _timed(times, "processes"):
-            self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
-            self.workers = _rank_actors(plan, self.slots, range(n), n)
-            self.worker_info = self._wait([w.info.remote() for w in self.workers])
+            reused = self._take_kept(plan)
+        if not reused:
+            while True:
+                self.pg = cluster.reserve(n, plan.cpus_per_worker, plan.use_gpu,
+                                         timeout_s=30, group=plan.dims.node_group_size)
+                if self.pg is not None:
+                    break
+                fewer = self.scaling.fewer(plan, n)
+                if fewer is None:
+                    raise TrainingFailed("could not place a single rank actor on the cluster")
+                log.warning("could not place %d rank(s) within 30 s; trying %d", n, fewer)
+                n = fewer
+            if n != plan.world_size:
+                plan = plan.resized(n)
+                log.info("re-planned: %s", plan.describe())
+            times = {"placement": time.time() - t0}
+            with _timed(times, "processes"):
+                self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
+                self.workers = _rank_actors(plan, self.slots, range(n), n)
+                self.worker_info = self._wait([w.info.remote() for w in self.workers])
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
                      i["node_id"][:8], i["ip"])
@@ -281,6 +291,58 @@ class Driver:
             self.startup.update(times)
         self._send_keepers()
         return plan
+
+    def _take_kept(self, plan: Plan) -> bool:
+        """Start with the rank processes a last run kept (raylm.keep_ranks), each as
+        the rank ``plan`` puts on its node (a tensor-parallel group on one node). False,
+        with them stopped, when they cannot be placed so or one does not answer."""
+        ranks, self.kept = self.kept, None
+        if ranks is None:
+            return False
+        order = _place(plan, ranks.node_ids)
+        try:
+            if order is None:
+                raise WorkerFailure("the kept ranks' nodes do not hold the layout")
+            self.worker_info = self._wait(
+                [ranks.actors[i].reset.remote(r, plan.world_size, plan.torch_threads)
+                 for r, i in enumerate(order)], timeout_s=60)
+        except WorkerFailure as e:
+            log.info("not using the kept rank processes: %s", e)
+            ranks.release()
+            return False
+        self.workers = [ranks.actors[i] for i in order]
+        self.slots = [ranks.slots[i] for i in order]
+        self.pg, self.growth_pgs = ranks.pgs[0], ranks.pgs[1:]
+        log.info("%d rank process(es) kept from the last run", len(self.workers))
+        return True
+
+    def _release_kept(self) -> None:
+        if self.kept is not None:
+            log.info("stopping the kept rank processes (tokenizing needs their CPUs)")
+            self.kept.release()
+            self.kept = None
+
+    def _keep(self) -> bool:
+        """Leave this run's ranks up for the next (raylm.keep_ranks): when it finished
+        without a failure (every bundle holds its rank) and they all reset."""
+        if not (kept.keeping() and self.workers and self.record.failures == 0
+                and self.newcomers is None and len(self.slots) == len(self.workers)):
+            return False
+        n = len(self.workers)
+        try:
+            # Each drops its engine now (memory, GPU memory) rather than at the next run.
+            self._wait([w.reset.remote(r, n, self.record.plan.torch_threads)
+                        for r, w in enumerate(self.workers)], timeout_s=60)
+        except WorkerFailure:
+            return False
+        kept.offer(kept.KeptRanks(
+            actors=self.workers, slots=self.slots,
+            node_ids=[i["node_id"] for i in self.worker_info],
+            pgs=[pg for pg in [self.pg] + self.growth_pgs if pg is not None],
+            cpus_per_worker=self.record.plan.cpus_per_worker,
+            use_gpu=self.record.plan.use_gpu, cluster=kept.cluster_id()))
+        self.workers, self.pg, self.growth_pgs, self.slots = [], None, [], []
+        return True
 
     def _send_keepers(self) -> None:
         """Tell each rank which snapshot keepers to send to (after every group change)."""
@@ -314,7 +376,10 @@ class Driver:
         self._send_commit()
         return self._wait([w.state_digest.remote() for w in self.workers])
 
-    def _teardown(self) -> None:
+    def _teardown(self, keep: bool = False) -> None:
+        self._release_kept()  # (a run that failed before it took them)
+        if keep:
+            self._keep()
         _kill(self.workers)
         self.workers = []
         for pg in [self.pg] + self.growth_pgs:
@@ -465,6 +530,7 @@ class Driver:
         with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
             json.dump(final, f, indent=2)
         self._enter("finished", f"step {run.step}, output in {cfg.output_dir}")
+        self.finished = True
         return TrainResult(output_dir=os.path.abspath(cfg.output_dir), metrics=final,
                            history=run.history, failures=run.failures)
 
@@ -1200,6 +1266,7 @@ class Driver:
         self.metrics.close()
         self._enter("finished", f"eval_loss {out['eval_loss']:.4f}, perplexity "
                     f"{out['perplexity']:.2f}")
+        self.finished = True
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
 
     def _save_tokenizer(self, directory: str) -> None:

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -301,8 +301,11 @@ def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
     return record
 
 
-def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
-    """Tokenize (or reuse the cache) and choose the train and eval sample ids."""
+def prepare_data(cfg: TrainConfig, inputs: Inputs,
+                 before_tokenizing: Optional[Callable[[], None]] = None) -> Data:
+    """Tokenize (or reuse the cache) and choose the train and eval sample ids;
+    ``before_tokenizing`` is called before any tokenizing starts. Rank processes kept
+    between runs (raylm.keep_ranks) are stopped first: Ray Data's tasks need their CPUs."""
     from raylm.data.sampler import split_train_eval
     from raylm.data.tokenized import build_tokenized_dataset
 
@@ -311,7 +314,8 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
             files, inputs.spec.tokenizer_dir, inputs.block_size,
             line_by_line=cfg.line_by_line, text_column=cfg.text_column,
             cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
-            keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache)
+            keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
+            before_tokenizing=lambda: _release_ranks(before_tokenizing))
 
     train = build(inputs.train_files) if inputs.train_files else None
     if train is not None:
@@ -347,6 +351,14 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
                           "data, a smaller --block_size or --validation_split_percentage")
     return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids,
                 eval_sets=eval_sets)
+
+
+def _release_ranks(before_tokenizing: Optional[Callable[[], None]]) -> None:
+    from raylm.runtime import kept  # (Ray: only once there is something to tokenize)
+
+    kept.release()
+    if before_tokenizing is not None:
+        before_tokenizing()
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:

@@ -305,6 +305,30 @@ class RankWorker:
         self.committed_step = state.step
         return {"rank": rank, "rebuild_s": time.time() - t0, **fetched}
 
+    def reset(self, rank: int, world_size: int, num_threads: int) -> dict:
+        """A kept process (raylm.runtime.kept) becomes rank ``rank`` of a new run: what
+        the last run left (its process group, engine, threads, compiled graphs) is
+        dropped, and the rank is as a new actor would be, with torch and the model code
+        already imported."""
+        import gc
+        import sys
+
+        import torch.distributed as dist
+
+        if self.snapshots is not None:
+            self.snapshots.wait()  # (a send under way finishes)
+        for part in (self.prefetcher, self.profiler):
+            if part is not None:
+                part.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if "torch._dynamo" in sys.modules:  # the last run's compiled blocks and guards
+            sys.modules["torch._dynamo"].reset()
+        self.__dict__.clear()
+        self.__init__(rank, world_size, num_threads)
+        gc.collect()
+        return self.info()
+
     def drop_export(self) -> bool:
         """The state this rank exported (leave_group) is no longer needed."""
         self.exported = None

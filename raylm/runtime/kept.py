@@ -1,0 +1,127 @@
+"""Rank processes kept between the runs of one driver (``raylm.keep_ranks``).
+
+A run's rank actors spend most of its start-up importing torch and transformers' model
+code (README, "Start-up"): about 7 of a warm driver's 8 s. A driver that trains several
+times on one Ray cluster (a sweep, a notebook, a test session) can keep them: at the end
+of a run that finished cleanly its ranks leave their process group and wait, idle, with
+their placement group; the next run of the same shape takes them (``take``) and only
+builds its engines. Ray itself cannot do this: it starts a fresh process for every actor
+and never gives an actor a worker that ran tasks or another actor.
+
+Kept ranks hold their bundles' CPUs (and GPUs) while they wait, so they are kept only
+inside ``keep_ranks`` and released when it ends, when a run does not fit them, when the
+data must be tokenized first (Ray Data's tasks need the CPUs), or when Ray went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+log = logging.getLogger("raylm")
+
+
+@dataclass
+class KeptRanks:
+    """Idle rank actors, where they sit and what they were started with."""
+    actors: list
+    slots: list  # (placement group, bundle) of each actor
+    node_ids: list  # the node of each actor
+    pgs: list  # the placement groups the actors hold
+    cpus_per_worker: float
+    use_gpu: bool
+    cluster: tuple  # the Ray cluster and job they live in (their owner: this driver)
+
+    def fits(self, world_size: int, cpus_per_worker: float, use_gpu: bool) -> bool:
+        return (len(self.actors) == world_size and self.cpus_per_worker == cpus_per_worker
+                and self.use_gpu == use_gpu and self.cluster == cluster_id())
+
+    def release(self) -> None:
+        """Stop the actors and free their bundles (on the cluster they live on)."""
+        if self.cluster != cluster_id():
+            return  # that job is over, and its actors with it
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # already removed
+                pass
+
+
+_depth = 0  # nesting of keep_ranks()
+_kept: Optional[KeptRanks] = None
+
+
+@contextlib.contextmanager
+def keep_ranks() -> Iterator[None]:
+    """Within this block, a run that finishes cleanly leaves its rank processes up for
+    the next run of the same shape (world size, CPUs and GPU per rank) on the same Ray
+    cluster, which then starts without starting processes or importing torch again.
+    Leaving the block stops them.
+
+        with raylm.keep_ranks():
+            for lr in (1e-4, 3e-4, 1e-3):
+                raylm.train(TrainConfig(..., learning_rate=lr, address="auto"))
+
+    Needs Ray to outlive the runs: connect first (``ray.init``, or ``address`` of a
+    running cluster); a run that started Ray itself stops it, and its ranks with it.
+    """
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            release()
+
+
+def keeping() -> bool:
+    """Whether a run that ends now may leave its ranks up (inside keep_ranks)."""
+    return _depth > 0 and ray.is_initialized()
+
+
+def offer(kept: KeptRanks) -> None:
+    """Keep ``kept`` for the next run (the caller checked ``keeping``)."""
+    global _kept
+    release()
+    _kept = kept
+    log.info("kept %d rank process(es) for the next run", len(kept.actors))
+
+
+def take(world_size: int, cpus_per_worker: float, use_gpu: bool) -> Optional[KeptRanks]:
+    """The kept ranks, if they fit a run of ``world_size`` ranks of that shape (the
+    caller then owns them); otherwise they are released, and None."""
+    global _kept
+    kept, _kept = _kept, None
+    if kept is not None and kept.fits(world_size, cpus_per_worker, use_gpu):
+        return kept
+    if kept is not None:
+        kept.release()
+    return None
+
+
+def release() -> None:
+    """Stop the kept ranks, if any."""
+    global _kept
+    kept, _kept = _kept, None
+    if kept is not None:
+        kept.release()
+
+
+def cluster_id() -> Optional[tuple]:
+    """This driver's connection: its cluster and job. Actors die with the job that
+    started them (ray.shutdown, a new ray.init), so kept ranks are of this one or gone."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context.gcs_address, context.get_job_id()

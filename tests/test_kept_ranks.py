@@ -1,0 +1,77 @@
+"""raylm.keep_ranks: the runs of one driver share rank processes when their shape fits,
+with the results of fresh processes; kept processes stop when released, when a run of
+another shape comes, and before data must be tokenized (Ray Data needs their CPUs)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+
+import raylm
+from raylm import TrainConfig, train
+from raylm.runtime import kept
+from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.test_elastic import _gone
+
+
+class Pids:
+    def __init__(self):
+        self.pids = set()
+
+    def on_step_end(self, driver, step, record):
+        self.pids.update(driver.worker_pids)
+
+
+def _all_gone(pids, timeout_s: float = 30.0) -> bool:
+    deadline = time.time() + timeout_s
+    while not all(_gone(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return all(_gone(p) for p in pids)
+
+
+def _run(out, files, cache_root, workers=2):
+    """3 steps of global batch 4 (2 per rank, accumulated on one rank)."""
+    pids = Pids()
+    result = train(TrainConfig(
+        model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(f) for f in files],
+        block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=3,
+        logging_steps=1, save_steps=1000, disable_tqdm=True, do_eval=False,
+        num_workers=workers, cpus_per_worker=0.5, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2 // workers,
+        learning_rate=1e-3), callbacks=(pids,))
+    return result, pids.pids
+
+
+def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
+        ray_cluster, corpus_dir, cache_root, tmp_path):
+    kept.release()  # (what this module's earlier runs left)
+    with raylm.keep_ranks():
+        first, first_pids = _run(tmp_path / "a", [corpus_dir], cache_root)
+        second, second_pids = _run(tmp_path / "b", [corpus_dir], cache_root)
+    # The second run ran in the first one's processes, and trained as they did.
+    assert len(first_pids) == 2 and second_pids == first_pids
+    np.testing.assert_allclose([h["loss"] for h in second.history],
+                               [h["loss"] for h in first.history], rtol=1e-6)
+    assert second.metrics["world_size"] == 2
+
+    # A run of another shape does not take them: they stop, and it starts its own.
+    alone, alone_pids = _run(tmp_path / "c", [corpus_dir], cache_root, workers=1)
+    assert not alone_pids & first_pids and _all_gone(first_pids)
+    np.testing.assert_allclose([h["loss"] for h in alone.history],
+                               [h["loss"] for h in first.history], rtol=1e-5)
+
+    # Data not in the cache yet: the kept rank stops before Ray Data tokenizes it (its
+    # CPUs could be the ones the tokenizing tasks need), and the run starts fresh.
+    new_play = tmp_path / "play"
+    new_play.mkdir()
+    shutil.copy(SHAKESPEARE / "lovers_complaint.txt", new_play / "lovers_complaint.txt")
+    fresh, fresh_pids = _run(tmp_path / "d", [new_play], cache_root, workers=1)
+    assert not fresh_pids & alone_pids and _all_gone(alone_pids)
+    assert fresh.history[-1]["loss"] < fresh.history[0]["loss"]
+
+    # Released (as at the end of the outermost keep_ranks block): stopped.
+    assert not any(_gone(p) for p in fresh_pids)
+    kept.release()
+    assert _all_gone(fresh_pids)
