@@ -1,17 +1,21 @@
-"""raylm's training throughput against plain PyTorch and torchrun DDP, in one run.
+"""raylm's training throughput against plain PyTorch, torchrun DDP, the HF Trainer and
+Ray Train, in one run.
 
     python benchmarks/bench_throughput.py            # full: GPT-2 4 x 256, block 128
     python benchmarks/bench_throughput.py --quick    # tiny smoke check (~1 min)
 
-Four measurements, same model (GPT-2 from --model_type gpt2 with the size flags, the vocab
+Six measurements, same model (GPT-2 from --model_type gpt2 with the size flags, the vocab
 of raylm's built-in 4096-token tokenizer), same data (tokenized once into raylm's cache;
 the baselines read the same blocks with raylm's BlockReader, in the same order), same
 global batch, fp32:
 
-  (a) plain    one process, a plain PyTorch loop, 2 torch threads
-  (b) raylm-1  raylm, 1 rank actor with 2 CPUs (2 threads)         -> ratio (b)/(a)
-  (c) ddp-2    torchrun --nproc_per_node 2, DDP over gloo, 1 thread each
-  (d) raylm-2  raylm, 2 rank actors with 1 CPU each (1 thread each) -> ratio (d)/(c)
+  (a) plain       one process, a plain PyTorch loop, 2 torch threads
+  (b) hf-trainer  one process, transformers' Trainer with its defaults, 2 threads
+  (c) raylm-1     raylm, 1 rank actor with 2 CPUs (2 threads)  -> ratios (c)/(a), (c)/(b)
+  (d) ddp-2       torchrun --nproc_per_node 2, DDP over gloo, 1 thread each
+  (e) raytrain-2  Ray Train's TorchTrainer, 2 workers of 1 CPU running (d)'s loop
+  (f) raylm-2     raylm, 2 rank actors with 1 CPU each (1 thread each)
+                                                               -> ratios (f)/(d), (f)/(e)
 
 and raylm's defaults off: raylm-1-loop and raylm-2-loop are (b) and (d) with
 --optim adamw_torch (torch's AdamW loop, as the plain and DDP rows use) instead of the
@@ -20,12 +24,21 @@ default fused kernel (adamw_torch_fused) -> ratios (b)/(b-loop), (d)/(d-loop).
 Timing: steady state only. Each run does --warmup + --steps optimizer steps and the first
 --warmup are dropped. raylm's per-step time is the driver's wall time of the step
 (TrainResult.history step_time_s: from sending the step to the ranks to having every
-rank's answer), so it includes raylm's own overheads; the baselines time their loop body.
+rank's answer), so it includes raylm's own overheads; the baselines time their loop body
+(the HF Trainer: from one step's end to the next's, its bookkeeping included).
 tokens/s counts input tokens (global batch x block size) for every row. Ray is shut down
 while the baselines run, so they do not share the 2 cores with an idle Ray cluster; raylm's
-runs pay for their Ray cluster, as they would in use.
+runs pay for their Ray cluster, as they would in use; Ray Train's row starts its own.
 
-Prints a table and the two ratios; asserts nothing (timings on a shared 2-core machine are
+Whole call: raylm's train() and Ray Train's fit(), each with Ray already running (Ray's
+start is in bench_startup.py); the plain, DDP and HF Trainer rows' whole process, Python
+and torch imports included.
+
+The loss column checks that every row trains the same model on the same samples: a DDP
+row's (torchrun, Ray Train) is its rank 0's half of the batch, and the HF Trainer logs
+(block - 1) / block of the same loss (hf_trainer_baseline.py says why).
+
+Prints a table and the ratios; asserts nothing (timings on a shared 2-core machine are
 noisy: repeat a run before trusting a difference of a few percent).
 """
 
@@ -43,7 +56,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-BASELINE = os.path.join(REPO, "benchmarks", "ddp_baseline.py")
+BASELINES = {name: os.path.join(REPO, "benchmarks", script) for name, script in (
+    ("plain", "ddp_baseline.py"), ("ddp-2", "ddp_baseline.py"),
+    ("hf-trainer", "hf_trainer_baseline.py"), ("raytrain-2", "raytrain_baseline.py"))}
 VENV_BIN = os.path.dirname(sys.executable)
 
 
@@ -128,12 +143,17 @@ def run_baseline(args, name: str, nproc: int, config_dir: str, data_dir: str) ->
     flags = ["--config_dir", config_dir, "--data_dir", data_dir,
              "--global_batch", str(args.global_batch), "--steps", str(args.warmup + args.steps),
              "--threads", str(threads)]
-    if nproc == 1:
-        cmd = [sys.executable, BASELINE, *flags]
-    else:
+    script = BASELINES[name]
+    if name == "ddp-2":
         cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone",
-               f"--nproc_per_node={nproc}", BASELINE, *flags]
+               f"--nproc_per_node={nproc}", script, *flags]
+    elif name == "raytrain-2":
+        cmd = [sys.executable, script, "--workers", str(nproc), *flags]
+    else:
+        cmd = [sys.executable, script, *flags]
+    t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    wall = time.time() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -143,6 +163,7 @@ def run_baseline(args, name: str, nproc: int, config_dir: str, data_dir: str) ->
                     args.global_batch * r["block_size"], r["losses"])
     out["parameters"] = r["parameters"]
     out["parts"] = median_parts(r.get("parts") or [], args.warmup)
+    out["run_wall_s"] = r.get("fit_s", wall)  # (Ray Train: its fit(), Ray running)
     return out
 
 
@@ -172,8 +193,11 @@ def run_raylm(args, name: str, workers: int, cache: str, work: str) -> dict:
     return r
 
 
-ORDER = ("plain", "raylm-1", "raylm-1-loop", "ddp-2", "raylm-2", "raylm-2-loop")
-GOALS = (("raylm-1", "plain", 1.0), ("raylm-2", "ddp-2", 1.0),
+ORDER = ("plain", "hf-trainer", "raylm-1", "raylm-1-loop", "ddp-2", "raytrain-2", "raylm-2",
+         "raylm-2-loop")
+# (row, against, goal): the issue's goals; None: a default on against off.
+GOALS = (("raylm-1", "plain", 1.0), ("raylm-1", "hf-trainer", 1.0), ("raylm-2", "ddp-2", 1.0),
+         ("raylm-2", "raytrain-2", 1.05),
          ("raylm-1", "raylm-1-loop", None), ("raylm-2", "raylm-2-loop", None))
 
 
@@ -233,7 +257,7 @@ def main(argv=None) -> int:
                 ray.shutdown()  # the baselines get the machine to themselves
             for name in rows:
                 if not name.startswith("raylm"):
-                    nproc = 1 if name == "plain" else 2
+                    nproc = 2 if name.endswith("-2") else 1
                     runs[name].append(run_baseline(args, name, nproc, config_dir,
                                                    ds.cache_dir))
                     print(f"  round {rnd + 1} {name}: "
@@ -249,13 +273,15 @@ def main(argv=None) -> int:
     print("tokens/s = global batch x block size / median steady-state step time "
           f"({args.steps} timed steps per run; best and median of {args.repeat} round(s))")
     print(f"{'run':<12} {'procs':<11} {'median s/step':>13} {'mean s/step':>11} "
-          f"{'tokens/s best':>13} {'tokens/s median':>15} {'loss first -> last':>19}")
+          f"{'tokens/s best':>13} {'tokens/s median':>15} {'loss first -> last':>19} "
+          f"{'whole call s':>12}")
     for name in rows:
         r = best[name]
         loss = (f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"
                 if r["first_loss"] is not None else "")
+        call = statistics.median(x["run_wall_s"] for x in runs[name])
         print(f"{name:<12} {r['procs']:<11} {r['median_s']:>13.3f} {r['mean_s']:>11.3f} "
-              f"{r['tokens_per_s']:>13,.0f} {med[name]:>15,.0f} {loss:>19}")
+              f"{r['tokens_per_s']:>13,.0f} {med[name]:>15,.0f} {loss:>19} {call:>12.1f}")
     print()
     ratios = {}
     for a, b, goal in GOALS:
@@ -265,6 +291,10 @@ def main(argv=None) -> int:
             ratios[f"{a}/{b}"] = {"best": rb, "median": rm}
             print(f"{a} / {b}: {rb:.3f} (best rounds), {rm:.3f} (median rounds)"
                   + (f"   goal >= {goal}" if goal else "   (fused AdamW on / off)"))
+    if "raylm-2" in runs and "raytrain-2" in runs and runs["raylm-2"] and runs["raytrain-2"]:
+        calls = [statistics.median(x["run_wall_s"] for x in runs[n])
+                 for n in ("raylm-2", "raytrain-2")]
+        print(f"whole call, raylm-2 / raytrain-2: {calls[0] / calls[1]:.2f}   goal <= 0.5")
     print()
     print("where a step goes (ms per step, medians of the best round; raylm: its slowest "
           "rank, raylm.runtime.profiling; a baseline's gradient all-reduce is inside its "

@@ -11,7 +11,8 @@ raylm's BlockReader) in the same order (raylm's GlobalBatchSampler, same seed), 
 same global batch split evenly across the ranks.
 
 Rank 0 prints one line ``RESULT {json}`` with per-step wall times; bench_throughput.py
-excludes the warm-up steps.
+excludes the warm-up steps. ``run_loop`` is also Ray Train's row (raytrain_baseline.py),
+and ``build`` the HF Trainer's (hf_trainer_baseline.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every baseline takes (bench_throughput.py passes the same to each)."""
     ap.add_argument("--config_dir", required=True, help="model config (config.json)")
     ap.add_argument("--data_dir", required=True, help="raylm token cache directory")
     ap.add_argument("--global_batch", type=int, required=True)
@@ -34,41 +35,45 @@ def main() -> int:
     ap.add_argument("--threads", type=int, required=True, help="torch threads per process")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=42)
-    args = ap.parse_args()
 
-    import torch
 
-    torch.set_num_threads(args.threads)
+def build(args):
+    """The model (same config, same seed as raylm's), and the blocks' reader and order."""
     import numpy as np
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from raylm.data.reader import BlockReader
-    from raylm.data.sampler import GlobalBatchSampler, rank_share
+    from raylm.data.sampler import GlobalBatchSampler
     from raylm.data.tokenized import TokenizedDataset
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    if args.global_batch % world:
-        raise SystemExit(f"--global_batch {args.global_batch} does not split over {world} ranks")
 
     config = AutoConfig.from_pretrained(args.config_dir)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     model.train()
+    dataset = TokenizedDataset.load(args.data_dir)
+    sampler = GlobalBatchSampler(np.arange(dataset.num_samples, dtype=np.int64),
+                                 args.global_batch, args.seed)
+    return model, BlockReader(dataset), sampler, dataset.block_size
+
+
+def run_loop(args, rank: int, world: int) -> dict:
+    """The loop itself, on rank ``rank`` of ``world`` (a process group of ``world`` > 1
+    already joined: torchrun's, or Ray Train's); returns its timings and losses."""
+    import torch
+    from transformers import get_scheduler
+
+    from raylm.data.sampler import rank_share
+
+    torch.set_num_threads(args.threads)
+    model, reader, sampler, block_size = build(args)
+    parameters = sum(p.numel() for p in model.parameters())
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
                               num_training_steps=args.steps)
-
-    dataset = TokenizedDataset.load(args.data_dir)
-    reader = BlockReader(dataset)
-    sampler = GlobalBatchSampler(np.arange(dataset.num_samples, dtype=np.int64),
-                                 args.global_batch, args.seed)
 
     step_times, losses, parts = [], [], []
     for step in range(args.steps):
@@ -90,14 +95,27 @@ def main() -> int:
         # The step's parts, named as raylm's breakdown (raylm.runtime.profiling).
         parts.append({"data_wait_s": t1 - t0, "forward_backward_s": t2 - t1,
                       "clip_s": t3 - t2, "optimizer_s": t4 - t3})
+    return {"world_size": world, "threads": args.threads, "global_batch": args.global_batch,
+            "block_size": block_size, "step_times": step_times, "losses": losses,
+            "parts": parts, "parameters": parameters}
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    if args.global_batch % world:
+        raise SystemExit(f"--global_batch {args.global_batch} does not split over {world} ranks")
+    result = run_loop(args, rank, world)
     if rank == 0:
-        print("RESULT " + json.dumps({
-            "world_size": world, "threads": args.threads, "global_batch": args.global_batch,
-            "block_size": dataset.block_size, "step_times": step_times, "losses": losses,
-            "parts": parts,
-            "parameters": sum(p.numel() for p in model.parameters()),
-        }), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
     if world > 1:
         dist.destroy_process_group()
     return 0

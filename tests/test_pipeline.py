@@ -85,9 +85,11 @@ RECOMPUTE = {("gpt2", 2, "1f1b"): "full", ("llama", 2, "zero_bubble"): "full",
              ("gpt2", 4, "interleaved_1f1b"): "selective", ("llama", 4, "gpipe"): "full"}
 
 
+# pp outermost (the last decorator): the runs of one world size in a row, each taking the
+# last one's rank processes (conftest's kept_ranks).
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-@pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_matches_single_process(model, pp, schedule, reference, ray_cluster,
                                          corpus_dir, cache_root, tmp_path):
     mode = RECOMPUTE.get((model, pp, schedule), "none")

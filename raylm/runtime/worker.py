@@ -313,6 +313,7 @@ class RankWorker:
         import gc
         import sys
 
+        import torch
         import torch.distributed as dist
 
         if self.snapshots is not None:
@@ -327,6 +328,8 @@ class RankWorker:
         self.__dict__.clear()
         self.__init__(rank, world_size, num_threads)
         gc.collect()
+        if torch.cuda.is_initialized():  # the cached blocks back to the GPU's other users
+            torch.cuda.empty_cache()
         return self.info()
 
     def drop_export(self) -> bool:
