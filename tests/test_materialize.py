@@ -337,7 +337,9 @@ def test_no_more_than_a_module_is_ever_allocated(model, tmp_path):
     largest = max(m_bytes for m_bytes in (
         sum(p.numel() * p.element_size() for p in block.parameters())
         for block in ref.modules() if type(block).__name__.endswith(("Block", "DecoderLayer"))))
-    assert peak.peak >= model_bytes
+    # (The heap is the process's: a thread of Ray's freeing a few KB meanwhile can leave
+    # the peak that much short of the model; seen once, 12 KB of 15.9 MB.)
+    assert peak.peak >= 0.99 * model_bytes, (peak.peak, model_bytes)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     del ref
 
