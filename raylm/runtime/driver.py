@@ -151,9 +151,8 @@ class Driver:
         # Where the run's start-up went, in seconds (STARTUP_PARTS; the first step's time
         # is its history's): the log's "started in" line and all_results.json's startup_s.
         self.startup: dict = {}
-        # Rank processes a last run left up (raylm.keep_ranks) that this run may take,
-        # and whether this run finished (then its own may stay up for the next).
-        self.kept: Optional[kept.KeptRanks] = None
+        # Whether this run finished (then its ranks may stay up for the next run:
+        # raylm.keep_ranks).
         self.finished = False
 
     # -- state machine ---------------------------------------------------------------------
@@ -200,10 +199,8 @@ class Driver:
                 cap = min(cap, cfg.max_workers)
             with _timed(self.startup, "plan"):
                 plan = self.plan(inputs, cap)
-            self.kept = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu)
             with _timed(self.startup, "data"):
-                # Ray Data's tokenization tasks need the CPUs that kept ranks hold.
-                data = prepare_data(cfg, inputs, before_tokenizing=self._release_kept)
+                data = prepare_data(cfg, inputs)  # (stops kept ranks before tokenizing)
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
@@ -295,8 +292,9 @@ class Driver:
     def _take_kept(self, plan: Plan) -> bool:
         """Start with the rank processes a last run kept (raylm.keep_ranks), each as
         the rank ``plan`` puts on its node (a tensor-parallel group on one node). False,
-        with them stopped, when they cannot be placed so or one does not answer."""
-        ranks, self.kept = self.kept, None
+        with them stopped, when there are none of this shape, they cannot be placed so,
+        or one does not answer."""
+        ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu)
         if ranks is None:
             return False
         order = _place(plan, ranks.node_ids)
@@ -315,12 +313,6 @@ class Driver:
         self.pg, self.growth_pgs = ranks.pgs[0], ranks.pgs[1:]
         log.info("%d rank process(es) kept from the last run", len(self.workers))
         return True
-
-    def _release_kept(self) -> None:
-        if self.kept is not None:
-            log.info("stopping the kept rank processes (tokenizing needs their CPUs)")
-            self.kept.release()
-            self.kept = None
 
     def _keep(self) -> bool:
         """Leave this run's ranks up for the next (raylm.keep_ranks): when it finished
@@ -377,7 +369,6 @@ class Driver:
         return self._wait([w.state_digest.remote() for w in self.workers])
 
     def _teardown(self, keep: bool = False) -> None:
-        self._release_kept()  # (a run that failed before it took them)
         if keep:
             self._keep()
         _kill(self.workers)

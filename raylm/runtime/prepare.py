@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -301,11 +301,10 @@ def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
     return record
 
 
-def prepare_data(cfg: TrainConfig, inputs: Inputs,
-                 before_tokenizing: Optional[Callable[[], None]] = None) -> Data:
-    """Tokenize (or reuse the cache) and choose the train and eval sample ids;
-    ``before_tokenizing`` is called before any tokenizing starts. Rank processes kept
-    between runs (raylm.keep_ranks) are stopped first: Ray Data's tasks need their CPUs."""
+def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
+    """Tokenize (or reuse the cache) and choose the train and eval sample ids. Rank
+    processes kept between runs (raylm.keep_ranks) are stopped before any tokenizing:
+    Ray Data's tasks may need their CPUs."""
     from raylm.data.sampler import split_train_eval
     from raylm.data.tokenized import build_tokenized_dataset
 
@@ -315,7 +314,7 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs,
             line_by_line=cfg.line_by_line, text_column=cfg.text_column,
             cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
             keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
-            before_tokenizing=lambda: _release_ranks(before_tokenizing))
+            before_tokenizing=_release_kept_ranks)
 
     train = build(inputs.train_files) if inputs.train_files else None
     if train is not None:
@@ -353,12 +352,10 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs,
                 eval_sets=eval_sets)
 
 
-def _release_ranks(before_tokenizing: Optional[Callable[[], None]]) -> None:
+def _release_kept_ranks() -> None:
     from raylm.runtime import kept  # (Ray: only once there is something to tokenize)
 
     kept.release()
-    if before_tokenizing is not None:
-        before_tokenizing()
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
