@@ -158,6 +158,26 @@ class TrainConfig:
     data_cache_dir: Optional[str] = _f(
         None, "Where tokenized blocks are cached (default: $RAYLM_CACHE_DIR or "
         "~/.cache/raylm).", "data")
+    piece_size_mb: float = _f(
+        64.0, "Text and JSON Lines files larger than this (MiB) are read as pieces of this "
+        "size, cut at line boundaries, and parquet files as runs of row groups of about "
+        "this size: the pieces of one file tokenize in parallel, on any node. Each piece "
+        "is packed into blocks on its own.", "data")
+    streaming: Optional[bool] = _f(
+        None, "Tokenize while training runs instead of into the cache first: Ray Data "
+        "reads the pieces in a seeded order and the ranks train on its blocks as they "
+        "come, so the first step starts within seconds whatever the corpus size. Needs "
+        "--max_steps. The order is shuffled within windows of --shuffle_buffer_size "
+        "samples; it does not depend on the layout, and a checkpoint resumes it where it "
+        "stood. Unset: streaming for training data over 1 GiB when the run allows it "
+        "(--max_steps, steps strategies, a --validation_file or no evaluation), else the "
+        "cache.", "data")
+    shuffle_buffer_size: int = _f(
+        1000, "--streaming: samples per shuffle window (datasets' buffer_size). The "
+        "driver holds two or three windows' block references.", "data")
+    streaming_buffer_mb: float = _f(
+        256.0, "--streaming: object-store memory (MiB) that Ray Data may fill with "
+        "tokenized blocks the trainer has not taken yet; beyond it its tasks pause.", "data")
 
     # --- optimisation (run_clm / TrainingArguments names) --------------------------------
     do_train: Optional[bool] = _f(None, "Train. Default: on, unless only --do_eval is given.")
@@ -450,7 +470,8 @@ class TrainConfig:
                            "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False,
                            "mean_noise_span_length": 3.0, "use_peft": False,
                            "lora_rank": None, "lora_alpha": None, "lora_dropout": None,
-                           "lora_target_modules": []}
+                           "lora_target_modules": [], "streaming": None,
+                           "shuffle_buffer_size": 1000, "piece_size_mb": 64.0}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

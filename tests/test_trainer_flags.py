@@ -35,6 +35,8 @@ def test_hyphen_spellings_and_the_old_evaluation_strategy_name():
     assert (cfg.eval_strategy, cfg.save_strategy, cfg.do_eval) == ("epoch", "no", False)
     assert cfg.warmup_ratio == 0.1
     assert parse("--eval-strategy", "steps", "--eval_steps", "5").eval_strategy == "steps"
+    assert parse("--streaming").streaming is True  # (HF's flag: tokenize while training)
+    assert parse("--streaming", "false").streaming is False
 
 
 @pytest.mark.parametrize("args, says", [
@@ -42,7 +44,6 @@ def test_hyphen_spellings_and_the_old_evaluation_strategy_name():
                                         "itself: use --zero_stage 1, 2 or 3"),
     (["--fsdp", "full_shard"], "--fsdp: raylm shards data-parallel state itself"),
     (["--push-to-hub"], "--push_to_hub: raylm does not upload"),
-    (["--streaming"], "--streaming: streaming is not built in raylm yet"),
     (["--fp16_opt_level", "O1"], "--fp16_opt_level: raylm's --fp16 is torch.autocast"),
     (["--local_rank=0"], "--local_rank: raylm starts one Ray actor per rank itself"),
 ])

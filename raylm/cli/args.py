@@ -29,7 +29,6 @@ GROUP_TITLES = {
 
 
 _ZERO = "raylm shards data-parallel state itself: use --zero_stage 1, 2 or 3 (3 is FSDP2)"
-_NOT_YET = "is not built in raylm yet"
 # Flags of TrainingArguments, run_clm.py and the Habana examples that raylm does not take:
 # flag (underscore spelling) -> what to do instead.
 FOREIGN = {
@@ -58,8 +57,6 @@ FOREIGN = {
     "fp16_opt_level": "raylm's --fp16 is torch.autocast with fp32 master weights (apex's "
                       "O2); drop the flag",
     "half_precision_backend": "raylm's --bf16 and --fp16 are torch.autocast; drop the flag",
-    "streaming": f"streaming {_NOT_YET}: the data is tokenized into a cache first "
-                 "(`raylm tokenize` builds it ahead)",
 }
 
 

@@ -63,15 +63,7 @@ class BlockReader:
             input_ids[rows] = tokens[local]
             lengths[rows] = shard_lengths[local]
 
-        input_ids_t = torch.from_numpy(input_ids).long()
-        attention_mask = torch.arange(self.block_size) < torch.from_numpy(lengths).long()[:, None]
-        labels = input_ids_t.masked_fill(~attention_mask, IGNORE_INDEX)
-        if pad.any():
-            labels[torch.from_numpy(pad)] = IGNORE_INDEX
-        # sample_ids: PAD_ID for filler rows; a copy, as ids may be a read-only array
-        # Ray passed.
-        return {"input_ids": input_ids_t, "labels": labels,
-                "attention_mask": attention_mask.long(), "sample_ids": torch.tensor(ids)}
+        return _batch(ids, input_ids, lengths, pad, self.block_size)
 
     def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         shard = self._shards.get(index)
@@ -96,6 +88,96 @@ class BlockReader:
         tokens = np.ascontiguousarray(values.reshape(table.num_rows, self.block_size))
         lengths = table.column("length").to_numpy().astype(np.int32, copy=False)
         return tokens, lengths
+
+
+class StreamReader:
+    """Reads streamed samples by id (raylm.data.stream) from the Ray Data blocks the
+    driver names with each step (``hold``): a block is fetched from the object store on
+    first use (zero-copy on its own node) and dropped once neither of the last two
+    steps' lists names it."""
+
+    def __init__(self, spec):
+        self.block_size = spec.block_size
+        self._refs: dict = {}      # hex -> ObjectRef, of the blocks held
+        self._loaded: dict = {}    # hex -> (sorted ids, their rows, tokens, lengths)
+        self._last: set = set()
+        self._lock = threading.Lock()
+
+    def hold(self, refs: list) -> None:
+        keys = {r.hex(): r for r in refs}
+        with self._lock:
+            keep = set(keys) | self._last
+            self._refs = {k: r for k, r in {**self._refs, **keys}.items() if k in keep}
+            self._loaded = {k: v for k, v in self._loaded.items() if k in keep}
+            self._last = set(keys)
+
+    def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pad = ids == PAD_ID
+        input_ids = np.zeros((len(ids), self.block_size), dtype=np.int32)
+        lengths = np.full(len(ids), self.block_size, dtype=np.int32)
+        missing = ~pad
+        with self._lock:
+            keys = list(self._refs)
+        for key in keys:
+            if not missing.any():
+                break
+            sorted_ids, rows, tokens, block_lengths = self._block(key)
+            want = ids[missing]
+            at = np.clip(np.searchsorted(sorted_ids, want), 0, len(sorted_ids) - 1)
+            hit = sorted_ids[at] == want
+            if hit.any():
+                where = np.flatnonzero(missing)[hit]
+                input_ids[where] = tokens[rows[at[hit]]]
+                lengths[where] = block_lengths[rows[at[hit]]]
+                missing[where] = False
+        if missing.any():
+            raise KeyError(f"sample {int(ids[missing][0])} is in none of the blocks the "
+                           "driver sent with this step")
+        return _batch(ids, input_ids, lengths, pad, self.block_size)
+
+    def _block(self, key: str):
+        import ray
+
+        with self._lock:
+            block = self._loaded.get(key)
+            ref = self._refs.get(key)
+        if block is not None:
+            return block
+        table = ray.get(ref)
+        from raylm.data.stream import sample_ids
+
+        ids = sample_ids(table.column("piece").to_numpy(), table.column("seq").to_numpy())
+        values = table.column("input_ids").combine_chunks().flatten().to_numpy(
+            zero_copy_only=False)
+        tokens = values.reshape(table.num_rows, self.block_size)
+        order = np.argsort(ids, kind="stable")
+        block = (ids[order], order, tokens,
+                 table.column("length").to_numpy().astype(np.int32, copy=False))
+        with self._lock:
+            if key in self._refs:
+                self._loaded[key] = block
+        return block
+
+
+def make_reader(dataset):
+    """The reader of a TokenizedDataset (the cache) or a StreamSpec (--streaming)."""
+    if getattr(dataset, "streaming", False):
+        return StreamReader(dataset)
+    return BlockReader(dataset)
+
+
+def _batch(ids: np.ndarray, input_ids: np.ndarray, lengths: np.ndarray, pad: np.ndarray,
+           block_size: int) -> dict[str, torch.Tensor]:
+    input_ids_t = torch.from_numpy(input_ids).long()
+    attention_mask = torch.arange(block_size) < torch.from_numpy(lengths).long()[:, None]
+    labels = input_ids_t.masked_fill(~attention_mask, IGNORE_INDEX)
+    if pad.any():
+        labels[torch.from_numpy(pad)] = IGNORE_INDEX
+    # sample_ids: PAD_ID for filler rows; a copy, as ids may be a read-only array
+    # Ray passed.
+    return {"input_ids": input_ids_t, "labels": labels,
+            "attention_mask": attention_mask.long(), "sample_ids": torch.tensor(ids)}
 
 
 class Prefetcher:

@@ -233,20 +233,36 @@ def _prefix(flag: Optional[str]) -> str:
 
 
 def iter_text_chunks(path: str, chunk_bytes: int = TEXT_CHUNK_BYTES,
-                     flag: Optional[str] = None) -> Iterator[str]:
+                     flag: Optional[str] = None, start: int = 0,
+                     end: Optional[int] = None) -> Iterator[str]:
     """Decode a UTF-8 file chunk by chunk; every chunk but the last ends with a newline.
+
+    ``start``/``end``: only the lines that begin at a byte offset in [start, end) (a
+    piece of the file, raylm.data.pieces): the pieces of a file then hold each line once,
+    found by each reader on its own.
 
     Raises ConfigError naming the file and the byte offset of the first invalid byte. The
     incremental decoding is hand-written because the offset must be exact across chunk
     boundaries (``codecs``' incremental decoders report offsets into their own buffer).
     """
     fs, fs_path = filesystem_for(path)
-    offset = 0          # file offset of data[0]
     carry_bytes = b""   # an incomplete multi-byte character cut by the chunk boundary
     carry_text = ""     # text after the last newline, completed by the next chunk
-    with fs.open_input_stream(fs_path) as stream:
+    with (fs.open_input_file(fs_path) if start or end is not None
+          else fs.open_input_stream(fs_path)) as stream:
+        offset = 0  # file offset of data[0]
+        remaining = None  # bytes left to read (None: to the end)
+        if start or end is not None:
+            size = stream.size()
+            offset = line_start(stream, start, size)
+            stop = size if end is None or end >= size else line_start(stream, end, size)
+            remaining = max(0, stop - offset)
+            stream.seek(offset)
         while True:
-            chunk = stream.read(chunk_bytes)
+            want = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
+            chunk = stream.read(want) if want else b""
+            if remaining is not None:
+                remaining -= len(chunk)
             eof = not chunk
             data = carry_bytes + chunk
             try:
@@ -270,6 +286,36 @@ def iter_text_chunks(path: str, chunk_bytes: int = TEXT_CHUNK_BYTES,
             carry_text = text[cut:]
 
 
+def line_start(f, pos: int, size: int) -> int:
+    """The offset of the first line that begins at or after ``pos`` in the random-access
+    file ``f`` (0, or just past a newline; ``size`` when none does)."""
+    if pos <= 0:
+        return 0
+    if pos >= size:
+        return size
+    f.seek(pos - 1)
+    at = pos - 1
+    while True:
+        data = f.read(1 << 16)
+        if not data:
+            return size
+        i = data.find(b"\n")
+        if i >= 0:
+            return at + i + 1
+        at += len(data)
+
+
+def read_line_range(path: str, start: int, end: Optional[int]) -> bytes:
+    """The bytes of the lines that begin in [start, end) (a JSON Lines piece)."""
+    fs, fs_path = filesystem_for(path)
+    with fs.open_input_file(fs_path) as f:
+        size = f.size()
+        lo = line_start(f, start, size)
+        hi = size if end is None or end >= size else line_start(f, end, size)
+        f.seek(lo)
+        return f.read(max(0, hi - lo))
+
+
 def _table_info(path: str) -> tuple[pa.Schema, Optional[int]]:
     """Schema of a .jsonl/.json/.csv/.parquet file, and its row count where that is free
     (the parquet footer; None for the others)."""
@@ -282,14 +328,28 @@ def _table_info(path: str) -> tuple[pa.Schema, Optional[int]]:
         return _stream_reader(path, stream, None).schema, None
 
 
-def _iter_column(path: str, column: str) -> Iterator[pa.Array]:
-    """One column of a .jsonl/.json/.csv/.parquet file, streamed in batches."""
+def _iter_column(path: str, column: str, piece: Optional[tuple] = None) -> Iterator[pa.Array]:
+    """One column of a .jsonl/.json/.csv/.parquet file, streamed in batches. ``piece``:
+    (first, end) row groups of a parquet file, or the byte range of a JSON Lines one
+    whose lines are read (raylm.data.pieces)."""
     fs, fs_path = filesystem_for(path)
     if extension(path) == ".parquet":
         with fs.open_input_file(fs_path) as f:
-            for batch in pq.ParquetFile(f).iter_batches(
-                    batch_size=TABLE_BATCH_ROWS, columns=[column]):
+            pf = pq.ParquetFile(f)
+            groups = (list(range(piece[0], min(piece[1], pf.num_row_groups)))
+                      if piece is not None else None)
+            if groups == []:
+                return
+            for batch in pf.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=[column],
+                                         row_groups=groups):
                 yield batch.column(0)
+        return
+    if piece is not None:
+        data = read_line_range(path, piece[0], piece[1])
+        if not data.strip():
+            return
+        for batch in _stream_reader(path, pa.BufferReader(data), column):
+            yield batch.column(0)
         return
     with fs.open_input_stream(fs_path) as stream:
         for batch in _stream_reader(path, stream, column):
@@ -353,45 +413,54 @@ def _read_error(path: str, e: Exception, flag: Optional[str]) -> ConfigError:
 
 
 def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[str] = None,
-               chunk_bytes: int = TEXT_CHUNK_BYTES,
-               keep_linebreaks: bool = False) -> Iterator[list[str]]:
+               chunk_bytes: int = TEXT_CHUNK_BYTES, keep_linebreaks: bool = False,
+               piece: Optional[tuple] = None) -> Iterator[list[str]]:
     """The texts of one file, in order, in batches (lists of strings).
 
     Texts are lines for .txt/.text files (ending with their "\\n" with
     ``keep_linebreaks``: the `datasets` text loader's option, which run_clm turns on) and
     rows of the text column otherwise; a missing (null) value is an empty text.
+    ``piece``: only a piece of the file (raylm.data.pieces: a byte range of a text or
+    JSON Lines file, row groups of a parquet file).
     """
     if extension(path) in TEXT_EXTENSIONS:
-        for chunk in iter_text_chunks(path, chunk_bytes, flag):
+        start, end = piece if piece is not None else (0, None)
+        for chunk in iter_text_chunks(path, chunk_bytes, flag, start, end):
             if keep_linebreaks:  # universal newlines, as the loader's open() reads them
                 chunk = chunk.replace("\r\n", "\n").replace("\r", "\n")
             yield chunk.splitlines(keepends=keep_linebreaks)
         return
     try:
         column = resolve_text_column(_table_info(path)[0], text_column, path, flag)
-        for array in _iter_column(path, column):
+        for array in _iter_column(path, column, piece):
             yield [t if t is not None else "" for t in array.to_pylist()]
     except (pa.ArrowException, OSError) as e:
-        raise _read_error(path, e, flag) from None
+        where = (f" (bytes {piece[0]}-{piece[1]})" if piece is not None
+                 and extension(path) != ".parquet" else
+                 f" (row groups {piece[0]}-{piece[1] - 1})" if piece is not None else "")
+        raise _read_error(path + where, e, flag) from None
 
 
 # --- validate_files ------------------------------------------------------------------------
 
 def validate_files(files: list[str], text_column: Optional[str],
-                   flag: str = "--train_file") -> None:
+                   flag: str = "--train_file", scan: bool = True) -> None:
     """Cheap checks of every file before anything starts; raises ConfigError on the first bad one.
 
     Text formats are scanned once for UTF-8 validity (streaming); tables are opened to find
     the text column and at least one row (parquet: from its footer, without reading data).
+    ``scan=False`` (--streaming, where a pass over the corpus is what is avoided): text
+    formats are checked in their first chunk only; a bad byte further on stops the run
+    when the stream reaches it, naming the file and offset.
     """
     for path in files:
         try:
-            _validate_one(path, text_column, flag)
+            _validate_one(path, text_column, flag, scan)
         except OSError as e:  # e.g. an object store refusing access
             raise ConfigError(f"{flag}: cannot read {path}: {_one_line(e)}") from None
 
 
-def _validate_one(path: str, text_column: Optional[str], flag: str) -> None:
+def _validate_one(path: str, text_column: Optional[str], flag: str, scan: bool = True) -> None:
     ext = extension(path)
     if ext not in SUPPORTED_EXTENSIONS:
         raise ConfigError(f"{flag}: {path}: unsupported file type '{ext or '(none)'}' "
@@ -404,8 +473,10 @@ def _validate_one(path: str, text_column: Optional[str], flag: str) -> None:
         raise ConfigError(f"{flag}: {path} is empty")
     if ext in UTF8_EXTENSIONS:
         has_text = False
-        for chunk in iter_text_chunks(path, flag=flag):
+        for chunk in iter_text_chunks(path, TEXT_CHUNK_BYTES if scan else 1 << 16, flag):
             has_text = has_text or not chunk.isspace()
+            if has_text and not scan:
+                break
         if not has_text:
             raise ConfigError(f"{flag}: {path} is empty (only whitespace)")
     if ext in TABLE_EXTENSIONS:

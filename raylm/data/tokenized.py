@@ -38,11 +38,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raylm.data.pieces import DEFAULT_PIECE_MB, Piece, plan_pieces
 from raylm.data.sources import TEXT_CHUNK_BYTES, filesystem_for, iter_texts
 from raylm.errors import ConfigError
 
 # Bump when the meaning or layout of the cached data changes: old caches are then ignored.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files cut into pieces (raylm.data.pieces)
 MANIFEST = "manifest.json"
 CACHE_PREFIX = "tokens-"
 TMP_PREFIX = ".tmp-"
@@ -58,8 +59,8 @@ TASK_NUM_CPUS = 0.5
 # traceback text, so a ConfigError raised in a task would reach the driver as a traceback
 # rather than as one line. Returning it as data keeps the message intact.
 _TASK_SCHEMA = pa.schema([
-    ("file_index", pa.int32()),
-    ("seq", pa.int64()),          # block number within its file
+    ("piece", pa.int32()),        # raylm.data.pieces: Piece.index
+    ("seq", pa.int64()),          # block number within its piece
     ("input_ids", pa.list_(pa.int32())),
     ("length", pa.int32()),
     ("error", pa.string()),
@@ -121,12 +122,13 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
                             cache_root: Optional[str] = None,
                             num_workers: Optional[int] = None, keep_linebreaks: bool = True,
                             overwrite: bool = False,
-                            before_tokenizing: Optional[Callable[[], None]] = None
-                            ) -> TokenizedDataset:
+                            before_tokenizing: Optional[Callable[[], None]] = None,
+                            piece_mb: float = DEFAULT_PIECE_MB) -> TokenizedDataset:
     """Tokenize ``files`` into the cache, or return the cache built earlier from the same inputs.
 
     Default: run_clm's ``group_texts`` per file (concatenate the token ids of all its texts,
-    cut ``block_size`` blocks, drop the remainder); a text file's texts are its lines, with
+    cut ``block_size`` blocks, drop the remainder), or per piece of ``piece_mb`` MiB of a
+    larger file (raylm.data.pieces: the pieces tokenize in parallel); a text file's texts are its lines, with
     their line breaks unless ``keep_linebreaks`` is False (run_clm's --keep_linebreaks).
     ``line_by_line``: one sample per non-empty line or row, truncated to ``block_size`` and
     padded (lines without their breaks, as run_mlm reads them). ``overwrite``: build anew
@@ -148,7 +150,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     root = cache_root or default_cache_root()
     keep_linebreaks = keep_linebreaks and not line_by_line
     key = cache_key(files, tokenizer_dir, block_size, line_by_line, text_column,
-                    keep_linebreaks)
+                    keep_linebreaks, piece_mb)
     fs, root_path = filesystem_for(root)
     final_path = posixpath.join(root_path, CACHE_PREFIX + key)
     local = isinstance(fs, pafs.LocalFileSystem)
@@ -161,16 +163,17 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     if local:
         _remove_stale_tmp(root_path, key)
     tokenizer = load_tokenizer(tokenizer_dir)
-    pad_token_id = _pad_token_id(tokenizer, line_by_line, tokenizer_dir)
+    pad_token_id = pad_token_id_for(tokenizer, line_by_line, tokenizer_dir)
 
     # Everything is written under a temporary name and renamed into place at the end: a
     # build that crashes leaves only a .tmp- directory, which is never read as a cache.
     tmp_path = posixpath.join(root_path, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
     fs.create_dir(tmp_path, recursive=True)
     try:
-        shards, per_file = _tokenize_into(tmp_path, fs, files, tokenizer_dir, block_size,
-                                          line_by_line, text_column, pad_token_id,
-                                          num_workers, keep_linebreaks)
+        shards, per_file = _tokenize_into(tmp_path, fs, plan_pieces(files, piece_mb), len(files),
+                                          tokenizer_dir, block_size, line_by_line,
+                                          text_column, pad_token_id, num_workers,
+                                          keep_linebreaks)
         num_samples = sum(per_file)
         if num_samples == 0:
             raise ConfigError(_no_samples_message(files, block_size, line_by_line))
@@ -216,7 +219,8 @@ def _remove_stale_tmp(root_path: str, key: str) -> None:
 # --- cache identity ------------------------------------------------------------------------
 
 def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_line: bool,
-              text_column: Optional[str], keep_linebreaks: bool = True) -> str:
+              text_column: Optional[str], keep_linebreaks: bool = True,
+              piece_mb: float = DEFAULT_PIECE_MB) -> str:
     """Digest of everything the cached samples depend on.
 
     Files are identified by path, size and modification time (what the filesystem reports
@@ -237,6 +241,7 @@ def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_lin
         "line_by_line": bool(line_by_line),
         "text_column": text_column,
         "keep_linebreaks": bool(keep_linebreaks),
+        "piece_mb": float(piece_mb),
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -330,7 +335,7 @@ def load_tokenizer(tokenizer_dir: str):
     return tokenizer
 
 
-def _pad_token_id(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
+def pad_token_id_for(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         if line_by_line:
@@ -343,14 +348,16 @@ def _pad_token_id(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
 def tokenize_file(path: str, tokenizer, block_size: int, line_by_line: bool,
                   text_column: Optional[str], pad_token_id: int,
                   chunk_bytes: int = TEXT_CHUNK_BYTES,
-                  keep_linebreaks: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The samples of one file, in order, as (input_ids [n, block_size] int32, length [n]).
+                  keep_linebreaks: bool = False,
+                  piece: Optional[tuple] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The samples of one file (or of one piece of it: raylm.data.pieces), in order, as
+    (input_ids [n, block_size] int32, length [n]).
 
     Streams: memory holds one batch of texts plus fewer than ``block_size`` carried tokens.
     """
     pending = np.empty(0, dtype=np.int32)  # tokens not yet filling a block
     for texts in iter_texts(path, text_column, chunk_bytes=chunk_bytes,
-                            keep_linebreaks=keep_linebreaks):
+                            keep_linebreaks=keep_linebreaks, piece=piece):
         if line_by_line:
             texts = [t for t in texts if t and not t.isspace()]
             if not texts:
@@ -382,19 +389,24 @@ def _flatten(ids: list[list[int]], total: int) -> np.ndarray:
 
 def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
                    line_by_line: bool, text_column: Optional[str],
-                   pad_token_id: int, keep_linebreaks: bool) -> Iterator[pa.Table]:
-    """Ray Data UDF: tokenize the files listed in ``batch`` (columns index, path)."""
+                   pad_token_id: int, keep_linebreaks: bool,
+                   chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[pa.Table]:
+    """Ray Data UDF: tokenize the pieces listed in ``batch`` (Piece.to_item's columns),
+    yielding a table per ``chunk_bytes`` of text read."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    for index, path in zip(batch.column("index").to_pylist(), batch.column("path").to_pylist()):
+    for item in batch.to_pylist():
+        piece = Piece.from_item(item)
         seq = 0
         try:
-            for blocks, lengths in tokenize_file(path, tokenizer, block_size, line_by_line,
-                                                 text_column, pad_token_id,
-                                                 keep_linebreaks=keep_linebreaks):
-                yield _task_table(index, seq, blocks, lengths)
+            for blocks, lengths in tokenize_file(piece.path, tokenizer, block_size,
+                                                 line_by_line, text_column, pad_token_id,
+                                                 chunk_bytes=chunk_bytes,
+                                                 keep_linebreaks=keep_linebreaks,
+                                                 piece=piece.range):
+                yield _task_table(piece.index, seq, blocks, lengths)
                 seq += len(blocks)
         except ConfigError as e:
-            yield _error_table(index, str(e))
+            yield _error_table(piece.index, str(e))
             return
 
 
@@ -413,39 +425,55 @@ def _task_table(index: int, seq0: int, blocks: np.ndarray, lengths: np.ndarray) 
 
 def _error_table(index: int, message: str) -> pa.Table:
     return pa.Table.from_pylist(
-        [{"file_index": index, "seq": -1, "input_ids": [], "length": 0, "error": message}],
+        [{"piece": index, "seq": -1, "input_ids": [], "length": 0, "error": message}],
         schema=_TASK_SCHEMA)
 
 
-def _tokenize_into(out_path: str, fs: pafs.FileSystem, files: list[str], tokenizer_dir: str,
-                   block_size: int, line_by_line: bool, text_column: Optional[str],
-                   pad_token_id: int, num_workers: Optional[int], keep_linebreaks: bool):
-    """Run the Ray Data job and write its output as shards under ``out_path``.
-
-    Returns the shard list for the manifest (in global-id order, with offsets) and the
-    number of samples per input file.
-    """
+def quiet_ray_data() -> None:
+    """raylm logs one summary line per build; Ray Data's progress lines would drown it."""
     import logging
 
     import ray.data
 
-    # raylm logs one summary line per build; Ray Data's progress lines would drown it.
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
 
-    # One input row, and one block, per file: Ray Data then runs a task per file (or per
-    # few files when there are many), bounded by num_workers.
-    items = [{"index": i, "path": p} for i, p in enumerate(files)]
-    ds = ray.data.from_items(items, override_num_blocks=len(files))
-    ds = ds.map_batches(
+
+def tokenizing_dataset(pieces: list[Piece], tokenizer_dir: str, block_size: int,
+                       line_by_line: bool, text_column: Optional[str], pad_token_id: int,
+                       num_workers: Optional[int], keep_linebreaks: bool,
+                       num_cpus: float = TASK_NUM_CPUS, chunk_bytes: int = TEXT_CHUNK_BYTES):
+    """The Ray Data pipeline that tokenizes ``pieces``: one input row, and one block, per
+    piece, so Ray Data runs a task per piece (or per few when there are many), at most
+    ``num_workers`` at a time. Its rows: _TASK_SCHEMA."""
+    import ray.data
+
+    quiet_ray_data()
+    items = [p.to_item() for p in pieces]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    return ds.map_batches(
         _tokenize_task, batch_size=1, batch_format="pyarrow",
         fn_kwargs=dict(tokenizer_dir=tokenizer_dir, block_size=block_size,
                        line_by_line=line_by_line, text_column=text_column,
-                       pad_token_id=pad_token_id, keep_linebreaks=keep_linebreaks),
-        num_cpus=TASK_NUM_CPUS,
+                       pad_token_id=pad_token_id, keep_linebreaks=keep_linebreaks,
+                       chunk_bytes=chunk_bytes),
+        num_cpus=num_cpus,
         compute=ray.data.TaskPoolStrategy(size=num_workers) if num_workers else None)
+
+
+def _tokenize_into(out_path: str, fs: pafs.FileSystem, pieces: list[Piece], num_files: int,
+                   tokenizer_dir: str, block_size: int, line_by_line: bool,
+                   text_column: Optional[str], pad_token_id: int,
+                   num_workers: Optional[int], keep_linebreaks: bool):
+    """Run the Ray Data job and write its output as shards under ``out_path``.
+
+    Returns the shard list for the manifest (in global-id order, with offsets) and the
+    number of samples per input file.
+    """
+    ds = tokenizing_dataset(pieces, tokenizer_dir, block_size, line_by_line, text_column,
+                            pad_token_id, num_workers, keep_linebreaks)
 
     runs = []  # (file_index, first seq, rows, shard file name)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -458,15 +486,17 @@ def _tokenize_into(out_path: str, fs: pafs.FileSystem, files: list[str], tokeniz
                            posixpath.join(out_path, name), filesystem=fs)
             runs.append((index, seq0, table.num_rows, name))
 
-    # Order the shards by (file, first block) and check they tile each file exactly.
+    # Order the shards by (piece, first block) and check they tile each piece exactly.
     runs.sort()
-    per_file = [0] * len(files)
+    per_piece = [0] * len(pieces)
+    per_file = [0] * num_files
     shards, offset = [], 0
     for index, seq0, rows, name in runs:
-        if seq0 != per_file[index]:
-            raise RuntimeError(f"internal error: blocks of {files[index]} arrived with a gap "
-                               f"or overlap at block {seq0}")
-        per_file[index] += rows
+        if seq0 != per_piece[index]:
+            raise RuntimeError(f"internal error: blocks of {pieces[index].describe()} arrived "
+                               f"with a gap or overlap at block {seq0}")
+        per_piece[index] += rows
+        per_file[pieces[index].file_index] += rows
         shards.append({"file": name, "offset": offset, "rows": rows})
         offset += rows
     return shards, per_file
@@ -480,7 +510,7 @@ def _contiguous_runs(batch: pa.Table) -> Iterator[tuple[int, int, pa.Table]]:
     """
     if batch.num_rows == 0:
         return
-    file_index = batch.column("file_index").to_numpy()
+    file_index = batch.column("piece").to_numpy()
     seq = batch.column("seq").to_numpy()
     order = np.lexsort((seq, file_index))
     if not np.array_equal(order, np.arange(len(order))):

@@ -39,6 +39,7 @@ from raylm.checkpoint.manager import TRAINER_STATE, CheckpointManager, read_trai
 from raylm.config import TrainConfig
 from raylm.data.sampler import (GlobalBatchSampler, micro_batches, padded_step_schedule,
                                 rank_share, step_schedule)
+from raylm.data.stream import DataStreamError
 from raylm.errors import ConfigError, TrainingFailed
 from raylm.models.lora import lora_line, lora_model_dirs, point_adapter_at_own_base
 from raylm.models.objectives import PREDICTS_A_SAMPLE
@@ -115,6 +116,8 @@ class Driver:
         self.callbacks = list(callbacks)
         self.state = None
         self.steps_per_epoch = None  # the sampler's, once training starts
+        self.stream_warned = False  # --streaming's slow-pipeline warning, once
+        self.stream = None  # --streaming's TokenStream (raylm.data.stream)
         self.workers: list = []
         self.worker_info: list[dict] = []
         self.inflight: list = []  # the ranks' calls of the step under way
@@ -201,6 +204,7 @@ class Driver:
                 plan = self.plan(inputs, cap)
             with _timed(self.startup, "data"):
                 data = prepare_data(cfg, inputs)  # (stops kept ranks before tokenizing)
+            self.stream = data.stream
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
@@ -219,6 +223,8 @@ class Driver:
                 return self._train(inputs, data, plan)
             return self._evaluate_only(inputs, data, plan)
         finally:
+            if self.stream is not None:  # Ray Data's executor stops with the run
+                self.stream.close()
             self._teardown(keep=self.finished and not owns_ray)
             if self.metrics is not None:
                 self.metrics.close()  # (the sinks a failed run left open)
@@ -420,13 +426,28 @@ class Driver:
     # -- training --------------------------------------------------------------------------
     def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
         cfg = self.cfg
-        sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size, cfg.order_seed)
-        steps = total_steps(cfg, sampler.steps_per_epoch)
-        self.steps_per_epoch = sampler.steps_per_epoch  # (masked LM draws per epoch)
         self.ckpt = CheckpointManager(cfg.output_dir)
         restore = inputs.resume_from
         state = read_trainer_state(restore) if restore else {}
         start_step = state.get("step", 0)
+        if data.stream is not None:  # --streaming (raylm.data.stream): --max_steps steps
+            sampler = data.stream
+            sampler.batch = plan.global_batch_size
+            _check_stream_room(plan, sampler.task_cpus)
+            steps = cfg.max_steps
+            # (masked LM draws per epoch: a stream's epochs are not steps; one draw)
+            self.steps_per_epoch = steps + 1
+            if restore:
+                if not state.get("stream"):
+                    raise ConfigError(f"--streaming: the checkpoint {restore} was saved by a "
+                                      "run without --streaming; resume it without the flag")
+                sampler.restore(state["stream"])
+            sampler.prefetch(start_step)  # Ray Data starts while the ranks do
+        else:
+            sampler = GlobalBatchSampler(data.train_ids, plan.global_batch_size,
+                                         cfg.order_seed)
+            steps = total_steps(cfg, sampler.steps_per_epoch)
+            self.steps_per_epoch = sampler.steps_per_epoch  # (masked LM draws per epoch)
         self.best = BestTracker(cfg.metric_for_best_model, cfg.greater_is_better,
                                 cfg.early_stopping_patience, cfg.early_stopping_threshold,
                                 state.get("evaluations", ()), state.get("saved", ()))
@@ -451,8 +472,12 @@ class Driver:
                 log.info("--profile: tracing steps %d-%d on every rank into %s", first,
                          first + cfg.profile_steps - 1,
                          os.path.join(cfg.output_dir, "profile"))
-        log.info("training %d step(s): %d sample(s), %d step(s) per epoch", steps,
-                 sampler.num_samples, sampler.steps_per_epoch)
+        if data.stream is not None:
+            log.info("training %d step(s) on a stream of %d piece(s) of data, shuffled in "
+                     "windows of %d samples", steps, len(sampler.pieces), sampler.window)
+        else:
+            log.info("training %d step(s): %d sample(s), %d step(s) per epoch", steps,
+                     sampler.num_samples, sampler.steps_per_epoch)
 
         self.spec, self.block_size = inputs.spec, inputs.block_size
         self.dataset, self.total_steps = data.train, steps
@@ -502,7 +527,8 @@ class Driver:
         tokens = sum(h.get("throughput_tokens", h["tokens"]) for h in trained)
         final.update({
             "global_step": run.step,
-            "train_samples": sampler.num_samples,
+            "train_samples": (sampler.num_samples if data.stream is None
+                              else run.step * run.plan.global_batch_size),
             "train_loss": (sum(h["loss"] for h in trained) / len(trained)) if trained else None,
             "final_loss": trained[-1]["loss"] if trained else None,
             "train_runtime": train_runtime,
@@ -512,6 +538,8 @@ class Driver:
             "startup_s": {**self.startup, **({"first_step": trained[0]["step_time_s"]}
                                              if trained else {})},
         })
+        if data.stream is not None:  # samples Ray Data tokenized and the ranks could read
+            final["stream_samples_read"] = data.stream.stats.samples
         if self.best.evaluations:  # the Trainer's trainer_state names
             final.update({"best_metric": self.best.best_metric,
                           "best_global_step": self.best.best_step,
@@ -530,6 +558,7 @@ class Driver:
         cfg, run = self.cfg, self.record
         plan = run.plan
         window_tokens, window_start, window_steps = 0, time.time(), 0
+        window_stream_wait = 0.0
         window_parts = WindowBreakdown()
 
         def schedule(step):
@@ -546,9 +575,13 @@ class Driver:
             # same ids).
             cur, nxt = schedule(step), schedule(step + 1)
             commit, self.uncommitted = self.uncommitted, None
+            # --streaming: the Ray Data blocks both steps read (each rank fetches them
+            # from the object store; the driver only passes references).
+            blocks = (sampler.blocks([step, step + 1 if nxt else None])
+                      if data.stream is not None else None)
             return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
                                         nxt[plan.dims.index(r, "dp")] if nxt else None,
-                                        run.generation, commit, scale)
+                                        run.generation, commit, scale, blocks)
                     for r, w in enumerate(self.workers)]
 
         per_epoch = sampler.steps_per_epoch
@@ -564,6 +597,9 @@ class Driver:
             return cfg.at(cfg.logging_strategy, cfg.logging_steps, step, per_epoch,
                           last=steps)
 
+        def stream_wait():
+            return data.stream.stats.wait_s if data.stream is not None else 0.0
+
         t_last = time.time()
         self.last_grow_check = time.time()
         while run.step < steps:
@@ -575,7 +611,13 @@ class Driver:
             # call, the next step's or a commit of its own. A step that fails on any rank
             # commits on none.
             scale = self._loss_scale()
-            self.inflight = submit(run.step, scale.scale if scale else 1.0)
+            waited = stream_wait()
+            try:
+                self.inflight = submit(run.step, scale.scale if scale else 1.0)
+            except DataStreamError:
+                self._stop_on_data_error(sampler, fingerprint)
+                raise
+            waited = stream_wait() - waited
             results = self._wait(self.inflight)
             self.uncommitted = run.step
             run.step += 1
@@ -592,7 +634,8 @@ class Driver:
                    "grad_norm": out["grad_norm"], "tokens": out["tokens"],
                    "throughput_tokens": read, "tokens_per_second": read / wall,
                    "step_time_s": wall,
-                   "data_wait_s": max(r["data_wait_s"] for r in results),
+                   # the ranks' reads, and the driver's wait for the stream's next blocks
+                   "data_wait_s": max(r["data_wait_s"] for r in results) + waited,
                    "snapshot_s": max(r.get("snapshot_s", 0.0) for r in results),
                    # The step boundary's cost: the rank that answered last waited least.
                    "boundary_idle_s": min((r["boundary_idle_s"] for r in results
@@ -609,6 +652,10 @@ class Driver:
                     log.warning("step %d: fp16 gradients overflowed: skipped on every rank; "
                                 "loss scale %g -> %g", run.step, scale.scale, after.scale)
             run.history = [h for h in run.history if h["step"] < run.step] + [rec]
+            if data.stream is not None:
+                rec["stream_wait_s"] = waited
+                data.stream.release_before(run.step)
+                self._stream_rate_check(rec, plan.global_batch_size)
             if cfg.log_sample_ids:
                 with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
                     f.write(json.dumps({"step": run.step, "ranks": [
@@ -617,6 +664,7 @@ class Driver:
                 self._memory_report(results)
             window_tokens += read
             window_steps += 1
+            window_stream_wait += waited
             window_parts.add(rec["breakdown"])
             self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
             if logs_after(run.step):
@@ -631,6 +679,9 @@ class Driver:
                          "world_size": plan.world_size,
                          # seconds per step, of the slowest rank (runtime.profiling)
                          "breakdown": window_parts.take()}
+                if data.stream is not None:  # the driver's wait for Ray Data, per step
+                    entry["stream_wait_s"] = window_stream_wait / window_steps
+                    window_stream_wait = 0.0
                 mfu = self._mfu(entry["tokens_per_second"], plan.world_size)
                 if mfu is not None:
                     entry["mfu"] = mfu
@@ -897,6 +948,38 @@ class Driver:
                        "precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
                        "step": self.record.step, "ranks": ranks}, f, indent=2)
 
+    def _stop_on_data_error(self, sampler, fingerprint: dict) -> None:
+        """--streaming met a piece it cannot read: the steps trained since the last
+        checkpoint are saved first (when the run saves at all), so fixing or removing
+        the file and running again loses nothing."""
+        run = self.record
+        saved = [step for step, _ in self.ckpt.list()]
+        if self.cfg.save_strategy == "no" or run.step == 0 or run.step in saved:
+            return
+        try:
+            self._save_checkpoint(sampler, fingerprint)
+        except Exception as e:  # the data error is what the user must see
+            log.warning("could not save the steps trained before the data error: %s", e)
+
+    def _stream_rate_check(self, rec: dict, batch: int) -> None:
+        """Once per run: when training waits on the stream for more than a tenth of its
+        steps' time (over the last 10 steps), say what rate the pipeline reaches and what
+        training needs."""
+        recent = [h for h in self.record.history[-10:] if "stream_wait_s" in h]
+        if self.stream_warned or len(recent) < 10:
+            return
+        wait = sum(h["stream_wait_s"] for h in recent)
+        total = sum(h["step_time_s"] for h in recent)
+        if wait > 0.1 * total:
+            self.stream_warned = True
+            reached = len(recent) * batch / max(total, 1e-9)
+            needed = len(recent) * batch / max(total - wait, 1e-9)
+            log.warning("--streaming: the data pipeline keeps up with %.1f samples/s, and "
+                        "training needs %.1f: steps wait %.0f%% of their time for data "
+                        "(more CPUs for Ray Data, --preprocessing_num_workers, or build the "
+                        "cache first with `raylm tokenize`)", reached, needed,
+                        100 * wait / max(total, 1e-9))
+
     def _save_checkpoint(self, sampler: GlobalBatchSampler, fingerprint: dict) -> None:
         run = self.record
         self._send_commit()
@@ -910,6 +993,9 @@ class Driver:
         path = self.ckpt.commit(tmp, run.step, {
             "step": run.step, "epoch": sampler.epoch_of(run.step),
             "global_batch_size": run.plan.global_batch_size,
+            # --streaming: where the stream continues (raylm.data.stream)
+            "stream": (sampler.state_at(run.step) if hasattr(sampler, "state_at")
+                       else None),
             "world_size": run.plan.world_size,
             "layout": run.plan.dims.to_dict(),
             "run": fingerprint,
@@ -1329,6 +1415,19 @@ def _overflow(results: list) -> bool:
 def _loss_result(results: list) -> dict:
     """The result of a rank that computed the loss (under a pipeline, a last stage)."""
     return next((r for r in results if r.get("has_loss", True)), results[0])
+
+
+def _check_stream_room(plan: Plan, task_cpus: float) -> None:
+    """--streaming tokenizes while the ranks train: Ray Data's tasks need CPUs the ranks
+    do not reserve, or the stream never starts (Ray queues them forever)."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    reserved = plan.world_size * plan.cpus_per_worker
+    if total - reserved < task_cpus:
+        raise ConfigError(
+            f"--streaming: the {plan.world_size} rank(s) reserve {reserved:g} of the "
+            f"cluster's {total:g} CPUs, and Ray Data's tokenizing tasks need {task_cpus:g} "
+            "each while training runs: lower --cpus_per_worker or --num_workers, or add "
+            "CPUs")
 
 
 def _first_line(e: BaseException) -> str:

@@ -37,6 +37,7 @@ class Inputs:
     # With several --validation_file: each eval file's set name (eval_<name>_loss)
     eval_names: list = field(default_factory=list)
     resume_from: Optional[str] = None  # checkpoint directory
+    streaming: bool = False  # the training data is streamed (streams())
     run_record: Optional[dict] = None  # of the run being resumed
 
 
@@ -48,6 +49,7 @@ class Data:
     eval_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     # Several validation sets: [(name, ids)], reported each and together (eval_ids)
     eval_sets: list = field(default_factory=list)
+    stream: object = None  # --streaming: the TokenStream (train is then its StreamSpec)
 
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
@@ -65,7 +67,9 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
     spec = resolve_model(cfg)  # (and its objective: raylm.models.objectives)
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
-                    eval_files=eval_files, eval_names=eval_names)
+                    eval_files=eval_files, eval_names=eval_names,
+                    streaming=bool(train_files) and cfg.should_train
+                    and streams(cfg, train_files, say=True))
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
     return inputs
@@ -92,7 +96,9 @@ def _data_files(cfg: TrainConfig) -> tuple[list[str], list[str], list[str]]:
     def training_files():
         files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
                  else builtin_sample_files())
-        validate_files(files, cfg.text_column, "--train_file")
+        # (streamed data is not read whole up front: its first chunk is checked)
+        validate_files(files, cfg.text_column, "--train_file",
+                       scan=not (cfg.should_train and streams(cfg, files)))
         return files
 
     evals, names = [], []
@@ -124,7 +130,65 @@ def eval_set_names(specs: list[str]) -> list[str]:
     return names
 
 
+STREAM_AUTO_BYTES = 1 << 30
+
+
+def streams(cfg: TrainConfig, files: list[str], say: bool = False) -> bool:
+    """Whether the training data is streamed: --streaming true or false decides. Unset,
+    a corpus over STREAM_AUTO_BYTES streams when the run allows it, since tokenizing it
+    up front would keep the cluster waiting for minutes; a smaller one goes through the
+    cache, which gives a global shuffle, exact epochs and reuse across runs for the cost
+    of a short pass."""
+    if cfg.streaming is not None:
+        return bool(cfg.streaming)
+    allowed = (cfg.max_steps > 0 and cfg.max_train_samples is None
+               and "epoch" not in (cfg.save_strategy, cfg.eval_strategy,
+                                   cfg.logging_strategy)
+               and (bool(cfg.validation_file) or cfg.do_eval is False))
+    if not allowed:
+        return False
+    from raylm.data.sources import filesystem_for
+
+    total = 0
+    for path in files:
+        fs, fs_path = filesystem_for(path)
+        total += fs.get_file_info(fs_path).size or 0
+        if total > STREAM_AUTO_BYTES:
+            if say:
+                    log.info("training data over %d GiB: streamed (--streaming false to "
+                         "tokenize it into the cache first)", STREAM_AUTO_BYTES >> 30)
+            return True
+    return False
+
+
+def _check_streaming(cfg: TrainConfig) -> None:
+    """--streaming's constraints, as HF's: the length of a stream is not known ahead."""
+    if cfg.piece_size_mb <= 0:
+        raise ConfigError(f"--piece_size_mb must be > 0 (got {cfg.piece_size_mb})")
+    if not cfg.streaming:
+        return
+    if cfg.max_steps <= 0:
+        raise ConfigError("--streaming needs --max_steps: the number of samples in a stream "
+                          "is not known before it is read (as with datasets' streaming)")
+    for flag in ("save_strategy", "eval_strategy", "logging_strategy"):
+        if getattr(cfg, flag) == "epoch":
+            raise ConfigError(f"--{flag} epoch: a stream has no known epoch length; use "
+                              "steps with --streaming")
+    if cfg.max_train_samples is not None:
+        raise ConfigError("--max_train_samples is not taken with --streaming: give "
+                          "--max_steps (or build the cache without --streaming)")
+    if cfg.shuffle_buffer_size < 1:
+        raise ConfigError(f"--shuffle_buffer_size must be >= 1 (got "
+                          f"{cfg.shuffle_buffer_size})")
+    if cfg.streaming_buffer_mb <= 0:
+        raise ConfigError(f"--streaming_buffer_mb must be > 0 (got {cfg.streaming_buffer_mb})")
+    if cfg.do_eval and not (cfg.validation_file or cfg.dataset_name):
+        raise ConfigError("--do_eval with --streaming needs --validation_file: a stream has "
+                          "no held-out split")
+
+
 def _check_numbers(cfg: TrainConfig) -> None:
+    _check_streaming(cfg)
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
                 "gradient_accumulation_steps", "logging_steps", "save_steps")
     for name in positive:
@@ -314,8 +378,10 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
             line_by_line=cfg.line_by_line, text_column=cfg.text_column,
             cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
             keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
-            before_tokenizing=_release_kept_ranks)
+            before_tokenizing=_release_kept_ranks, piece_mb=cfg.piece_size_mb)
 
+    if inputs.streaming:
+        return _streaming_data(cfg, inputs, build)
     train = build(inputs.train_files) if inputs.train_files else None
     if train is not None:
         log.info("training data: %d samples of %d tokens (%s)", train.num_samples,
@@ -335,21 +401,64 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     # run_clm's --max_train_samples / --max_eval_samples: the first N samples.
     if cfg.max_train_samples is not None:
         train_ids = train_ids[:cfg.max_train_samples]
-    eval_sets = []
-    if inputs.eval_names:  # several validation sets: each file's samples in its set
-        per_set = {}
-        for name, ids in zip(inputs.eval_names, eval_ds.file_ids()):
-            per_set.setdefault(name, []).append(ids)
-        eval_sets = [(name, np.concatenate(parts)[:cfg.max_eval_samples])
-                     for name, parts in per_set.items()]
-        eval_ids = np.concatenate([ids for _, ids in eval_sets])
-    elif cfg.max_eval_samples is not None:
-        eval_ids = eval_ids[:cfg.max_eval_samples]
+    eval_ids, eval_sets = _eval_sets(cfg, inputs, eval_ds, eval_ids)
     if cfg.should_train and len(train_ids) == 0:
         raise ConfigError("no training samples left after the validation split; give more "
                           "data, a smaller --block_size or --validation_split_percentage")
     return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids,
                 eval_sets=eval_sets)
+
+
+def _eval_sets(cfg: TrainConfig, inputs: Inputs, eval_ds, eval_ids: np.ndarray):
+    """(eval ids, [(set name, ids)]): with several --validation_file, each file's samples
+    in its set; --max_eval_samples (run_clm's): the first N of each."""
+    if inputs.eval_names:
+        per_set = {}
+        for name, ids in zip(inputs.eval_names, eval_ds.file_ids()):
+            per_set.setdefault(name, []).append(ids)
+        eval_sets = [(name, np.concatenate(parts)[:cfg.max_eval_samples])
+                     for name, parts in per_set.items()]
+        return np.concatenate([ids for _, ids in eval_sets]), eval_sets
+    if cfg.max_eval_samples is not None:
+        eval_ids = eval_ids[:cfg.max_eval_samples]
+    return eval_ids, []
+
+
+def _streaming_data(cfg: TrainConfig, inputs: Inputs, build) -> Data:
+    """--streaming: nothing is tokenized up front. The training files become pieces that
+    Ray Data tokenizes while training runs (raylm.data.stream); validation files, small
+    by nature, go through the cache as without the flag."""
+    import os
+
+    from raylm.data.pieces import plan_pieces
+    from raylm.data.stream import StreamSpec, TokenStream
+    from raylm.data.tokenized import TASK_NUM_CPUS, pad_token_id_for, load_tokenizer
+
+    files = [f if "://" in f else os.path.abspath(f) for f in inputs.train_files]
+    tokenizer_dir = inputs.spec.tokenizer_dir
+    if os.path.isdir(tokenizer_dir):
+        tokenizer_dir = os.path.abspath(tokenizer_dir)
+    pad = pad_token_id_for(load_tokenizer(tokenizer_dir), cfg.line_by_line, tokenizer_dir)
+    pieces = plan_pieces(files, cfg.piece_size_mb)
+    stream = TokenStream(
+        pieces, dict(tokenizer_dir=tokenizer_dir, block_size=inputs.block_size,
+                     line_by_line=cfg.line_by_line, text_column=cfg.text_column,
+                     pad_token_id=pad,
+                     keep_linebreaks=cfg.keep_linebreaks and not cfg.line_by_line),
+        global_batch_size=0, seed=cfg.order_seed, window=cfg.shuffle_buffer_size,
+        num_workers=cfg.preprocessing_num_workers, task_cpus=TASK_NUM_CPUS,
+        buffer_mb=cfg.streaming_buffer_mb)
+    log.info("training data: streamed from %d file(s) in %d piece(s), tokenized while "
+             "training runs", len(files), len(pieces))
+    eval_ds, eval_ids, eval_sets = None, np.empty(0, np.int64), []
+    if inputs.eval_files and cfg.should_eval:
+        eval_ds = build(inputs.eval_files)
+        eval_ids, eval_sets = _eval_sets(cfg, inputs, eval_ds,
+                                         np.arange(eval_ds.num_samples, dtype=np.int64))
+    spec = StreamSpec(block_size=inputs.block_size, line_by_line=cfg.line_by_line,
+                      pad_token_id=pad)
+    return Data(train=spec, eval=eval_ds, eval_ids=eval_ids, eval_sets=eval_sets,
+                stream=stream)
 
 
 def _release_kept_ranks() -> None:

@@ -159,7 +159,7 @@ class RankWorker:
         open the data."""
         import torch
 
-        from raylm.data.reader import BlockReader, Prefetcher
+        from raylm.data.reader import Prefetcher, make_reader
         from raylm.runtime.engine import build_engine
 
         t0 = time.time()
@@ -178,7 +178,8 @@ class RankWorker:
         torch.manual_seed(train_cfg["seed"] + 1 + self._seed_rank)
         self.measure_next = True  # the first step measures what the rank holds
         self.committed_step = 0  # (load_checkpoint: the checkpoint's)
-        self.reader = BlockReader(dataset) if dataset is not None else None
+        # The cache's reader, or --streaming's (blocks named with each step).
+        self.reader = make_reader(dataset) if dataset is not None else None
         # The next step's batches are read, and split by the objective, meanwhile.
         self.prefetcher = (Prefetcher(self.reader, prepare=self._prepare)
                            if self.reader is not None else None)
@@ -203,7 +204,7 @@ class RankWorker:
     # -- the training step -----------------------------------------------------------------
     def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None,
                    generation: int = 0, commit: int | None = None,
-                   loss_scale: float = 1.0) -> dict:
+                   loss_scale: float = 1.0, blocks: list | None = None) -> dict:
         """Prepare the optimizer step after ``step`` committed ones, over this rank's
         micro-batches (sample ids from the driver); ``commit`` applies it. The driver's
         commit of the step before, when it has not sent it on its own, comes with this
@@ -216,6 +217,7 @@ class RankWorker:
         is applied on every rank or on none (torchft's should_commit, decided by the
         driver), so a rank that dies mid-step leaves the survivors' state at the last
         committed step. ``loss_scale``: fp16's (raylm.runtime.precision), the driver's.
+        ``blocks``: with --streaming, the Ray Data blocks this step and the next read.
         """
         self._check_generation(generation)
         try:
@@ -225,6 +227,8 @@ class RankWorker:
                 raise RuntimeError(f"step {self.prepared} was prepared and neither "
                                    "committed nor dropped")
             self.engine.loss_scale = loss_scale
+            if blocks is not None and hasattr(self.reader, "hold"):
+                self.reader.hold(blocks)
             return self._train_step(step, micro_batch_ids, next_ids)
         except Exception as e:
             failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"

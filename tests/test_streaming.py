@@ -1,0 +1,287 @@
+"""--streaming: Ray Data tokenizes pieces of the corpus while training runs.
+
+Exactly once per pass over the data, the same order and losses on 1, 2 and 4 ranks, a
+resume mid-epoch that continues where the stream stood, large files cut into pieces
+that tokenize in separate tasks, and a bad piece met mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raylm import TrainConfig, train
+from raylm.data.pieces import plan_pieces
+from raylm.data.sources import builtin_tokenizer_dir, iter_texts
+from raylm.data.stream import PIECE_SHIFT, TokenStream, piece_order
+from raylm.data.tokenized import build_tokenized_dataset, load_tokenizer, tokenize_file
+from raylm.errors import ConfigError
+from raylm.runtime.prepare import check_inputs
+from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.test_recovery import KillRank
+
+PIECE_MB = 0.005  # 5 KiB pieces: the corpus's files are cut in two or three
+BATCH = 16
+STEPS = 16  # one pass over the corpus is about 13 steps: the run starts a second
+
+
+def _head(name: str, size: int) -> str:
+    text = (SHAKESPEARE / name).read_text(encoding="utf-8")[:size]
+    return text[:text.rfind("\n") + 1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream-corpus")
+    (d / "a.txt").write_text(_head("comedy_of_errors.txt", 6000), encoding="utf-8")
+    (d / "b.txt").write_text(_head("macbeth.txt", 6000), encoding="utf-8")
+    (d / "big.txt").write_text(_head("julius_caesar.txt", 14000), encoding="utf-8")
+    return d
+
+
+def config(out, corpus, cache_root, workers, **kw) -> TrainConfig:
+    base = dict(model_type="gpt2", config_overrides=TINY_GPT2,
+                train_file=[str(corpus)], block_size=32, data_cache_dir=cache_root,
+                output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
+                gradient_accumulation_steps=BATCH // 4 // workers, num_workers=workers,
+                cpus_per_worker=0.5, logging_steps=1, save_steps=1000, disable_tqdm=True,
+                do_eval=False, log_sample_ids=True, learning_rate=1e-3, streaming=True,
+                shuffle_buffer_size=40, piece_size_mb=PIECE_MB)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def step_ids(output_dir) -> dict:
+    """Step -> the global batch's sample ids, in order (the last record of a step)."""
+    out = {}
+    with open(os.path.join(output_dir, "samples.jsonl")) as f:
+        for rec in map(json.loads, f):
+            out[rec["step"]] = [i for rank in rec["ranks"] for i in rank]
+    return out
+
+
+def every_sample(corpus, cache_root) -> set:
+    """The ids of every sample of the corpus (piece << 32 | row): the cache path packs
+    the same pieces, so its shards (named by piece and first row) list them."""
+    files = sorted(str(p) for p in corpus.iterdir())
+    ds = build_tokenized_dataset(files, builtin_tokenizer_dir(), 32, cache_root=cache_root,
+                                 piece_mb=PIECE_MB)
+    ends = ds.shard_offsets[1:] + [ds.num_samples]
+    ids = set()
+    for name, start, end in zip(ds.shard_files, ds.shard_offsets, ends):
+        piece, first = map(int, re.findall(r"shard-(\d+)-(\d+)", name)[0])
+        ids.update((piece << PIECE_SHIFT) | (first + k) for k in range(end - start))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, corpus, cache_root, tmp_path_factory):
+    base = tmp_path_factory.mktemp("stream-runs")
+    return {n: train(config(base / f"w{n}", corpus, cache_root, n)) for n in (1, 2, 4)}
+
+
+def test_streaming_is_exactly_once_and_the_same_on_1_2_and_4_ranks(runs, corpus, cache_root):
+    expected = every_sample(corpus, cache_root)
+    assert len(plan_pieces(sorted(str(p) for p in corpus.iterdir()), PIECE_MB)) == 7
+    order = {n: step_ids(r.output_dir) for n, r in runs.items()}
+    for n in (2, 4):
+        assert order[n] == order[1]  # the same samples, in the same order, every step
+        np.testing.assert_allclose([h["loss"] for h in runs[n].history],
+                                   [h["loss"] for h in runs[1].history], rtol=1e-5)
+        np.testing.assert_allclose([h["grad_norm"] for h in runs[n].history],
+                                   [h["grad_norm"] for h in runs[1].history], rtol=1e-4)
+    seen = [i for s in range(1, STEPS + 1) for i in order[1][s]]
+    assert len(seen) == STEPS * BATCH > len(expected)  # the run passes an epoch's end
+    first = seen[:len(expected)]
+    assert len(set(first)) == len(first) and set(first) == expected  # each sample once
+    assert set(seen[len(expected):]) <= expected  # the second pass: the same samples
+    assert seen[len(expected):] != first[:STEPS * BATCH - len(expected)]  # reshuffled
+    with open(os.path.join(runs[2].output_dir, "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert all("stream_wait_s" in r for r in logged if "loss" in r)
+
+
+class StopAt:
+    """Ends the driver (an exception out of its loop) after a step: a driver killed."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, driver, step, record):
+        if step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_streaming_resumes_mid_epoch_where_the_stream_stood(runs, corpus, cache_root,
+                                                             tmp_path):
+    cfg = config(tmp_path / "out", corpus, cache_root, 2, save_steps=6)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, callbacks=(StopAt(9),))
+    resumed = train(cfg)
+    whole = runs[2]
+    losses = {h["step"]: h["loss"] for h in resumed.history}
+    assert sorted(losses) == list(range(7, STEPS + 1))
+    np.testing.assert_allclose([losses[s] for s in range(7, STEPS + 1)],
+                               [h["loss"] for h in whole.history[6:]], rtol=1e-5)
+    assert step_ids(resumed.output_dir) == step_ids(whole.output_dir)
+    # The resumed stream starts at the window of step 7, not at the corpus's start.
+    assert resumed.metrics["stream_samples_read"] < whole.metrics["stream_samples_read"]
+
+
+def test_a_rank_lost_mid_stream_leaves_every_sample_trained_once(runs, corpus, cache_root,
+                                                                 tmp_path):
+    killer = KillRank(at_step=5, rank=1)
+    result = train(config(tmp_path / "out", corpus, cache_root, 2, do_train=True,
+                          do_eval=True, validation_file=[str(SHAKESPEARE / "macbeth.txt")],
+                          max_eval_samples=16), callbacks=(killer,))
+    assert killer.killed is not None and result.failures
+    assert np.isfinite(result.metrics["eval_loss"])  # (a --validation_file: the cache)
+    whole = runs[2]
+    np.testing.assert_allclose([h["loss"] for h in result.history],
+                               [h["loss"] for h in whole.history], rtol=1e-5)
+    assert step_ids(result.output_dir) == step_ids(whole.output_dir)
+
+
+class FirstStep:
+    def __init__(self):
+        self.at = None
+
+    def on_step_end(self, driver, step, record):
+        if self.at is None:
+            self.at = time.time()
+
+
+def test_the_first_step_comes_long_before_the_corpus_could_be_tokenized(
+        ray_cluster, cache_root, tmp_path):
+    """A 200 MiB corpus: its whole tokenization takes at least (one piece's measured
+    time) x pieces / the cores, over a minute here; the stream's first step comes in a
+    fraction of that."""
+    data = tmp_path / "data"
+    data.mkdir()
+    plays = "".join(p.read_text(encoding="utf-8") for p in sorted(SHAKESPEARE.glob("*.txt")))
+    for i in range(4):
+        (data / f"shard-{i}.txt").write_text(plays * 12, encoding="utf-8")
+    files = sorted(str(p) for p in data.iterdir())
+    pieces = plan_pieces(files, 4.0)
+    tokenizer = load_tokenizer(builtin_tokenizer_dir())
+    t0 = time.time()
+    tokens = sum(b.size for b, _ in tokenize_file(files[0], tokenizer, 32, False, None, 0,
+                                                  keep_linebreaks=True,
+                                                  piece=pieces[1].range))
+    one_piece = time.time() - t0
+    cpus = min(ray_cluster.cluster_resources()["CPU"], os.cpu_count())
+    whole = one_piece * len(pieces) / cpus  # a lower bound: every piece, every CPU busy
+    first = FirstStep()
+    t0 = time.time()
+    result = train(config(tmp_path / "out", data, cache_root, 1, max_steps=2,
+                          piece_size_mb=4.0, shuffle_buffer_size=200,
+                          streaming_buffer_mb=32, log_sample_ids=False),
+                   callbacks=(first,))
+    to_first = first.at - t0
+    print(f"first step after {to_first:.1f} s; the whole corpus ({len(pieces)} pieces, "
+          f"{tokens * len(pieces) / 1e6:.0f}M tokens) takes at least {whole:.1f} s")
+    assert tokens > 0 and whole > 60
+    assert to_first < whole / 2
+    assert result.metrics["stream_samples_read"] * 32 < tokens * len(pieces) / 4
+
+
+def test_a_large_file_is_cut_into_pieces_that_tokenize_in_separate_tasks(ray_cluster,
+                                                                       tmp_path):
+    text = _head("hamlet.txt", 60000)
+    big = tmp_path / "big.txt"
+    big.write_text(text, encoding="utf-8")
+    pieces = plan_pieces([str(big)], 0.01)
+    assert len(pieces) == 6
+    lines = [t for p in pieces for batch in iter_texts(str(big), keep_linebreaks=True,
+                                                       piece=p.range) for t in batch]
+    assert "".join(lines) == text  # each line in exactly one piece
+    rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(3000)]
+    jsonl = tmp_path / "big.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    parquet = tmp_path / "big.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=500)
+    for path, mb in ((jsonl, 0.02), (parquet, 0.005)):
+        cut = plan_pieces([str(path)], mb)
+        assert len(cut) > 1
+        got = [t for p in cut for batch in iter_texts(str(path), piece=p.range) for t in batch]
+        assert got == [r["text"] for r in rows]
+
+    stream = TokenStream(pieces, dict(tokenizer_dir=builtin_tokenizer_dir(), block_size=32,
+                                      line_by_line=False, text_column=None, pad_token_id=0,
+                                      keep_linebreaks=True),
+                         global_batch_size=8, seed=0, window=10_000)
+    try:
+        first = stream.global_batch(0)  # the whole file is one window: every piece read
+        assert len(first) == 8 and len(stream.stats.tasks) > 1
+        per_piece = {int(i) >> PIECE_SHIFT for i in stream.windows[0].ids}
+        assert per_piece == {p.index for p in pieces}
+    finally:
+        stream.close()
+
+
+def test_a_bad_piece_mid_stream_stops_the_run_after_saving_what_was_trained(
+        ray_cluster, corpus, cache_root, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = _head("macbeth.txt", 20000)
+    (data / "ok.txt").write_text(good, encoding="utf-8")
+    bad = _head("hamlet.txt", 80000).encode("utf-8")
+    offset = 70000 + bad[70000:].index(b"\n") + 1
+    (data / "bad.txt").write_bytes(bad[:offset] + b"\xff" + bad[offset:])
+    files = sorted(str(p) for p in data.iterdir())
+    pieces = plan_pieces(files, 0.02)
+    bad_piece = next(p.index for p in pieces if p.path.endswith("bad.txt")
+                     and p.start <= offset < p.end)
+    # A seed whose first pass reads two good pieces or more before the bad one.
+    seed = next(s for s in range(100)
+                if list(piece_order(len(pieces), s, 0)).index(bad_piece) >= 2)
+    cfg = config(tmp_path / "out", data, cache_root, 1, seed=seed, max_steps=200,
+                 save_steps=1000, shuffle_buffer_size=20)
+    with pytest.raises(ConfigError, match=rf"bad\.txt is not valid UTF-8: invalid byte at "
+                                          rf"offset {offset}"):
+        train(cfg)
+    with open(os.path.join(cfg.output_dir, "metrics.jsonl")) as f:
+        trained = max(r["step"] for r in map(json.loads, f) if "loss" in r)
+    assert trained > 0
+    state = os.path.join(cfg.output_dir, "checkpoints", f"step-{trained:08d}",
+                         "trainer_state.json")
+    with open(state) as f:
+        assert json.load(f)["step"] == trained
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(max_steps=-1, num_train_epochs=1), "--streaming needs --max_steps"),
+    (dict(save_strategy="epoch"), "--save_strategy epoch"),
+    (dict(max_train_samples=10), "--max_train_samples is not taken with --streaming"),
+    (dict(do_eval=True), "--do_eval with --streaming needs --validation_file"),
+    (dict(shuffle_buffer_size=0), "--shuffle_buffer_size must be >= 1"),
+])
+def test_streaming_flags_are_checked_before_anything_starts(corpus, tmp_path, flags,
+                                                            message):
+    cfg = config(tmp_path / "out", corpus, None, 1, **flags)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_inputs(cfg)
+
+
+def test_unset_streaming_streams_a_large_corpus_when_the_run_allows_it(corpus, tmp_path,
+                                                                       monkeypatch):
+    import raylm.runtime.prepare as prepare
+
+    files = sorted(str(p) for p in corpus.iterdir())
+    size = sum(os.path.getsize(f) for f in files)
+    auto = dict(streaming=None, do_eval=False)
+    assert not prepare.streams(config(tmp_path, corpus, None, 1, **auto), files)
+    monkeypatch.setattr(prepare, "STREAM_AUTO_BYTES", size - 1)  # "large" is now this
+    assert prepare.streams(config(tmp_path, corpus, None, 1, **auto), files)
+    assert check_inputs(config(tmp_path / "o", corpus, None, 1, **auto)).streaming
+    for flags in (dict(do_eval=None), dict(max_steps=-1, num_train_epochs=1),
+                  dict(save_strategy="epoch"), dict(streaming=False, do_eval=False)):
+        assert not prepare.streams(config(tmp_path, corpus, None, 1,
+                                          **{**auto, **flags}), files), flags
