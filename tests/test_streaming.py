@@ -19,7 +19,7 @@ import pytest
 
 from raylm import TrainConfig, train
 from raylm.data.pieces import plan_pieces
-from raylm.data.sources import builtin_tokenizer_dir, iter_texts
+from raylm.data.sources import builtin_tokenizer_dir, iter_text_chunks, iter_texts
 from raylm.data.stream import PIECE_SHIFT, TokenStream, piece_order
 from raylm.data.tokenized import build_tokenized_dataset, load_tokenizer, tokenize_file
 from raylm.errors import ConfigError
@@ -160,23 +160,26 @@ class FirstStep:
 
 def test_the_first_step_comes_long_before_the_corpus_could_be_tokenized(
         ray_cluster, cache_root, tmp_path):
-    """A 200 MiB corpus: its whole tokenization takes at least (one piece's measured
-    time) x pieces / the cores, over a minute here; the stream's first step comes in a
-    fraction of that."""
+    """A corpus whose whole tokenization takes at least 90 s: (one 4 MiB piece's measured
+    time) x pieces / the cores, a lower bound; shards of 50 MiB are added until it does
+    (four here, 200 MiB). The stream's first step comes in a fraction of that."""
     data = tmp_path / "data"
     data.mkdir()
     plays = "".join(p.read_text(encoding="utf-8") for p in sorted(SHAKESPEARE.glob("*.txt")))
-    for i in range(4):
-        (data / f"shard-{i}.txt").write_text(plays * 12, encoding="utf-8")
-    files = sorted(str(p) for p in data.iterdir())
-    pieces = plan_pieces(files, 4.0)
+    shard = plays * 12
+    (data / "shard-0000.txt").write_text(shard, encoding="utf-8")
     tokenizer = load_tokenizer(builtin_tokenizer_dir())
+    piece = plan_pieces([str(data / "shard-0000.txt")], 4.0)[1]
     t0 = time.time()
-    tokens = sum(b.size for b, _ in tokenize_file(files[0], tokenizer, 32, False, None, 0,
-                                                  keep_linebreaks=True,
-                                                  piece=pieces[1].range))
+    tokens = sum(b.size for b, _ in tokenize_file(piece.path, tokenizer, 32, False, None, 0,
+                                                  keep_linebreaks=True, piece=piece.range))
     one_piece = time.time() - t0
     cpus = min(ray_cluster.cluster_resources()["CPU"], os.cpu_count())
+    pieces = plan_pieces([str(data / "shard-0000.txt")], 4.0)
+    while one_piece * len(pieces) / cpus < 90 and len(pieces) < 500:
+        (data / f"shard-{len(list(data.iterdir())):04d}.txt").write_text(shard,
+                                                                        encoding="utf-8")
+        pieces = plan_pieces(sorted(str(p) for p in data.iterdir()), 4.0)
     whole = one_piece * len(pieces) / cpus  # a lower bound: every piece, every CPU busy
     first = FirstStep()
     t0 = time.time()
@@ -187,9 +190,60 @@ def test_the_first_step_comes_long_before_the_corpus_could_be_tokenized(
     to_first = first.at - t0
     print(f"first step after {to_first:.1f} s; the whole corpus ({len(pieces)} pieces, "
           f"{tokens * len(pieces) / 1e6:.0f}M tokens) takes at least {whole:.1f} s")
-    assert tokens > 0 and whole > 60
-    assert to_first < whole / 2
-    assert result.metrics["stream_samples_read"] * 32 < tokens * len(pieces) / 4
+    assert tokens > 0 and whole >= 90
+    assert to_first < whole / 2 and len(result.history) == 2
+
+
+def test_a_stream_read_again_or_resumed_gives_the_same_batches(ray_cluster, corpus):
+    pieces = plan_pieces(sorted(str(p) for p in corpus.iterdir()), PIECE_MB)
+
+    def stream(identity="corpus"):
+        return TokenStream(pieces, dict(tokenizer_dir=builtin_tokenizer_dir(), block_size=32,
+                                        line_by_line=False, text_column=None,
+                                        pad_token_id=0, keep_linebreaks=True),
+                           global_batch_size=BATCH, seed=3, window=40, identity=identity)
+
+    a = stream()
+    try:
+        first = [a.global_batch(k).tolist() for k in range(STEPS + 4)]  # into pass two
+        state = a.state_at(11)
+        a.release_before(STEPS + 2)
+        assert a.global_batch(4).tolist() == first[4]  # released: read again from its mark
+        assert a.global_batch(STEPS + 3).tolist() == first[STEPS + 3]
+        assert a.epoch_of(1) == 0.0 and a.epoch_of(STEPS + 4) == 1.0
+    finally:
+        a.close()
+    with pytest.raises(ConfigError, match="changed since the checkpoint"):
+        stream("other files").restore(state)
+    b = stream()
+    b.restore(state)
+    try:
+        assert [b.global_batch(k).tolist() for k in range(11, STEPS + 4)] == first[11:]
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("text", [
+    "a\nbb\n\nccc", "line one\r\nline two\r\n", "x" * 500 + "\nshort\n" + "y" * 300 + "\n",
+    "\n\n\n", "é😀 wide\nü\n" * 40])
+def test_byte_pieces_hold_every_line_once(tmp_path, text):
+    path = tmp_path / "f.txt"
+    data = text.encode("utf-8")
+    path.write_bytes(data)
+    for size in (1, 2, 3, 7, 64, 1000):
+        chunks = [c for start in range(0, len(data), size)
+                  for c in iter_text_chunks(str(path), 16, None, start,
+                                            min(len(data), start + size))]
+        assert "".join(chunks) == text, size
+    bad = data[:len(data) // 2] + b"\xff" + data[len(data) // 2:]
+    path.write_bytes(bad)
+    errors = []
+    for start in range(0, len(bad), 7):
+        try:
+            list(iter_text_chunks(str(path), 16, None, start, min(len(bad), start + 7)))
+        except ConfigError as e:
+            errors.append(str(e))
+    assert errors == [f"{path} is not valid UTF-8: invalid byte at offset {len(data) // 2}"]
 
 
 def test_a_large_file_is_cut_into_pieces_that_tokenize_in_separate_tasks(ray_cluster,

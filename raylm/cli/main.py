@@ -18,7 +18,7 @@ TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "confi
                    "line_by_line", "text_column", "preprocessing_num_workers", "cache_dir",
                    "data_cache_dir", "model_revision", "token", "trust_remote_code",
                    "keep_linebreaks", "overwrite_cache", "dataset_name",
-                   "dataset_config_name", "address")
+                   "dataset_config_name", "address", "piece_size_mb")
 
 
 def build_parser() -> OneLineParser:
@@ -159,6 +159,7 @@ def cmd_tokenize(ns) -> int:
 
     cfg = _config(ns)
     cfg.do_train, cfg.do_eval = True, bool(cfg.validation_file)
+    cfg.streaming = False  # (what it builds is the cache)
     inputs = check_inputs(cfg, check_output_dir=False)  # tokenize writes only the cache
     owns = cluster.connect(cfg.address)
     try:

@@ -17,10 +17,12 @@ The order is a pure function of the seed and the pieces, never of the cluster:
 So a layout, a resize or a resume changes nothing in the order. A sample's id is
 ``piece << 32 | row in the piece``: the same sample has the same id on every run.
 
-The driver never holds token arrays: it keeps Ray Data's block references (and reads
-each block's id columns to place its rows); each rank gets, with its step, the
-references of the blocks its samples are in and fetches them from the object store
-(raylm.data.reader.StreamReader).
+Token arrays are not sent through the driver: it keeps Ray Data's block references, and
+each rank gets, with its step, the references of the blocks its samples are in and
+fetches them from the object store (raylm.data.reader.StreamReader). The driver does
+``ray.get`` each block once to read its two id columns (zero-copy when the block is on
+the driver's node; on a multi-node cluster a block made elsewhere is copied to the
+driver's node for that).
 
 Resuming: the position of a window's start is compact (epoch, index of its piece in the
 epoch's order, row in that piece), and a checkpoint records it for the window the next
@@ -115,7 +117,7 @@ class TokenStream:
     def __init__(self, pieces: list[Piece], tokenize: dict, global_batch_size: int,
                  seed: int, window: int = DEFAULT_WINDOW, shuffle: bool = True,
                  num_workers: Optional[int] = None, task_cpus: float = 0.5,
-                 buffer_mb: float = DEFAULT_BUFFER_MB):
+                 buffer_mb: float = DEFAULT_BUFFER_MB, identity: str = ""):
         if window < 1:
             raise ConfigError(f"--shuffle_buffer_size: must be >= 1, got {window}")
         self.pieces = pieces
@@ -134,7 +136,8 @@ class TokenStream:
         self.steps_per_epoch = None          # unknown: a stream has no length up front
         self._lock = threading.RLock()       # prefetch's thread and the driver's
         self._error: Optional[BaseException] = None
-        self._executor = None  # Ray Data's, of the source being read
+        self._mark_starts: list[int] = []    # sorted keys of marks (epoch_of, _rewind)
+        self.identity = identity             # the data's digest (a resume must match)
 
     def prefetch(self, step: int) -> None:
         """Read the window of step ``step`` in a thread (Ray Data starts at once: its
@@ -166,11 +169,17 @@ class TokenStream:
         return list(refs.values())
 
     def epoch_of(self, step: int) -> float:
-        """The pass over the data that step ``step`` (1-based: the last trained) was in."""
+        """The pass over the data that step ``step`` (1-based: the last trained) was in
+        (from the windows' marks: the window may be released already)."""
         pos = max(0, step * self.batch - 1)
         with self._lock:
-            i = bisect.bisect_right(self.starts, pos) - 1
-            return float(self.windows[i].epoch) if i >= 0 else 0.0
+            i = bisect.bisect_right(self._mark_starts, pos) - 1
+            return float(self.marks[self._mark_starts[i]][0]) if i >= 0 else 0.0
+
+    def _mark(self, start: int, where: tuple) -> None:
+        if start not in self.marks:
+            bisect.insort(self._mark_starts, start)
+        self.marks[start] = tuple(where)
 
     def state_at(self, step: int) -> dict:
         """What a checkpoint after ``step`` steps records: the start of the window the
@@ -186,7 +195,7 @@ class TokenStream:
                 self._slice(pos, pos + 1)
                 return self.state_at(step)
         return {"window_start": start, "where": list(where), "window": self.window,
-                "pieces": len(self.pieces)}
+                "pieces": len(self.pieces), "data": self.identity}
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's state_at."""
@@ -196,8 +205,14 @@ class TokenStream:
                 f"{state.get('window')} samples over {state.get('pieces')} pieces; this run "
                 f"has {self.window} and {len(self.pieces)} (keep --shuffle_buffer_size, "
                 "--piece_size_mb and the files to resume)")
+        if state.get("data", "") != self.identity:
+            raise ConfigError(
+                "--streaming: the training files, tokenizer or block settings changed since "
+                "the checkpoint was saved, so its stream position no longer names the same "
+                "samples; resume with the data it was saved with, or start over with "
+                "--overwrite_output_dir")
         with self._lock:
-            self.marks[int(state["window_start"])] = tuple(state["where"])
+            self._mark(int(state["window_start"]), tuple(state["where"]))
             self._restart(int(state["window_start"]), tuple(state["where"]))
 
     def next_window(self) -> "_Window":
@@ -216,9 +231,8 @@ class TokenStream:
                 self.starts.pop(0)
 
     def close(self) -> None:
-        executor = self._executor
-        if executor is not None:  # (unblocks a prefetch waiting on Ray Data)
-            executor.shutdown(force=False)
+        # (a prefetch blocked on Ray Data holds the lock: not waited for past 30 s; its
+        # daemon thread ends with Ray)
         if self._lock.acquire(timeout=30):
             try:
                 self._close_source()
@@ -263,12 +277,12 @@ class TokenStream:
     def _rewind(self, pos: int) -> None:
         """Read again from the window holding ``pos`` (a resume, or a recovery to an
         earlier step than the windows held)."""
-        marks = sorted(self.marks)
-        i = bisect.bisect_right(marks, pos) - 1
+        i = bisect.bisect_right(self._mark_starts, pos) - 1
         if i < 0:
             self._restart(0, (0, 0, 0))
         else:
-            self._restart(marks[i], self.marks[marks[i]])
+            start = self._mark_starts[i]
+            self._restart(start, self.marks[start])
 
     def _restart(self, start: int, where: tuple) -> None:
         self._close_source()
@@ -321,7 +335,7 @@ class TokenStream:
         w = _Window(self._next_start, epoch, where, ids_a, refs, block_of)
         self.windows.append(w)
         self.starts.append(w.start)
-        self.marks[w.start] = where
+        self._mark(w.start, where)
         self._next_start = w.end
 
     def _order_index(self, epoch: int, piece: int) -> int:
@@ -371,17 +385,16 @@ class TokenStream:
         ctx.execution_options.resource_limits = \
             ctx.execution_options.resource_limits.copy(
                 object_store_memory=self.buffer_mb * (1 << 20))
-        bundles = ds.iter_internal_ref_bundles()
-        self._executor = getattr(bundles, "_executor", None)
+        t0 = time.time()
+        bundles = ds.iter_internal_ref_bundles()  # (returns once the first bundle is out)
+        self.stats.wait_s += time.time() - t0
         failure = None
         try:
             yield from self._take(bundles)
         except DataStreamError as e:
             failure = str(e)
         finally:
-            if self._executor is not None:  # (stopped now, not at exit)
-                self._executor.shutdown(force=False)
-                self._executor = None
+            # Dropping the iterator closes Ray Data's, which stops its executor.
             bundles = ds = None  # noqa: F841
         if failure is not None:
             # Raised anew, outside the frames that hold Ray Data's iterator: the error is

@@ -433,14 +433,15 @@ class Driver:
         if data.stream is not None:  # --streaming (raylm.data.stream): --max_steps steps
             sampler = data.stream
             sampler.batch = plan.global_batch_size
-            _check_stream_room(plan, sampler.task_cpus)
+            _check_stream_room(plan, sampler.task_cpus, cfg.streaming is None)
             steps = cfg.max_steps
             # (masked LM draws per epoch: a stream's epochs are not steps; one draw)
             self.steps_per_epoch = steps + 1
             if restore:
                 if not state.get("stream"):
                     raise ConfigError(f"--streaming: the checkpoint {restore} was saved by a "
-                                      "run without --streaming; resume it without the flag")
+                                      "run that tokenized into the cache; resume it with "
+                                      "--streaming false")
                 sampler.restore(state["stream"])
             sampler.prefetch(start_step)  # Ray Data starts while the ranks do
         else:
@@ -574,11 +575,11 @@ class Driver:
             # ones and, to prefetch, for the one after (every stage of a pipeline gets the
             # same ids).
             cur, nxt = schedule(step), schedule(step + 1)
-            commit, self.uncommitted = self.uncommitted, None
             # --streaming: the Ray Data blocks both steps read (each rank fetches them
             # from the object store; the driver only passes references).
             blocks = (sampler.blocks([step, step + 1 if nxt else None])
                       if data.stream is not None else None)
+            commit, self.uncommitted = self.uncommitted, None
             return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
                                         nxt[plan.dims.index(r, "dp")] if nxt else None,
                                         run.generation, commit, scale, blocks)
@@ -950,8 +951,9 @@ class Driver:
 
     def _stop_on_data_error(self, sampler, fingerprint: dict) -> None:
         """--streaming met a piece it cannot read: the steps trained since the last
-        checkpoint are saved first (when the run saves at all), so fixing or removing
-        the file and running again loses nothing."""
+        checkpoint are saved first (when the run saves at all), so nothing trained is
+        lost. (Resuming that checkpoint needs the same files: a changed file changes
+        the stream, and the resume says so.)"""
         run = self.record
         saved = [step for step, _ in self.ckpt.list()]
         if self.cfg.save_strategy == "no" or run.step == 0 or run.step in saved:
@@ -1417,9 +1419,10 @@ def _loss_result(results: list) -> dict:
     return next((r for r in results if r.get("has_loss", True)), results[0])
 
 
-def _check_stream_room(plan: Plan, task_cpus: float) -> None:
+def _check_stream_room(plan: Plan, task_cpus: float, chosen: bool) -> None:
     """--streaming tokenizes while the ranks train: Ray Data's tasks need CPUs the ranks
-    do not reserve, or the stream never starts (Ray queues them forever)."""
+    do not reserve, or the stream never starts (Ray queues them forever). ``chosen``:
+    streaming was raylm's choice (--streaming unset, a large corpus)."""
     total = ray.cluster_resources().get("CPU", 0.0)
     reserved = plan.world_size * plan.cpus_per_worker
     if total - reserved < task_cpus:
@@ -1427,7 +1430,9 @@ def _check_stream_room(plan: Plan, task_cpus: float) -> None:
             f"--streaming: the {plan.world_size} rank(s) reserve {reserved:g} of the "
             f"cluster's {total:g} CPUs, and Ray Data's tokenizing tasks need {task_cpus:g} "
             "each while training runs: lower --cpus_per_worker or --num_workers, or add "
-            "CPUs")
+            "CPUs" + (" (streaming was chosen for training data over 1 GiB; "
+                      "--streaming false tokenizes it into the cache first)"
+                      if chosen else ""))
 
 
 def _first_line(e: BaseException) -> str:

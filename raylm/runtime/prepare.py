@@ -165,7 +165,12 @@ def _check_streaming(cfg: TrainConfig) -> None:
     """--streaming's constraints, as HF's: the length of a stream is not known ahead."""
     if cfg.piece_size_mb <= 0:
         raise ConfigError(f"--piece_size_mb must be > 0 (got {cfg.piece_size_mb})")
-    if not cfg.streaming:
+    if cfg.shuffle_buffer_size < 1:
+        raise ConfigError(f"--shuffle_buffer_size must be >= 1 (got "
+                          f"{cfg.shuffle_buffer_size})")
+    if cfg.streaming_buffer_mb <= 0:
+        raise ConfigError(f"--streaming_buffer_mb must be > 0 (got {cfg.streaming_buffer_mb})")
+    if not cfg.streaming:  # (unset: streams() streams only where these all hold)
         return
     if cfg.max_steps <= 0:
         raise ConfigError("--streaming needs --max_steps: the number of samples in a stream "
@@ -177,11 +182,6 @@ def _check_streaming(cfg: TrainConfig) -> None:
     if cfg.max_train_samples is not None:
         raise ConfigError("--max_train_samples is not taken with --streaming: give "
                           "--max_steps (or build the cache without --streaming)")
-    if cfg.shuffle_buffer_size < 1:
-        raise ConfigError(f"--shuffle_buffer_size must be >= 1 (got "
-                          f"{cfg.shuffle_buffer_size})")
-    if cfg.streaming_buffer_mb <= 0:
-        raise ConfigError(f"--streaming_buffer_mb must be > 0 (got {cfg.streaming_buffer_mb})")
     if cfg.do_eval and not (cfg.validation_file or cfg.dataset_name):
         raise ConfigError("--do_eval with --streaming needs --validation_file: a stream has "
                           "no held-out split")
@@ -432,7 +432,7 @@ def _streaming_data(cfg: TrainConfig, inputs: Inputs, build) -> Data:
 
     from raylm.data.pieces import plan_pieces
     from raylm.data.stream import StreamSpec, TokenStream
-    from raylm.data.tokenized import TASK_NUM_CPUS, pad_token_id_for, load_tokenizer
+    from raylm.data.tokenized import TASK_NUM_CPUS, cache_key, load_tokenizer, pad_token_id_for
 
     files = [f if "://" in f else os.path.abspath(f) for f in inputs.train_files]
     tokenizer_dir = inputs.spec.tokenizer_dir
@@ -440,14 +440,18 @@ def _streaming_data(cfg: TrainConfig, inputs: Inputs, build) -> Data:
         tokenizer_dir = os.path.abspath(tokenizer_dir)
     pad = pad_token_id_for(load_tokenizer(tokenizer_dir), cfg.line_by_line, tokenizer_dir)
     pieces = plan_pieces(files, cfg.piece_size_mb)
+    keep_linebreaks = cfg.keep_linebreaks and not cfg.line_by_line
+    # What the samples depend on (files by path, size and time; tokenizer; settings): a
+    # checkpoint's stream position is valid only for the same.
+    identity = cache_key(files, tokenizer_dir, inputs.block_size, cfg.line_by_line,
+                         cfg.text_column, keep_linebreaks, cfg.piece_size_mb)
     stream = TokenStream(
         pieces, dict(tokenizer_dir=tokenizer_dir, block_size=inputs.block_size,
                      line_by_line=cfg.line_by_line, text_column=cfg.text_column,
-                     pad_token_id=pad,
-                     keep_linebreaks=cfg.keep_linebreaks and not cfg.line_by_line),
+                     pad_token_id=pad, keep_linebreaks=keep_linebreaks),
         global_batch_size=0, seed=cfg.order_seed, window=cfg.shuffle_buffer_size,
         num_workers=cfg.preprocessing_num_workers, task_cpus=TASK_NUM_CPUS,
-        buffer_mb=cfg.streaming_buffer_mb)
+        buffer_mb=cfg.streaming_buffer_mb, identity=identity)
     log.info("training data: streamed from %d file(s) in %d piece(s), tokenized while "
              "training runs", len(files), len(pieces))
     eval_ds, eval_ids, eval_sets = None, np.empty(0, np.int64), []
