@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raylm.data.sources import filesystem_for
+from raylm.data.stream import sample_ids
 from raylm.data.tokenized import TokenizedDataset
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
@@ -145,8 +146,6 @@ class StreamReader:
         if block is not None:
             return block
         table = ray.get(ref)
-        from raylm.data.stream import sample_ids
-
         ids = sample_ids(table.column("piece").to_numpy(), table.column("seq").to_numpy())
         values = table.column("input_ids").combine_chunks().flatten().to_numpy(
             zero_copy_only=False)

@@ -112,6 +112,15 @@ class TokenizedDataset:
         )
 
 
+def absolute_inputs(files: list[str], tokenizer_dir: str) -> tuple[list[str], str]:
+    """Local paths made absolute: Ray workers need not share the driver's working
+    directory (URIs and Hub names stay as they are)."""
+    files = [f if "://" in f else os.path.abspath(os.path.expanduser(f)) for f in files]
+    if os.path.isdir(tokenizer_dir):
+        tokenizer_dir = os.path.abspath(tokenizer_dir)
+    return files, tokenizer_dir
+
+
 def default_cache_root() -> str:
     return os.environ.get("RAYLM_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "raylm")
@@ -128,8 +137,8 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
 
     Default: run_clm's ``group_texts`` per file (concatenate the token ids of all its texts,
     cut ``block_size`` blocks, drop the remainder), or per piece of ``piece_mb`` MiB of a
-    larger file (raylm.data.pieces: the pieces tokenize in parallel); a text file's texts are its lines, with
-    their line breaks unless ``keep_linebreaks`` is False (run_clm's --keep_linebreaks).
+    larger file (raylm.data.pieces: the pieces tokenize in parallel); a text file's texts
+    are its lines, with their line breaks unless ``keep_linebreaks`` is False (run_clm's --keep_linebreaks).
     ``line_by_line``: one sample per non-empty line or row, truncated to ``block_size`` and
     padded (lines without their breaks, as run_mlm reads them). ``overwrite``: build anew
     even when the cache holds these inputs (--overwrite_cache), replacing the old build
@@ -142,10 +151,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
         raise ConfigError(f"--preprocessing_num_workers: must be >= 1, got {num_workers}")
     if not files:
         raise ConfigError("no data files to tokenize")
-    # Ray workers need not share the driver's working directory: make local paths absolute.
-    files = [f if "://" in f else os.path.abspath(os.path.expanduser(f)) for f in files]
-    if os.path.isdir(tokenizer_dir):
-        tokenizer_dir = os.path.abspath(tokenizer_dir)
+    files, tokenizer_dir = absolute_inputs(files, tokenizer_dir)
 
     root = cache_root or default_cache_root()
     keep_linebreaks = keep_linebreaks and not line_by_line

@@ -141,11 +141,9 @@ def streams(cfg: TrainConfig, files: list[str], say: bool = False) -> bool:
     of a short pass."""
     if cfg.streaming is not None:
         return bool(cfg.streaming)
-    allowed = (cfg.max_steps > 0 and cfg.max_train_samples is None
-               and "epoch" not in (cfg.save_strategy, cfg.eval_strategy,
-                                   cfg.logging_strategy)
-               and (bool(cfg.validation_file) or cfg.do_eval is False))
-    if not allowed:
+    # (and evaluation, where it runs, on a --validation_file: a stream has no split)
+    if _streaming_obstacle(cfg) is not None or not (cfg.validation_file
+                                                    or cfg.do_eval is False):
         return False
     from raylm.data.sources import filesystem_for
 
@@ -155,7 +153,7 @@ def streams(cfg: TrainConfig, files: list[str], say: bool = False) -> bool:
         total += fs.get_file_info(fs_path).size or 0
         if total > STREAM_AUTO_BYTES:
             if say:
-                    log.info("training data over %d GiB: streamed (--streaming false to "
+                log.info("training data over %d GiB: streamed (--streaming false to "
                          "tokenize it into the cache first)", STREAM_AUTO_BYTES >> 30)
             return True
     return False
@@ -170,21 +168,27 @@ def _check_streaming(cfg: TrainConfig) -> None:
                           f"{cfg.shuffle_buffer_size})")
     if cfg.streaming_buffer_mb <= 0:
         raise ConfigError(f"--streaming_buffer_mb must be > 0 (got {cfg.streaming_buffer_mb})")
-    if not cfg.streaming:  # (unset: streams() streams only where these all hold)
-        return
+    obstacle = _streaming_obstacle(cfg)
+    if cfg.streaming and obstacle is not None:  # (unset: streams() does not stream then)
+        raise ConfigError(obstacle)
+
+
+def _streaming_obstacle(cfg: TrainConfig) -> Optional[str]:
+    """Why this run cannot stream (as HF's streaming: a stream's length is not known
+    ahead), or None."""
     if cfg.max_steps <= 0:
-        raise ConfigError("--streaming needs --max_steps: the number of samples in a stream "
-                          "is not known before it is read (as with datasets' streaming)")
+        return ("--streaming needs --max_steps: the number of samples in a stream is not "
+                "known before it is read (as with datasets' streaming)")
     for flag in ("save_strategy", "eval_strategy", "logging_strategy"):
         if getattr(cfg, flag) == "epoch":
-            raise ConfigError(f"--{flag} epoch: a stream has no known epoch length; use "
-                              "steps with --streaming")
+            return (f"--{flag} epoch: a stream has no known epoch length; use steps with "
+                    "--streaming")
     if cfg.max_train_samples is not None:
-        raise ConfigError("--max_train_samples is not taken with --streaming: give "
-                          "--max_steps (or build the cache without --streaming)")
+        return ("--max_train_samples is not taken with --streaming: give --max_steps (or "
+                "build the cache without --streaming)")
     if cfg.do_eval and not (cfg.validation_file or cfg.dataset_name):
-        raise ConfigError("--do_eval with --streaming needs --validation_file: a stream has "
-                          "no held-out split")
+        return "--do_eval with --streaming needs --validation_file: a stream has no held-out split"
+    return None
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -428,16 +432,12 @@ def _streaming_data(cfg: TrainConfig, inputs: Inputs, build) -> Data:
     """--streaming: nothing is tokenized up front. The training files become pieces that
     Ray Data tokenizes while training runs (raylm.data.stream); validation files, small
     by nature, go through the cache as without the flag."""
-    import os
-
     from raylm.data.pieces import plan_pieces
     from raylm.data.stream import StreamSpec, TokenStream
-    from raylm.data.tokenized import TASK_NUM_CPUS, cache_key, load_tokenizer, pad_token_id_for
+    from raylm.data.tokenized import (TASK_NUM_CPUS, absolute_inputs, cache_key,
+                                      load_tokenizer, pad_token_id_for)
 
-    files = [f if "://" in f else os.path.abspath(f) for f in inputs.train_files]
-    tokenizer_dir = inputs.spec.tokenizer_dir
-    if os.path.isdir(tokenizer_dir):
-        tokenizer_dir = os.path.abspath(tokenizer_dir)
+    files, tokenizer_dir = absolute_inputs(inputs.train_files, inputs.spec.tokenizer_dir)
     pad = pad_token_id_for(load_tokenizer(tokenizer_dir), cfg.line_by_line, tokenizer_dir)
     pieces = plan_pieces(files, cfg.piece_size_mb)
     keep_linebreaks = cfg.keep_linebreaks and not cfg.line_by_line
