@@ -44,14 +44,15 @@ class RemoveNodeOfRank:
             self.rank_exit_s = 30 - (deadline - time.time())
 
 
-def start_cluster(workers: int = 2):
-    """A CPU-less head and ``workers`` 1-CPU worker nodes that notice a lost node fast;
-    the driver's log at INFO on stderr."""
+def start_cluster(workers: int = 2, cpus: int = 1, **system_config):
+    """A CPU-less head and ``workers`` worker nodes of ``cpus`` CPUs that notice a lost
+    node fast (and any other Ray system settings given); the driver's log at INFO on
+    stderr."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+        "num_cpus": 0, "_system_config": {**FAST_FAILURE_DETECTION, **system_config}})
     for _ in range(workers):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=cpus)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     return cluster

@@ -266,3 +266,22 @@ def test_text_lines_are_what_the_datasets_text_loader_gives(tmp_path, keep):
                                    cache_dir=str(tmp_path / "hf"), split="train")
     ours = [line for batch in iter_texts(path, keep_linebreaks=keep) for line in batch]
     assert ours == loaded["text"]
+
+
+@pytest.mark.parametrize("piece", ["whole", "holding it", "after it", "before it"])
+def test_a_bad_json_line_is_named_by_its_byte_offset(tmp_path, piece):
+    """pyarrow's JSON reader names a row of its block; the error names the line's byte
+    offset in the file, whether the file is read whole or in pieces (--streaming, large
+    files), and whichever piece meets it (the schema is read from the file's start)."""
+    rows = [json.dumps({"text": f"row {i} é"}) for i in range(20000)]
+    rows[12000] = '{"text": "no closing quote'
+    data = ("\n".join(rows) + "\n").encode("utf-8")
+    path = write(tmp_path / "rows.jsonl", data)
+    offset = data.index(b'{"text": "no closing')
+    ranges = {"whole": None, "holding it": (offset - 100, offset + 5000),
+              "after it": (offset + 10, None), "before it": (0, offset - 10)}
+    with pytest.raises(ConfigError, match=rf"^cannot read {path} as JSON Lines: the line at "
+                                          rf"byte offset {offset} is not JSON \(Unterminated "
+                                          rf"string"):
+        for _ in iter_texts(path, piece=ranges[piece]):
+            pass

@@ -7,6 +7,7 @@ tokenize each text, concatenate per file, cut block_size chunks, drop the remain
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -28,6 +29,7 @@ from raylm.data.tokenized import (
     TMP_PREFIX,
     TokenizedDataset,
     build_tokenized_dataset,
+    interrupts_deferred,
     load_tokenizer,
     tokenize_file,
 )
@@ -408,3 +410,31 @@ def test_overwrite_cache_tokenizes_again_and_replaces_the_build(ray_local, tmp_p
     assert os.stat(manifest).st_ino != before  # a new build took the old one's place
     assert os.listdir(root) == [os.path.basename(first.cache_dir)]  # nothing left over
     assert torch.equal(all_samples(again)["input_ids"], all_samples(first)["input_ids"])
+
+
+def _guarded_step(marker: str, guard: bool):
+    """Two seconds of work, then a file written, with a cancel held back or not."""
+    with (interrupts_deferred() if guard else contextlib.nullcontext()):
+        open(marker + ".started", "w").close()
+        time.sleep(2)
+        open(marker, "w").close()
+    time.sleep(30)  # (cancelled here, once the guarded part is done)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["deferred", "unguarded"])
+def test_a_cancel_waits_for_the_tokenizer_load(ray_local, tmp_path, guard):
+    """Ray Data cancels its running tasks when a stream closes; a real ray.cancel that
+    lands while the task loads its tokenizer (imports transformers and torch) waits for
+    the load to finish, so no worker keeps half-imported modules. Unguarded, the same
+    cancel cuts the block short (the test can tell the difference)."""
+    ray = ray_local
+    marker = str(tmp_path / "done")
+    ref = ray.remote(num_cpus=0)(_guarded_step).remote(marker, guard)
+    deadline = time.time() + 60
+    while not os.path.exists(marker + ".started") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the two seconds
+    ray.cancel(ref)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(ref, timeout=60)
+    assert os.path.exists(marker) == guard

@@ -1,5 +1,6 @@
 """Multi-node clusters (ray.cluster_utils.Cluster): ranks and nodes lost and replaced
-mid-run, a snapshot restored from another node's memory, tensor-parallel placement."""
+mid-run, a snapshot restored from another node's memory, tensor-parallel placement, a
+streamed run that loses a node and grows back."""
 
 from __future__ import annotations
 
@@ -78,3 +79,28 @@ def test_state_with_no_live_copy_comes_back_from_a_snapshot_in_memory(corpus_dir
     assert sum("restored the snapshot of step 4 from memory: 1 step(s) will be redone" in l
                for l in log) == 2, log
     assert not any("restoring" in l for l in log), log
+
+
+def test_a_stream_loses_a_node_grows_back_and_its_blocks_never_reach_the_driver(
+        corpus_dir, cache_root):
+    """--streaming over two worker nodes and a CPU-less head (the driver's): the node of
+    rank 1 goes after step 4, with the blocks its tasks made, and a fresh node comes.
+    The run shrinks to one rank in memory and grows back to two; every step trains the
+    samples of a one-rank run of the same global batch, once, with its losses and
+    gradient norms. The driver read the ids of blocks made on the worker nodes there:
+    no block it held was ever in the head node's object store."""
+    r, proc = run_script("multinode_stream.py", corpus_dir, cache_root, 400)
+    assert r["removed"] and r["failures"] == 1
+    assert r["hit_steps"] == list(range(1, 13))
+    assert r["world_sizes"][:4] == [2] * 4 and r["world_sizes"][-1] == 2
+    assert 1 in r["world_sizes"]
+    assert r["hit_ids"] == r["reference_ids"]
+    assert all(len(ids) == len(set(ids)) == 8 for ids in r["hit_ids"].values())
+    np.testing.assert_allclose(r["hit"], r["reference"], rtol=1e-5)
+    np.testing.assert_allclose(r["hit_grad_norm"], r["reference_grad_norm"], rtol=1e-4)
+    assert r["read_there"] >= 2 and r["read_here"] == 0
+    assert r["blocks_checked"] > 0 and r["blocks_here"] == 0
+    assert r["left_running"] == []
+    log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
+    assert any("shrank in memory to 1 rank(s)" in l for l in log), log
+    assert any("grew in memory to 2 rank(s)" in l for l in log), log

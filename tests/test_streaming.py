@@ -339,3 +339,32 @@ def test_unset_streaming_streams_a_large_corpus_when_the_run_allows_it(corpus, t
                   dict(save_strategy="epoch"), dict(streaming=False, do_eval=False)):
         assert not prepare.streams(config(tmp_path, corpus, None, 1,
                                           **{**auto, **flags}), files), flags
+
+
+def test_a_pipeline_that_cannot_keep_up_is_logged_once_with_its_rates(caplog):
+    """The driver's check after each step (Driver._stream_rate_check, on the run's
+    records): ten steps of 1 s that waited 0.5 s each for a global batch of 16 reach
+    16 samples/s where training alone would take 32; the warning comes once. Waits of a
+    twentieth of the step time are not worth a line."""
+    from types import SimpleNamespace
+
+    from raylm.runtime.driver import Driver
+
+    def check(wait_s, steps=12):
+        driver = SimpleNamespace(stream_warned=False, record=SimpleNamespace(history=[]))
+        for step in range(1, steps + 1):
+            rec = {"step": step, "stream_wait_s": wait_s, "step_time_s": 1.0}
+            driver.record.history.append(rec)
+            Driver._stream_rate_check(driver, rec, 16)
+        return driver
+
+    with caplog.at_level("WARNING", logger="raylm"):
+        slow = check(0.5)
+    lines = [r.getMessage() for r in caplog.records if "--streaming" in r.getMessage()]
+    assert slow.stream_warned and len(lines) == 1, lines
+    assert "keeps up with 16.0 samples/s, and training needs 32.0" in lines[0]
+    assert "wait 50% of their time" in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raylm"):
+        fast = check(0.05)
+    assert not fast.stream_warned and not caplog.records

@@ -18,6 +18,7 @@ Everything is read in bounded chunks, so a file never has to fit in memory.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import urllib.parse
@@ -435,10 +436,50 @@ def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[s
         for array in _iter_column(path, column, piece):
             yield [t if t is not None else "" for t in array.to_pylist()]
     except (pa.ArrowException, OSError) as e:
+        bad = None
+        if isinstance(e, pa.ArrowInvalid) and extension(path) in (".jsonl", ".json"):
+            # (the piece's lines, else the file's: the schema is read from its start)
+            bad = _first_bad_json_line(path, piece) or (
+                _first_bad_json_line(path, None) if piece is not None else None)
+        if bad is not None:
+            offset, line, error = bad
+            raise ConfigError(f"{_prefix(flag)}cannot read {path} as JSON Lines: the line at "
+                              f"byte offset {offset} is not JSON ({error}): {line!r}") from None
         where = (f" (bytes {piece[0]}-{piece[1]})" if piece is not None
                  and extension(path) != ".parquet" else
                  f" (row groups {piece[0]}-{piece[1] - 1})" if piece is not None else "")
         raise _read_error(path + where, e, flag) from None
+
+
+def _first_bad_json_line(path: str, piece: Optional[tuple]) -> Optional[tuple]:
+    """(byte offset, start of the line, json's message) of the first line of a JSON Lines
+    file, or of its piece, that is not a JSON value; None when every line is one.
+
+    pyarrow's reader names a row of its block, not where in the file; on its error the
+    lines are read again, one by one, to find it (only then: it is a second pass)."""
+    fs, fs_path = filesystem_for(path)
+    with fs.open_input_file(fs_path) as f:
+        size = f.size()
+        at = line_start(f, piece[0], size) if piece is not None else 0
+        end = (size if piece is None or piece[1] is None or piece[1] >= size
+               else line_start(f, piece[1], size))
+        f.seek(at)
+        rest = b""
+        while at < end:
+            data = f.read(min(TEXT_CHUNK_BYTES, end - at - len(rest)))
+            lines = (rest + data).split(b"\n")
+            rest = lines.pop() if data else b""  # (a line not ended yet, unless at the end)
+            for raw in lines:
+                text = raw.decode("utf-8", errors="replace").strip()
+                if text:
+                    try:
+                        json.loads(text)
+                    except ValueError as e:
+                        return at, text[:80], str(e)
+                at += len(raw) + 1
+            if not data:
+                break
+    return None
 
 
 # --- validate_files ------------------------------------------------------------------------

@@ -20,9 +20,9 @@ So a layout, a resize or a resume changes nothing in the order. A sample's id is
 Token arrays are not sent through the driver: it keeps Ray Data's block references, and
 each rank gets, with its step, the references of the blocks its samples are in and
 fetches them from the object store (raylm.data.reader.StreamReader). The driver does
-``ray.get`` each block once to read its two id columns (zero-copy when the block is on
-the driver's node; on a multi-node cluster a block made elsewhere is copied to the
-driver's node for that).
+read each block's two id columns: in place when the block is in its node's object store
+(zero-copy), by a small task on the node that holds it otherwise, so a block made on
+another node goes only to the ranks that train on it.
 
 Resuming: the position of a window's start is compact (epoch, index of its piece in the
 epoch's order, row in that piece), and a checkpoint records it for the window the next
@@ -107,6 +107,8 @@ class StreamStats:
     samples: int = 0          # samples taken from Ray Data
     wait_s: float = 0.0       # time the driver waited for Ray Data
     tasks: set = field(default_factory=set)  # Ray Data tasks whose blocks were taken
+    blocks_read_here: int = 0   # blocks whose ids the driver read in its node's store
+    blocks_read_there: int = 0  # ... that a task read on the node holding them
     started: float = field(default_factory=time.time)
 
 
@@ -403,8 +405,6 @@ class TokenStream:
             raise DataStreamError(failure)
 
     def _take(self, bundles) -> Iterator[tuple]:
-        import ray
-
         while True:
             t0 = time.time()
             try:
@@ -413,19 +413,85 @@ class TokenStream:
                 return
             finally:
                 self.stats.wait_s += time.time() - t0
-            for entry, cut in zip(bundle.blocks, bundle.slices):
+            entries = list(zip(bundle.blocks, bundle.slices))
+            for entry, _ in entries:
                 stats = entry.metadata.exec_stats
                 if stats is not None and stats.task_idx is not None:
                     self.stats.tasks.add(stats.task_idx)
-                t0 = time.time()
-                table = ray.get(entry.ref)
-                self.stats.wait_s += time.time() - t0
-                if cut is not None:
-                    table = table.slice(cut.start_offset, cut.num_rows)
-                errors = table.column("error").drop_null()
-                if len(errors):
-                    raise DataStreamError(f"--streaming: {errors[0].as_py()}")
-                piece = table.column("piece").to_numpy()
-                seq = table.column("seq").to_numpy()
+            t0 = time.time()
+            columns = self._id_columns([entry.ref for entry, _ in entries],
+                                       [None if cut is None else (cut.start_offset, cut.num_rows)
+                                        for _, cut in entries])
+            self.stats.wait_s += time.time() - t0
+            for (entry, _), (piece, seq, error) in zip(entries, columns):
+                if error is not None:
+                    raise DataStreamError(f"--streaming: {error}")
                 self.stats.samples += len(seq)
                 yield entry.ref, piece, seq
+
+    def _id_columns(self, refs: list, cuts: list) -> list:
+        """(piece, seq, first error) of each block. A block in the driver's node's
+        object store is read in place (zero-copy); the ids of blocks held by other nodes
+        are read by a small task on their node, so the blocks themselves never travel
+        to the driver (only the ranks that train on them fetch them). Ray Data's
+        RefBundle knows sizes, not where a block is: ray.experimental's object
+        locations say that."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        try:
+            where = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
+        except Exception:  # (no answer: read here, as a single-node cluster does)
+            where = {}
+        by_node: dict = {}
+        for k, ref in enumerate(refs):
+            nodes = where.get(ref, {}).get("node_ids") or []
+            node = here if here in nodes or not nodes else nodes[0]
+            by_node.setdefault(node, []).append(k)
+        out: list = [None] * len(refs)
+        pending = []
+        for node, ks in by_node.items():
+            if node == here:
+                tables = ray.get([refs[k] for k in ks])
+                for k, cols in zip(ks, _ids_of_tables([cuts[k] for k in ks], *tables)):
+                    out[k] = cols
+                self.stats.blocks_read_here += len(ks)
+            else:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                task = _remote_ids().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=node, soft=True))
+                pending.append((ks, task.remote([cuts[k] for k in ks],
+                                                *[refs[k] for k in ks])))
+                self.stats.blocks_read_there += len(ks)
+        for ks, ref in pending:
+            for k, cols in zip(ks, ray.get(ref)):
+                out[k] = cols
+        return out
+
+
+def _ids_of_tables(cuts: list, *tables) -> list:
+    """(piece, seq, first error or None) of each Ray Data output table (sliced by its
+    bundle's cut, when it has one)."""
+    out = []
+    for cut, table in zip(cuts, tables):
+        if cut is not None:
+            table = table.slice(*cut)
+        errors = table.column("error").drop_null()
+        out.append((table.column("piece").to_numpy(), table.column("seq").to_numpy(),
+                    errors[0].as_py() if len(errors) else None))
+    return out
+
+
+_REMOTE_IDS = None
+
+
+def _remote_ids():
+    """_ids_of_tables as a Ray task (made on first use: this module does not import Ray
+    at import time). No CPU reserved: it reads two columns of blocks already in memory."""
+    global _REMOTE_IDS
+    if _REMOTE_IDS is None:
+        import ray
+
+        _REMOTE_IDS = ray.remote(num_cpus=0, max_retries=3)(_ids_of_tables)
+    return _REMOTE_IDS

@@ -28,6 +28,8 @@ import json
 import os
 import posixpath
 import shutil
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -399,7 +401,8 @@ def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
                    chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[pa.Table]:
     """Ray Data UDF: tokenize the pieces listed in ``batch`` (Piece.to_item's columns),
     yielding a table per ``chunk_bytes`` of text read."""
-    tokenizer = load_tokenizer(tokenizer_dir)
+    with interrupts_deferred():
+        tokenizer = load_tokenizer(tokenizer_dir)
     for item in batch.to_pylist():
         piece = Piece.from_item(item)
         seq = 0
@@ -414,6 +417,31 @@ def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
         except ConfigError as e:
             yield _error_table(piece.index, str(e))
             return
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold back a KeyboardInterrupt until the block is done (main thread only).
+
+    Ray Data cancels its running tasks when its executor stops (a stream closes at the
+    end of a run), and Ray delivers a cancel as a KeyboardInterrupt in the task
+    (``_thread.interrupt_main``, which runs Python's SIGINT handler). One that lands
+    while a worker's first task imports transformers and torch leaves them
+    half-initialized in a process Ray reuses: every later task there fails to import
+    them ("partially initialized module 'torch'"). Ray guards its own argument
+    deserialization the same way, with a private helper (DeferSigint); this is that
+    guard, for the tokenizer's load."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _task_table(index: int, seq0: int, blocks: np.ndarray, lengths: np.ndarray) -> pa.Table:

@@ -541,6 +541,9 @@ class Driver:
         })
         if data.stream is not None:  # samples Ray Data tokenized and the ranks could read
             final["stream_samples_read"] = data.stream.stats.samples
+            # blocks whose ids the driver read in its own node's store, and on others'
+            final["stream_blocks_read_here"] = data.stream.stats.blocks_read_here
+            final["stream_blocks_read_there"] = data.stream.stats.blocks_read_there
         if self.best.evaluations:  # the Trainer's trainer_state names
             final.update({"best_metric": self.best.best_metric,
                           "best_global_step": self.best.best_step,
