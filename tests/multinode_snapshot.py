@@ -6,9 +6,9 @@ half of the parameters too, so losing a rank loses state that has no live copy. 
 next one: when the node holding rank 1 is removed after step 5, the survivor is rebuilt
 (re-planned to one rank) from the snapshot of step 4 in the keepers' memory; one step is
 redone and nothing is read from disk (no checkpoint is written before the end). A
-CPU-less head and two 1-CPU worker nodes; one uninterrupted ZeRO-1 run without
-snapshots, then at ZeRO-1 and at ZeRO-3 the run that loses a node (the node comes back
-between them). Prints one JSON line.
+CPU-less head and two 1-CPU worker nodes; at ZeRO-1 and at ZeRO-3 the run that loses a
+node (the node comes back between them), each held to the plain single-process loop on
+the same batches. Prints one JSON line.
 """
 
 import json
@@ -19,7 +19,9 @@ import time
 import ray
 
 from raylm import TrainConfig, train
+from raylm.runtime.prepare import check_inputs, prepare_data
 from multinode_common import RemoveNodeOfRank, start_cluster
+from reference import reference_run
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 
@@ -36,7 +38,13 @@ def config(out, **kw):
 
 cluster = start_cluster()
 try:
-    base = train(config(tempfile.mkdtemp() + "/out"))
+    # The ground truth: the plain single-process loop (tests/reference.py) on the same
+    # global batches.
+    cfg = config(tempfile.mkdtemp() + "/out")
+    inputs = check_inputs(cfg)
+    data = prepare_data(cfg, inputs)
+    base_loss, base_grad_norm, _, _ = reference_run(cfg, inputs.spec, data.train,
+                                                    data.train_ids, 8, cfg.max_steps)
     class RemoveOnceSnapshotHeld(RemoveNodeOfRank):
         """Steps of a real size: the snapshot of step 4 is in the keepers' hands (they
         take it while training goes on) by the time the node goes."""
@@ -65,9 +73,8 @@ try:
             "world_sizes": [h["world_size"] for h in hit.history],
             "samples": {str(k): v for k, v in samples.items()},
             "failures": hit.failures, "removed": remover.removed}
-    print("RESULT " + json.dumps({
-        "base": [h["loss"] for h in base.history],
-        "base_grad_norm": [h["grad_norm"] for h in base.history], "runs": runs}))
+    print("RESULT " + json.dumps({"base": base_loss, "base_grad_norm": base_grad_norm,
+                                  "runs": runs}))
 finally:
     ray.shutdown()
     cluster.shutdown()

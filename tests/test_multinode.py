@@ -25,7 +25,7 @@ def run_script(name: str, corpus_dir, cache_root, timeout: int):
 
 
 def test_chaos_ranks_and_nodes_lost_and_replaced(corpus_dir, cache_root):
-    """60 steps of 3 ranks on three 1-CPU nodes, dropout on: a few steps after each
+    """40 steps of 3 ranks on three 1-CPU nodes, dropout on: a few steps after each
     time the group is whole again a random rank is SIGKILLed, or the node of a random
     rank is removed and a fresh node added. Each time the survivors carry on in memory
     (nothing redone, nothing read from disk) and a newcomer takes the freed CPU or the
@@ -35,7 +35,7 @@ def test_chaos_ranks_and_nodes_lost_and_replaced(corpus_dir, cache_root):
     kinds = [kind for kind, _, _ in r["events"]]
     assert len(kinds) >= 4 and {"rank", "node"} <= set(kinds), r["events"]
     assert r["failures"] == len(kinds)
-    assert r["hit_steps"] == list(range(1, 61))
+    assert r["hit_steps"] == list(range(1, 41))
     np.testing.assert_allclose(r["hit"], r["reference"], rtol=1e-5)
     assert r["samples_equal"] and r["samples_once"]
     assert r["digests"] is not None and len(r["digests"]) == 3 and len(set(r["digests"])) == 1
@@ -59,8 +59,8 @@ def test_state_with_no_live_copy_comes_back_from_a_snapshot_in_memory(corpus_dir
                                                                        cache_root):
     """ZeRO-1 and ZeRO-3 over dp=2 with --snapshot_steps 2: the node of rank 1 is removed
     after step 5; the survivor is rebuilt on one rank from the keepers' snapshot of step
-    4 (one step redone, nothing read from disk) and trains single-process training's
-    losses."""
+    4 (one step redone, nothing read from disk) and trains the plain single-process
+    loop's losses (1e-5) and gradient norms (1e-4)."""
     r, proc = run_script("multinode_snapshot.py", corpus_dir, cache_root, 540)
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
     for stage in ("1", "3"):
@@ -69,7 +69,7 @@ def test_state_with_no_live_copy_comes_back_from_a_snapshot_in_memory(corpus_dir
         assert run["hit_steps"] == list(range(1, 9))
         assert run["world_sizes"] == [2] * 4 + [1] * 4  # step 5 redone on one rank
         np.testing.assert_allclose(run["hit"], r["base"], rtol=1e-5)
-        np.testing.assert_allclose(run["hit_grad_norm"], r["base_grad_norm"], rtol=1e-5)
+        np.testing.assert_allclose(run["hit_grad_norm"], r["base_grad_norm"], rtol=1e-4)
         # Every step's samples once (the redone step trained the same ones again).
         assert sorted(int(s) for s in run["samples"]) == list(range(1, 9))
         for ids in run["samples"].values():

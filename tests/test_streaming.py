@@ -368,3 +368,27 @@ def test_a_pipeline_that_cannot_keep_up_is_logged_once_with_its_rates(caplog):
     with caplog.at_level("WARNING", logger="raylm"):
         fast = check(0.05)
     assert not fast.stream_warned and not caplog.records
+
+
+def test_masked_lm_streams_the_same_on_1_and_2_ranks(ray_cluster, corpus, corpus_dir,
+                                                    cache_root, tmp_path):
+    """BERT's masked LM under --streaming: a sample's masks are drawn per (seed, step,
+    sample id) (a stream has no fixed epoch length; each time a sample is trained on it
+    gets fresh masks), so 1 and 2 ranks train the same samples with the same losses and
+    gradient norms."""
+    from tests.test_mlm import TINY_BERT, wordpiece_tokenizer
+
+    results = {}
+    for n in (1, 2):
+        results[n] = train(config(
+            tmp_path / f"w{n}", corpus, cache_root, n, model_type="bert",
+            config_overrides=TINY_BERT, tokenizer_name=wordpiece_tokenizer(corpus_dir,
+                                                                           cache_root),
+            max_steps=4, per_device_train_batch_size=2,
+            gradient_accumulation_steps=4 // n))
+    assert results[1].history[0]["loss"] > 0
+    assert step_ids(results[2].output_dir) == step_ids(results[1].output_dir)
+    np.testing.assert_allclose([h["loss"] for h in results[2].history],
+                               [h["loss"] for h in results[1].history], rtol=1e-5)
+    np.testing.assert_allclose([h["grad_norm"] for h in results[2].history],
+                               [h["grad_norm"] for h in results[1].history], rtol=1e-4)

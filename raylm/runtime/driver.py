@@ -435,8 +435,11 @@ class Driver:
             sampler.batch = plan.global_batch_size
             _check_stream_room(plan, sampler.task_cpus, cfg.streaming is None)
             steps = cfg.max_steps
-            # (masked LM draws per epoch: a stream's epochs are not steps; one draw)
-            self.steps_per_epoch = steps + 1
+            # Masked LM and span corruption draw per (seed, epoch, sample id); a stream
+            # has no fixed epoch length, so under it the key's "epoch" is the step: a
+            # sample gets fresh masks each time it is trained on (as HF's collator draws
+            # per batch), the same on every layout, resume and redone step.
+            self.steps_per_epoch = 1
             if restore:
                 if not state.get("stream"):
                     raise ConfigError(f"--streaming: the checkpoint {restore} was saved by a "
