@@ -424,8 +424,8 @@ def _guarded_step(marker: str, guard: bool):
 @pytest.mark.parametrize("guard", [True, False], ids=["deferred", "unguarded"])
 def test_a_cancel_waits_for_the_tokenizer_load(ray_local, tmp_path, guard):
     """Ray Data cancels its running tasks when a stream closes; a real ray.cancel that
-    lands while the task loads its tokenizer (imports transformers and torch) waits for
-    the load to finish, so no worker keeps half-imported modules. Unguarded, the same
+    lands while the task imports and loads its tokenizer waits for the load to finish,
+    so no worker keeps half-imported modules. Unguarded, the same
     cancel cuts the block short (the test can tell the difference)."""
     ray = ray_local
     marker = str(tmp_path / "done")
@@ -438,3 +438,38 @@ def test_a_cancel_waits_for_the_tokenizer_load(ray_local, tmp_path, guard):
     with pytest.raises(ray.exceptions.TaskCancelledError):
         ray.get(ref, timeout=60)
     assert os.path.exists(marker) == guard
+
+
+TRICKY = ["Hello, world!", "  leading and trailing spaces  ", "ünïcödé ✓ 😀 mixed", "",
+          "a [SEP] inside, and <|endoftext|> too", "word " * 300, "\n", "tabs\tand\r\nends\n"]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece", "wordpiece-left"])
+def test_task_tokenizer_gives_the_fast_tokenizers_ids(tmp_path, kind):
+    """Tokenizing tasks run the fast tokenizer's Rust half alone (no transformers, no
+    torch to import in a fresh worker): the same ids as transformers' call, with and
+    without truncation (from either side), special tokens added by the post-processor
+    (WordPiece's [CLS] ... [SEP]) and special-token strings inside the text."""
+    from raylm.data.tokenized import RustTokenizer, task_tokenizer_state
+    from raylm.data.tokenizer_train import train_tokenizer
+    from tests.conftest import SHAKESPEARE
+
+    if kind == "bpe":
+        directory = TOKENIZER
+    else:
+        directory = str(tmp_path / "wp")
+        train_tokenizer([str(SHAKESPEARE / "macbeth.txt")], directory, type="wordpiece",
+                        vocab_size=600, lowercase=True)
+        if kind == "wordpiece-left":
+            hf = AutoTokenizer.from_pretrained(directory, truncation_side="left")
+            hf.save_pretrained(directory)
+    hf = load_tokenizer(directory)
+    rust = RustTokenizer(task_tokenizer_state(directory))
+    for _ in range(2):  # (the truncation setting is switched back and forth)
+        assert rust(TRICKY)["input_ids"] == hf(TRICKY)["input_ids"]
+        assert (rust(TRICKY, truncation=True, max_length=7)["input_ids"]
+                == hf(TRICKY, truncation=True, max_length=7)["input_ids"])
+    if kind != "bpe":
+        assert hf(["x"])["input_ids"][0][0] == hf.cls_token_id  # (the post-processor ran)
+    if kind == "wordpiece-left":
+        assert hf.truncation_side == "left"

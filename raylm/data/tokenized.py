@@ -343,6 +343,59 @@ def load_tokenizer(tokenizer_dir: str):
     return tokenizer
 
 
+def task_tokenizer_state(tokenizer_dir: str) -> dict:
+    """What a tokenizing task needs of the fast tokenizer in ``tokenizer_dir``, read on
+    the driver: its Rust half (``tokenizers.Tokenizer``) as transformers configured it,
+    serialized, and the two settings transformers applies on each call."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return {"backend": tokenizer.backend_tokenizer.to_str(),
+            "truncation_side": tokenizer.truncation_side,
+            "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
+
+
+class RustTokenizer:
+    """A fast tokenizer's Rust half, called as tokenize_file calls transformers' fast
+    tokenizer, and giving the same ids: transformers' call is this encode_batch (with
+    special tokens), after setting truncation on the backend as here and clearing
+    padding.
+
+    Why not transformers' tokenizer in the tasks: importing transformers pulls in torch,
+    which costs a fresh Ray worker 4-10 s here, before a task's first block; the
+    ``tokenizers`` library alone loads in milliseconds. So a stream's first block, and
+    every build's first tasks, wait for the tokenization only."""
+
+    def __init__(self, state: dict):
+        import tokenizers
+
+        self._tk = tokenizers.Tokenizer.from_str(state["backend"])
+        self._tk.no_padding()
+        self._tk.no_truncation()
+        self._tk.encode_special_tokens = state["split_special_tokens"]
+        self._side = state["truncation_side"]
+        self._truncating = None
+
+    def __call__(self, texts: list[str], truncation: bool = False,
+                 max_length: Optional[int] = None, **_) -> dict:
+        mode = max_length if truncation else None
+        if mode != self._truncating:
+            if mode is None:
+                self._tk.no_truncation()
+            else:
+                self._tk.enable_truncation(mode, stride=0, strategy="longest_first",
+                                           direction=self._side)
+            self._truncating = mode
+        return {"input_ids": [e.ids for e in self._tk.encode_batch(texts,
+                                                                   add_special_tokens=True)]}
+
+
+@functools.lru_cache(maxsize=4)
+def _rust_tokenizer(backend: str, truncation_side: str,
+                    split_special_tokens: bool) -> RustTokenizer:
+    """One RustTokenizer per process and tokenizer (Ray reuses worker processes)."""
+    return RustTokenizer({"backend": backend, "truncation_side": truncation_side,
+                          "split_special_tokens": split_special_tokens})
+
+
 def pad_token_id_for(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
@@ -395,14 +448,17 @@ def _flatten(ids: list[list[int]], total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
 
 
-def _tokenize_task(batch: pa.Table, *, tokenizer_dir: str, block_size: int,
+def _tokenize_task(batch: pa.Table, *, tokenizer_state: dict, block_size: int,
                    line_by_line: bool, text_column: Optional[str],
                    pad_token_id: int, keep_linebreaks: bool,
                    chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[pa.Table]:
     """Ray Data UDF: tokenize the pieces listed in ``batch`` (Piece.to_item's columns),
-    yielding a table per ``chunk_bytes`` of text read."""
+    yielding a table per ``chunk_bytes`` of text read (the tokenizer: RustTokenizer of
+    ``tokenizer_state``, task_tokenizer_state's)."""
     with interrupts_deferred():
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = _rust_tokenizer(tokenizer_state["backend"],
+                                    tokenizer_state["truncation_side"],
+                                    tokenizer_state["split_special_tokens"])
     for item in batch.to_pylist():
         piece = Piece.from_item(item)
         seq = 0
@@ -426,11 +482,11 @@ def interrupts_deferred():
     Ray Data cancels its running tasks when its executor stops (a stream closes at the
     end of a run), and Ray delivers a cancel as a KeyboardInterrupt in the task
     (``_thread.interrupt_main``, which runs Python's SIGINT handler). One that lands
-    while a worker's first task imports transformers and torch leaves them
-    half-initialized in a process Ray reuses: every later task there fails to import
-    them ("partially initialized module 'torch'"). Ray guards its own argument
-    deserialization the same way, with a private helper (DeferSigint); this is that
-    guard, for the tokenizer's load."""
+    while a worker's first task imports modules leaves them half-initialized in a
+    process Ray reuses, and every later task there fails to import them (seen with
+    transformers and torch: "partially initialized module 'torch'"). Ray guards its own
+    argument deserialization the same way, with a private helper (DeferSigint); this is
+    that guard, for the tokenizer's import and load."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -489,7 +545,8 @@ def tokenizing_dataset(pieces: list[Piece], tokenizer_dir: str, block_size: int,
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     return ds.map_batches(
         _tokenize_task, batch_size=1, batch_format="pyarrow",
-        fn_kwargs=dict(tokenizer_dir=tokenizer_dir, block_size=block_size,
+        fn_kwargs=dict(tokenizer_state=task_tokenizer_state(tokenizer_dir),
+                       block_size=block_size,
                        line_by_line=line_by_line, text_column=text_column,
                        pad_token_id=pad_token_id, keep_linebreaks=keep_linebreaks,
                        chunk_bytes=chunk_bytes),
