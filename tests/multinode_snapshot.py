@@ -43,8 +43,10 @@ try:
     cfg = config(tempfile.mkdtemp() + "/out")
     inputs = check_inputs(cfg)
     data = prepare_data(cfg, inputs)
+    batch = (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+             * cfg.num_workers)
     base_loss, base_grad_norm, _, _ = reference_run(cfg, inputs.spec, data.train,
-                                                    data.train_ids, 8, cfg.max_steps)
+                                                    data.train_ids, batch, cfg.max_steps)
     class RemoveOnceSnapshotHeld(RemoveNodeOfRank):
         """Steps of a real size: the snapshot of step 4 is in the keepers' hands (they
         take it while training goes on) by the time the node goes."""

@@ -2,11 +2,12 @@
 
 --streaming on a ray.cluster_utils.Cluster: a CPU-less head (the driver's node) and two
 2-CPU worker nodes, one rank (1.5 CPUs) on each, Ray Data's tokenizing tasks in the
-remaining half CPUs. After step 4 the node of rank 1 is removed, and a fresh node added: the survivor carries on alone in memory, the
-newcomer warms up and the group grows back to two ranks. A one-rank run of the same
-global batch is the reference. At every step end the blocks the driver holds are looked
-up: none may be in the head node's object store (their ids are read on the node that
-holds them). Prints one JSON line with what the test checks.
+remaining half CPUs. After step 4 the node of rank 1 is removed and a fresh node added:
+the survivor carries on alone in memory, the newcomer warms up and the group grows back
+to two ranks. A one-rank run of the same global batch is the reference. At every step
+end the blocks the driver holds are looked up: none may be in the head node's object
+store (their ids are read on the node that holds them). Prints one JSON line with what
+the test checks.
 """
 
 import json
@@ -60,7 +61,8 @@ class Watch(RemoveNodeOfRank):
         refs = [r for w in driver.stream.windows for r in w.refs]
         where = ray.experimental.get_object_locations(refs)
         self.blocks_checked += len(refs)
-        self.blocks_here += sum(self.here in where[r]["node_ids"] for r in refs)
+        self.blocks_here += sum(self.here in where.get(r, {}).get("node_ids", [])
+                                for r in refs)
         removing = step == self.at_step and self.removed is None
         super().on_step_end(driver, step, record)
         if removing:

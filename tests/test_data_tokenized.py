@@ -413,10 +413,11 @@ def test_overwrite_cache_tokenizes_again_and_replaces_the_build(ray_local, tmp_p
 
 
 def _guarded_step(marker: str, guard: bool):
-    """Two seconds of work, then a file written, with a cancel held back or not."""
+    """Four seconds of work standing for a tokenizer's import and load, then a file
+    written, with a cancel held back or not."""
     with (interrupts_deferred() if guard else contextlib.nullcontext()):
         open(marker + ".started", "w").close()
-        time.sleep(2)
+        time.sleep(4)
         open(marker, "w").close()
     time.sleep(30)  # (cancelled here, once the guarded part is done)
 
@@ -424,16 +425,17 @@ def _guarded_step(marker: str, guard: bool):
 @pytest.mark.parametrize("guard", [True, False], ids=["deferred", "unguarded"])
 def test_a_cancel_waits_for_the_tokenizer_load(ray_local, tmp_path, guard):
     """Ray Data cancels its running tasks when a stream closes; a real ray.cancel that
-    lands while the task imports and loads its tokenizer waits for the load to finish,
-    so no worker keeps half-imported modules. Unguarded, the same
-    cancel cuts the block short (the test can tell the difference)."""
+    lands inside interrupts_deferred (where a task imports and loads its tokenizer; here
+    four seconds of sleep) waits for the block to finish, so no worker keeps
+    half-imported modules. Unguarded, the same cancel cuts the block short (the test can
+    tell the difference: the cancel has 3.5 s to land)."""
     ray = ray_local
     marker = str(tmp_path / "done")
     ref = ray.remote(num_cpus=0)(_guarded_step).remote(marker, guard)
     deadline = time.time() + 60
     while not os.path.exists(marker + ".started") and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # inside the two seconds
+    time.sleep(0.5)  # inside the four seconds
     ray.cancel(ref)
     with pytest.raises(ray.exceptions.TaskCancelledError):
         ray.get(ref, timeout=60)
@@ -464,7 +466,9 @@ def test_task_tokenizer_gives_the_fast_tokenizers_ids(tmp_path, kind):
             hf = AutoTokenizer.from_pretrained(directory, truncation_side="left")
             hf.save_pretrained(directory)
     hf = load_tokenizer(directory)
-    rust = RustTokenizer(task_tokenizer_state(directory))
+    state = task_tokenizer_state(directory)
+    assert "backend" in state  # (the driver's probe agreed: tasks get the Rust half)
+    rust = RustTokenizer(state)
     for _ in range(2):  # (the truncation setting is switched back and forth)
         assert rust(TRICKY)["input_ids"] == hf(TRICKY)["input_ids"]
         assert (rust(TRICKY, truncation=True, max_length=7)["input_ids"]

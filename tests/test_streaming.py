@@ -378,14 +378,20 @@ def test_masked_lm_streams_the_same_on_1_and_2_ranks(ray_cluster, corpus, corpus
     gradient norms."""
     from tests.test_mlm import TINY_BERT, wordpiece_tokenizer
 
-    results = {}
+    class DrawKey:
+        """What the driver gives the ranks for the draw's "epoch": step // this."""
+        def on_step_end(self, driver, step, record):
+            self.steps_per_epoch = driver.steps_per_epoch
+
+    results, key = {}, DrawKey()
     for n in (1, 2):
         results[n] = train(config(
             tmp_path / f"w{n}", corpus, cache_root, n, model_type="bert",
             config_overrides=TINY_BERT, tokenizer_name=wordpiece_tokenizer(corpus_dir,
                                                                            cache_root),
             max_steps=4, per_device_train_batch_size=2,
-            gradient_accumulation_steps=4 // n))
+            gradient_accumulation_steps=4 // n), callbacks=(key,))
+    assert key.steps_per_epoch == 1  # each step its own draw (a pass has no fixed length)
     assert results[1].history[0]["loss"] > 0
     assert step_ids(results[2].output_dir) == step_ids(results[1].output_dir)
     np.testing.assert_allclose([h["loss"] for h in results[2].history],

@@ -438,9 +438,11 @@ def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[s
     except (pa.ArrowException, OSError) as e:
         bad = None
         if isinstance(e, pa.ArrowInvalid) and extension(path) in (".jsonl", ".json"):
-            # (the piece's lines, else the file's: the schema is read from its start)
+            # The piece's lines, else those the schema is read from (the file's first
+            # reader block, which every piece reads): never a scan of the whole file.
             bad = _first_bad_json_line(path, piece) or (
-                _first_bad_json_line(path, None) if piece is not None else None)
+                _first_bad_json_line(path, (0, READER_BLOCK_BYTES))
+                if piece is not None else None)
         if bad is not None:
             offset, line, error = bad
             raise ConfigError(f"{_prefix(flag)}cannot read {path} as JSON Lines: the line at "

@@ -20,9 +20,9 @@ So a layout, a resize or a resume changes nothing in the order. A sample's id is
 Token arrays are not sent through the driver: it keeps Ray Data's block references, and
 each rank gets, with its step, the references of the blocks its samples are in and
 fetches them from the object store (raylm.data.reader.StreamReader). The driver does
-read each block's two id columns: in place when the block is in its node's object store
-(zero-copy), by a small task on the node that holds it otherwise, so a block made on
-another node goes only to the ranks that train on it.
+read each block's two id columns: in place when the block is in the driver's node's
+object store (zero-copy), by a small task on the node that holds it otherwise, so a block
+made on another node goes only to the ranks that train on it.
 
 Resuming: the position of a window's start is compact (epoch, index of its piece in the
 epoch's order, row in that piece), and a checkpoint records it for the window the next
@@ -140,6 +140,7 @@ class TokenStream:
         self._error: Optional[BaseException] = None
         self._mark_starts: list[int] = []    # sorted keys of marks (epoch_of, _rewind)
         self.identity = identity             # the data's digest (a resume must match)
+        self._locations_warned = False
 
     def prefetch(self, step: int) -> None:
         """Read the window of step ``step`` in a thread (Ray Data starts at once: its
@@ -435,35 +436,40 @@ class TokenStream:
         are read by a small task on their node, so the blocks themselves never travel
         to the driver (only the ranks that train on them fetch them). Ray Data's
         RefBundle knows sizes, not where a block is: ray.experimental's object
-        locations say that."""
+        locations say that. A block with no location in any store (returned inline to
+        the driver's process, being small, or spilled to disk) is read here."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()
         try:
             where = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
-        except Exception:  # (no answer: read here, as a single-node cluster does)
+        except ray.exceptions.RayError as e:
+            if not self._locations_warned:
+                self._locations_warned = True
+                log.warning("--streaming: Ray did not say where blocks are (%s): their ids "
+                            "are read on the driver's node, which copies them there", e)
             where = {}
         by_node: dict = {}
         for k, ref in enumerate(refs):
             nodes = where.get(ref, {}).get("node_ids") or []
             node = here if here in nodes or not nodes else nodes[0]
             by_node.setdefault(node, []).append(k)
-        out: list = [None] * len(refs)
-        pending = []
+        pending = []  # (the other nodes' tasks first: they run while this node reads)
         for node, ks in by_node.items():
-            if node == here:
-                tables = ray.get([refs[k] for k in ks])
-                for k, cols in zip(ks, _ids_of_tables([cuts[k] for k in ks], *tables)):
-                    out[k] = cols
-                self.stats.blocks_read_here += len(ks)
-            else:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+            if node != here:
                 task = _remote_ids().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                     node_id=node, soft=True))
                 pending.append((ks, task.remote([cuts[k] for k in ks],
                                                 *[refs[k] for k in ks])))
                 self.stats.blocks_read_there += len(ks)
+        out: list = [None] * len(refs)
+        local = by_node.get(here, [])
+        if local:
+            tables = ray.get([refs[k] for k in local])
+            for k, cols in zip(local, _ids_of_tables([cuts[k] for k in local], *tables)):
+                out[k] = cols
+            self.stats.blocks_read_here += len(local)
         for ks, ref in pending:
             for k, cols in zip(ks, ray.get(ref)):
                 out[k] = cols

@@ -343,21 +343,38 @@ def load_tokenizer(tokenizer_dir: str):
     return tokenizer
 
 
+# Texts the driver encodes both ways before it hands tasks the Rust half: special-token
+# strings inside text, unicode, whitespace, a text long enough to truncate.
+_PROBE = ["Hello, world!", "  spaces  ", "ünïcödé ✓ 😀", "", "a [SEP] b <|endoftext|> c",
+          "<s> x </s> [CLS] y [MASK]", "word " * 64, "tabs\tand\r\nends\n"]
+
+
 def task_tokenizer_state(tokenizer_dir: str) -> dict:
     """What a tokenizing task needs of the fast tokenizer in ``tokenizer_dir``, read on
     the driver: its Rust half (``tokenizers.Tokenizer``) as transformers configured it,
-    serialized, and the two settings transformers applies on each call."""
+    serialized, and the two settings transformers applies on each call; or, for a
+    tokenizer whose ids the Rust half alone does not reproduce on a probe (a class of
+    transformers that encodes in Python), just the directory: its tasks load it with
+    transformers."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    return {"backend": tokenizer.backend_tokenizer.to_str(),
-            "truncation_side": tokenizer.truncation_side,
-            "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
+    backend = tokenizer.backend_tokenizer.to_str()
+    state = {"backend": backend, "digest": hashlib.sha256(backend.encode()).hexdigest(),
+             "truncation_side": tokenizer.truncation_side,
+             "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False))}
+    rust = RustTokenizer(state)
+    same = all(rust(_PROBE, **kw)["input_ids"] == tokenizer(_PROBE, **kw)["input_ids"]
+               for kw in ({}, {"truncation": True, "max_length": 8}))
+    return state if same else {"tokenizer_dir": tokenizer_dir}
 
 
 class RustTokenizer:
     """A fast tokenizer's Rust half, called as tokenize_file calls transformers' fast
-    tokenizer, and giving the same ids: transformers' call is this encode_batch (with
-    special tokens), after setting truncation on the backend as here and clearing
-    padding.
+    tokenizer, and giving the same ids: transformers' call (TokenizersBackend's
+    ``_encode_plus`` in transformers/tokenization_utils_tokenizers.py) sets truncation
+    and padding on the backend (``set_truncation_and_padding``: truncation to
+    ``max_length``, stride 0, longest_first, its truncation side; no padding) and
+    ``encode_special_tokens``, then runs this ``encode_batch`` with special tokens.
+    task_tokenizer_state checks that on a probe before tasks get it.
 
     Why not transformers' tokenizer in the tasks: importing transformers pulls in torch,
     which costs a fresh Ray worker 4-10 s here, before a task's first block; the
@@ -375,7 +392,12 @@ class RustTokenizer:
         self._truncating = None
 
     def __call__(self, texts: list[str], truncation: bool = False,
-                 max_length: Optional[int] = None, **_) -> dict:
+                 max_length: Optional[int] = None, return_attention_mask: bool = False,
+                 return_token_type_ids: bool = False) -> dict:
+        if truncation and max_length is None or return_attention_mask \
+                or return_token_type_ids:
+            raise ValueError("RustTokenizer: only input_ids, truncated to a given max_length "
+                             "or not")
         mode = max_length if truncation else None
         if mode != self._truncating:
             if mode is None:
@@ -388,12 +410,17 @@ class RustTokenizer:
                                                                    add_special_tokens=True)]}
 
 
-@functools.lru_cache(maxsize=4)
-def _rust_tokenizer(backend: str, truncation_side: str,
-                    split_special_tokens: bool) -> RustTokenizer:
-    """One RustTokenizer per process and tokenizer (Ray reuses worker processes)."""
-    return RustTokenizer({"backend": backend, "truncation_side": truncation_side,
-                          "split_special_tokens": split_special_tokens})
+_TASK_TOKENIZERS: dict = {}  # digest -> RustTokenizer: one per process (Ray reuses workers)
+
+
+def _task_tokenizer(state: dict):
+    """The tokenizer a task runs, from task_tokenizer_state's state."""
+    if "tokenizer_dir" in state:
+        return load_tokenizer(state["tokenizer_dir"])
+    if state["digest"] not in _TASK_TOKENIZERS:
+        _TASK_TOKENIZERS.clear()  # (a worker serves one run's tokenizer at a time)
+        _TASK_TOKENIZERS[state["digest"]] = RustTokenizer(state)
+    return _TASK_TOKENIZERS[state["digest"]]
 
 
 def pad_token_id_for(tokenizer, line_by_line: bool, tokenizer_dir: str) -> int:
@@ -453,12 +480,10 @@ def _tokenize_task(batch: pa.Table, *, tokenizer_state: dict, block_size: int,
                    pad_token_id: int, keep_linebreaks: bool,
                    chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[pa.Table]:
     """Ray Data UDF: tokenize the pieces listed in ``batch`` (Piece.to_item's columns),
-    yielding a table per ``chunk_bytes`` of text read (the tokenizer: RustTokenizer of
+    yielding a table per ``chunk_bytes`` of text read (the tokenizer: _task_tokenizer of
     ``tokenizer_state``, task_tokenizer_state's)."""
     with interrupts_deferred():
-        tokenizer = _rust_tokenizer(tokenizer_state["backend"],
-                                    tokenizer_state["truncation_side"],
-                                    tokenizer_state["split_special_tokens"])
+        tokenizer = _task_tokenizer(tokenizer_state)
     for item in batch.to_pylist():
         piece = Piece.from_item(item)
         seq = 0
@@ -495,7 +520,9 @@ def interrupts_deferred():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # (None: a handler not set from Python; the default is what Ray's cancel needs)
+        signal.signal(signal.SIGINT, previous if previous is not None
+                      else signal.default_int_handler)
     if received:
         raise KeyboardInterrupt
 
