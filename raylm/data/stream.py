@@ -19,8 +19,8 @@ So a layout, a resize or a resume changes nothing in the order. A sample's id is
 
 Token arrays are not sent through the driver: it keeps Ray Data's block references, and
 each rank gets, with its step, the references of the blocks its samples are in and
-fetches them from the object store (raylm.data.reader.StreamReader). The driver does
-read each block's two id columns: in place when the block is in the driver's node's
+fetches them from the object store (raylm.data.reader.StreamReader). The driver reads
+each block's two id columns: in place when the block is in the driver's node's
 object store (zero-copy), by a small task on the node that holds it otherwise, so a block
 made on another node goes only to the ranks that train on it.
 

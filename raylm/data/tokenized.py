@@ -511,14 +511,15 @@ def interrupts_deferred():
     process Ray reuses, and every later task there fails to import them (seen with
     transformers and torch: "partially initialized module 'torch'"). Ray guards its own
     argument deserialization the same way, with a private helper (DeferSigint); this is
-    that guard, for the tokenizer's import and load."""
+    that guard, for the tokenizer's import and load. Yields the list of interrupts held
+    back so far."""
+    received: list = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
-    received = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
-        yield
+        yield received
     finally:
         # (None: a handler not set from Python; the default is what Ray's cancel needs)
         signal.signal(signal.SIGINT, previous if previous is not None
