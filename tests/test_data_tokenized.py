@@ -421,16 +421,23 @@ def test_a_cancel_waits_for_the_tokenizer_load(guard):
     raised: the block's work is complete, so no worker keeps half-imported modules.
     Unguarded, the same interrupt ends the block early."""
     import _thread
+    import signal
     import threading
 
+    # A Ray worker runs Python's own SIGINT handler (interrupt_main does nothing under
+    # SIG_IGN or SIG_DFL); the suite's process may have another by now.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     done = []
-    with pytest.raises(KeyboardInterrupt):
-        with (interrupts_deferred() if guard else contextlib.nullcontext([])) as held:
-            threading.Timer(0.2, _thread.interrupt_main).start()
-            deadline = time.time() + 5
-            while not held and time.time() < deadline:
-                time.sleep(0.01)
-            done.append(True)  # the block's last step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with (interrupts_deferred() if guard else contextlib.nullcontext([])) as held:
+                threading.Timer(0.2, _thread.interrupt_main).start()
+                deadline = time.time() + 5
+                while not held and time.time() < deadline:
+                    time.sleep(0.01)
+                done.append(True)  # the block's last step
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert done == ([True] if guard else [])
 
 
