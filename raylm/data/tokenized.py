@@ -349,13 +349,15 @@ _PROBE = ["Hello, world!", "  spaces  ", "ünïcödé ✓ 😀", "", "a [SEP] b 
           "<s> x </s> [CLS] y [MASK]", "word " * 64, "tabs\tand\r\nends\n"]
 
 
+@functools.lru_cache(maxsize=4)
 def task_tokenizer_state(tokenizer_dir: str) -> dict:
     """What a tokenizing task needs of the fast tokenizer in ``tokenizer_dir``, read on
     the driver: its Rust half (``tokenizers.Tokenizer``) as transformers configured it,
     serialized, and the two settings transformers applies on each call; or, for a
     tokenizer whose ids the Rust half alone does not reproduce on a probe (a class of
     transformers that encodes in Python), just the directory: its tasks load it with
-    transformers."""
+    transformers. Once per process and directory, as load_tokenizer (a stream starts a
+    Ray Data job per epoch and per rewind). Not to be modified: it is shared."""
     tokenizer = load_tokenizer(tokenizer_dir)
     backend = tokenizer.backend_tokenizer.to_str()
     state = {"backend": backend, "digest": hashlib.sha256(backend.encode()).hexdigest(),
