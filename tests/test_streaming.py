@@ -2,7 +2,8 @@
 
 Exactly once per pass over the data, the same order and losses on 1, 2 and 4 ranks, a
 resume mid-epoch that continues where the stream stood, large files cut into pieces
-that tokenize in separate tasks, and a bad piece met mid-stream.
+that tokenize in separate tasks, a bad piece met mid-stream, and a corpus and token cache
+in an object store (``s3://``, served on this machine by moto's S3 server).
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import pytest
 
 from raylm import TrainConfig, train
 from raylm.data.pieces import plan_pieces
-from raylm.data.sources import builtin_tokenizer_dir, iter_text_chunks, iter_texts
+from raylm.data.reader import BlockReader
+from raylm.data.sources import (builtin_tokenizer_dir, iter_text_chunks, iter_texts,
+                                resolve_files)
 from raylm.data.stream import PIECE_SHIFT, TokenStream, piece_order
-from raylm.data.tokenized import build_tokenized_dataset, load_tokenizer, tokenize_file
+from raylm.data.tokenized import (CACHE_PREFIX, MANIFEST, build_tokenized_dataset, cache_key,
+                                  load_tokenizer, tokenize_file)
 from raylm.errors import ConfigError
 from raylm.runtime.prepare import check_inputs
 from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.object_store import s3_endpoint
 from tests.test_recovery import KillRank
 
 PIECE_MB = 0.005  # 5 KiB pieces: the corpus's files are cut in two or three
@@ -398,3 +403,62 @@ def test_masked_lm_streams_the_same_on_1_and_2_ranks(ray_cluster, corpus, corpus
                                [h["loss"] for h in results[1].history], rtol=1e-5)
     np.testing.assert_allclose([h["grad_norm"] for h in results[2].history],
                                [h["grad_norm"] for h in results[1].history], rtol=1e-4)
+
+
+# --- object stores -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3(corpus):
+    """The corpus's files in a bucket of a local S3 endpoint, under corpus/."""
+    with s3_endpoint() as endpoint:
+        for path in sorted(corpus.iterdir()):
+            endpoint.put(f"corpus/{path.name}", path.read_bytes())
+        yield endpoint
+
+
+def test_a_corpus_in_an_object_store_streams_and_trains_as_it_does_from_disk(
+        runs, s3, corpus, cache_root, tmp_path):
+    """--train_file s3://bucket/dir: the files are listed, cut into byte ranges and read by
+    Ray Data's tasks through pyarrow's S3 filesystem; the run is the disk run, step for
+    step (samples, losses, gradient norms), into its second pass over the bucket."""
+    result = train(config(tmp_path / "out", corpus, cache_root, 1,
+                          train_file=[s3.uri("corpus")]))
+    assert step_ids(result.output_dir) == step_ids(runs[1].output_dir)
+    np.testing.assert_allclose([h["loss"] for h in result.history],
+                               [h["loss"] for h in runs[1].history], rtol=1e-5)
+    np.testing.assert_allclose([h["grad_norm"] for h in result.history],
+                               [h["grad_norm"] for h in runs[1].history], rtol=1e-4)
+    assert len(result.history) == STEPS
+
+
+def test_a_token_cache_in_an_object_store_commits_whole_and_is_reused(
+        ray_cluster, s3, corpus, cache_root):
+    """--data_cache_dir s3://...: a build from the bucket's files into the bucket holds the
+    disk build's samples. An object store has no rename, so the shards are copied into
+    place and the manifest last: what an interrupted commit left (shards, no manifest) is
+    never read as a cache but replaced, and nothing temporary is left behind."""
+    tokenizer, root = builtin_tokenizer_dir(), s3.uri("cache")
+    files = resolve_files([s3.uri("corpus")])
+    on_disk = build_tokenized_dataset(sorted(str(p) for p in corpus.iterdir()), tokenizer, 32,
+                                      cache_root=cache_root, piece_mb=PIECE_MB)
+    final = f"cache/{CACHE_PREFIX}{cache_key(files, tokenizer, 32, False, None, True, PIECE_MB)}"
+    s3.put(f"{final}/shard-000009-000000000000.parquet", b"half a shard")  # no manifest
+    built = build_tokenized_dataset(files, tokenizer, 32, cache_root=root, piece_mb=PIECE_MB)
+    assert not built.reused and built.num_samples == on_disk.num_samples
+    assert all(f.startswith("s3://") for f in built.shard_files)
+    ids = np.arange(on_disk.num_samples)
+    assert (BlockReader(built).read(ids)["input_ids"]
+            == BlockReader(on_disk).read(ids)["input_ids"]).all()
+    shards = [os.path.basename(f) for f in on_disk.shard_files]
+    assert s3.keys("cache") == sorted(f"{final}/{name}" for name in shards + [MANIFEST])
+    again = build_tokenized_dataset(files, tokenizer, 32, cache_root=root, piece_mb=PIECE_MB)
+    assert again.reused and again.shard_files == built.shard_files
+
+
+@pytest.mark.parametrize("key", ["no-such-dir", "corpus/*.parquet"])
+def test_a_missing_object_store_path_is_one_error_before_anything_starts(s3, corpus,
+                                                                         tmp_path, key):
+    cfg = config(tmp_path / "out", corpus, None, 1, train_file=[s3.uri(key)])
+    with pytest.raises(ConfigError, match=r"--train_file: .*s3://test:test@raylm-test/"
+                                          + re.escape(key)):
+        check_inputs(cfg)
