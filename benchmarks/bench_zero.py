@@ -7,7 +7,10 @@ resident memory, tokens/s against stage 0.
                                                # retention (see below)
     python benchmarks/bench_zero.py --only stage0-dp4 stage3-dp4 --json zero.json
 
-Runs: --zero_stage 0, 1, 2, 3 at dp=2 and at dp=4, pure data parallelism (pp=1, tp=1).
+Runs: --zero_stage 0, 1, 2, 3 at dp=2 and at dp=4, pure data parallelism (pp=1, tp=1),
+and stage 3 with --reshard_after_forward False (stage3k: the gathered parameters kept
+through each step). --rounds N runs the chosen rows N times, interleaved, and reports
+each row's median round.
 Same model (GPT-2 built from the size flags, raylm's built-in 4096-token tokenizer), same
 data, same seed, same global batch in micro-batches of the same size (so dp=2 accumulates
 twice as many per rank as dp=4), fp32, AdamW. Each rank actor gets 0.5 CPU and one torch
@@ -62,13 +65,19 @@ from benchmarks.bench_layouts import (add_run_args, apply_preset, overrides,  # 
 
 STAGES = (0, 1, 2, 3)
 DPS = (2, 4)
-RUNS = tuple((f"stage{s}-dp{d}", s, d) for d in DPS for s in STAGES)
+# (name, stage, dp, --reshard_after_forward); stage3k: ZeRO-3 keeping the gathered
+# parameters through each step (one all-gather a step instead of two per micro-batch).
+RUNS = tuple((f"stage{s}-dp{d}", s, d, True) for d in DPS for s in STAGES) + tuple(
+    (f"stage3k-dp{d}", 3, d, False) for d in DPS)
 KINDS = ("parameters", "gradients", "optimizer")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap, [name for name, *_ in RUNS], steps=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the chosen rows this many times, interleaved; the table "
+                         "shows each row's median round")
     ap.add_argument("--json", default=None, help="write every run's figures to this file")
     ap.add_argument("--malloc_mmap_threshold", type=int, default=None, metavar="BYTES",
                     help="set glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ for "
@@ -78,11 +87,11 @@ def parse_args(argv=None):
     return apply_preset(ap.parse_args(argv), steps=20)
 
 
-def run_zero(args, name, stage, dp, cache, work) -> dict:
+def run_zero(args, name, stage, dp, reshard, cache, work) -> dict:
     from raylm import train
 
     cfg = run_config(args, name, dp, cache, work, num_workers=dp, pp=1, tp=1,
-                     zero_stage=stage)
+                     zero_stage=stage, reshard_after_forward=reshard)
     result = train(cfg)
     hist = sorted(result.history, key=lambda h: h["step"])
     timed = hist[args.warmup:]
@@ -130,11 +139,18 @@ def main(argv=None) -> int:
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)
-        for name, stage, dp in RUNS:
-            if args.only and name not in args.only:
-                continue
-            rows.append(run_zero(args, name, stage, dp, cache, work))
-            print(f"  {name}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+        rounds: dict = {}
+        for k in range(args.rounds):
+            for name, stage, dp, reshard in RUNS:
+                if args.only and name not in args.only:
+                    continue
+                row = run_zero(args, name, stage, dp, reshard, cache, work)
+                rounds.setdefault(name, []).append(row)
+                print(f"  {name} (round {k + 1}): {row['tokens_per_s']:,.0f} tokens/s",
+                      flush=True)
+        for runs in rounds.values():  # each row's median round
+            runs.sort(key=lambda r: r["tokens_per_s"])
+            rows.append(runs[(len(runs) - 1) // 2])
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
@@ -142,6 +158,7 @@ def main(argv=None) -> int:
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     mib = 2**20
     base = {r["dp"]: r for r in rows if r["stage"] == 0}
+    rows.sort(key=lambda r: (r["dp"], r["name"]))
     for r in rows:
         b = base.get(r["dp"])
         r["vs_stage0"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None

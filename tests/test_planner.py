@@ -26,7 +26,7 @@ from raylm.plan.dims import ParallelDims
 from raylm.plan.hardware import GIB, hardware_for
 from raylm.plan.layout import make_plan
 from raylm.plan.partition import partition
-from raylm.plan.planner import search_for_config
+from raylm.plan.planner import evaluate_layout, search_for_config
 from raylm.plan.shape import model_shape
 from raylm.plan.text import human_bytes
 from raylm.runtime.memory import ActivationMeter, state_bytes
@@ -331,6 +331,14 @@ def test_zero_stages_shard_states_over_dp():
     assert (m3.parameters, m3.gradients, m3.optimizer) == (psi, psi, 2 * psi)
     assert m3.workspace > m0.workspace  # gathered blocks
     assert m0.activations == m3.activations
+    # --reshard_after_forward False: every parameter gathered through the step (4 bytes
+    # each) in place of two blocks; the states stay sharded.
+    kept = rank_memory(shape, part, Layout(dims=ParallelDims(dp=4), micro_batch_size=BATCH,
+                                           microbatches=1, zero_stage=3,
+                                           reshard_after_forward=False), hw)[0]
+    biggest = max(u.params for u in shape.blocks)
+    assert (kept.parameters, kept.gradients, kept.optimizer) == (psi, psi, 2 * psi)
+    assert kept.workspace - m3.workspace == 4 * psi - 2 * 4 * biggest
 
 
 def test_tensor_parallel_shards_matrices_and_activations():
@@ -470,10 +478,26 @@ def _zero_cfg(overrides=STATES_GPT2, **kw) -> TrainConfig:
     return _cfg("gpt2", overrides, **kw)
 
 
+def test_reshard_after_forward_false_is_stage_3s_and_plans_its_memory():
+    plan = make_plan(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=False), 2)
+    assert plan.zero_stage == 3 and not plan.reshard_after_forward
+    assert "parameters kept gathered through each step" in plan.describe()
+    assert make_plan(_zero_cfg(dp=2, zero_stage=3), 2).reshard_after_forward
+    for stage in (None, 2):
+        with pytest.raises(ConfigError, match=r"--reshard_after_forward False needs "
+                                              r"--zero_stage 3 .*is " + str(stage).lower()
+                           .replace("none", "unset")):
+            make_plan(_zero_cfg(dp=2, zero_stage=stage, reshard_after_forward=False), 2)
+    # The planner's memory of the user's layout follows the flag.
+    base = evaluate_layout(_zero_cfg(dp=2, zero_stage=3), 2, 1, 1, zero_stage=3)
+    kept = evaluate_layout(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=False),
+                           2, 1, 1, zero_stage=3)
+    assert kept.memory.total > base.memory.total
+    assert kept.memory.parameters == base.memory.parameters
+
+
 def _stage_memory(cfg, plan) -> list:
     """The cost model's peak bytes per worker of ``plan``'s layout at stages 0-3."""
-    from raylm.plan.planner import evaluate_layout
-
     fixed = TrainConfig(**{**cfg.__dict__, "gradient_accumulation_steps":
                            plan.micro_batches_per_rank, "pipeline_schedule": plan.schedule})
     return [evaluate_layout(fixed, plan.dp, plan.tp, plan.pp, zero_stage=z).memory.total

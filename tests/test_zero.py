@@ -59,6 +59,30 @@ def test_zero_matches_single_process(stage, dp, pp, tp, recompute, reference, ra
     assert_recomputed(result.output_dir, recompute)
 
 
+def test_zero3_parameters_kept_gathered_through_the_step(reference, ray_cluster, corpus_dir,
+                                                        cache_root, tmp_path):
+    """--reshard_after_forward False at ZeRO-3 (dp=2, 2 micro-batches a step, an
+    evaluation between steps): the blocks keep their gathered parameters from the
+    step's first forward to its last backward (one all-gather a step instead of two per
+    micro-batch; benchmarks/bench_zero.py measures the speed). The same single-process
+    losses, gradient norms and final weights; between steps the states are sharded as
+    at ZeRO-3, to the byte of the ZeRO figures."""
+    cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, num_workers=2,
+                      zero_stage=3, cpus_per_worker=1.0, reshard_after_forward=False,
+                      do_train=True, do_eval=True, eval_strategy="steps", eval_steps=1,
+                      max_eval_samples=8)
+    result = train(cfg)
+    assert_parity(result, reference("gpt2"))
+    assert_zero_memory(result.output_dir, 3, 2, 1)
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        assert json.load(f)["layout"]["reshard_after_forward"] is False
+    # (an evaluation after every step: forwards with no backward, which leave the
+    # parameters gathered until the engine frees them)
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        evals = [r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r]
+    assert len(evals) >= 3 and all(np.isfinite(evals))
+
+
 def assert_zero_memory(output_dir, stage, dp, group):
     """Each rank's parameters, gradients and optimizer states, measured from the tensors
     it holds, are the ZeRO paper's figures for its replica's Psi within 5%; the dp ranks

@@ -95,6 +95,10 @@ class GradientSync:
         collective in flight."""
         self.zero_grad()
 
+    def release(self) -> None:
+        """After forwards with no backward (evaluation): free what they left gathered
+        (ZeRO-3 keeping its parameters gathered through a step)."""
+
     def close(self) -> None:
         """Detach from the parameters (hooks), before another sync replaces this one."""
 

@@ -10,6 +10,7 @@ Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
       zero_stage 1: optimizer 8 Psi / dp               (ZeRO, Rajbhandari et al. 2020)
       zero_stage 2: gradients 4 Psi / dp too
       zero_stage 3: parameters 4 Psi / dp too, plus two blocks gathered at a time
+                    (--reshard_after_forward False: all Psi gathered during a step)
 * mixed precision (--bf16/--fp16, ``Hardware.compute_bytes`` 2): the states stay fp32
   (master weights, gradients, AdamW); activations as raylm.plan.activations lays out
   (norms and the residual stream fp32, matmul inputs and outputs in 2 bytes); autocast's
@@ -51,7 +52,9 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   micro-batch (each overlapped with that micro-batch's backward), then the same
   all-gather; stage 3 all-gathers each block's parameters in every micro-batch's forward
   and backward (prefetched: only what the compute does not hide counts) and
-  reduce-scatters every micro-batch's gradients, with no all-gather after the step;
+  reduce-scatters every micro-batch's gradients, with no all-gather after the step
+  (--reshard_after_forward False: one all-gather per step, exposed, and the gathered
+  parameters held through the step);
 * the optimizer step and gradient clipping stream ~32 bytes per parameter it updates;
 * activation checkpointing: full adds each block's forward again, selective its
   element-wise ops, memory-bound (``recompute_time``).
@@ -82,6 +85,7 @@ class Layout:
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: str = "none"  # activation checkpointing: none, selective or full
+    reshard_after_forward: bool = True  # zero_stage 3 (False: parameters gathered all step)
 
     dp = property(lambda self: self.dims.dp)
     tp = property(lambda self: self.dims.tp)
@@ -234,9 +238,11 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         copies = 0.0
         if zero >= 3:
             # Two blocks gathered (in the compute dtype under mixed precision), one
-            # block's gradient (fp32).
+            # block's gradient (fp32); --reshard_after_forward False: every parameter
+            # the rank holds gathered, from the step's first forward to its last backward.
             biggest = max((u.params for u in shape.blocks), default=0)
-            work += (2 * low + FP32) * biggest / tp
+            gathered = psi if not layout.reshard_after_forward else 2 * biggest / tp
+            work += low * gathered + FP32 * biggest / tp
         elif low < FP32:
             copies = low * cast_params(shape, part, stages) / tp
         if pp > 1:  # torch pipelining's receive buffers, one per micro-batch
@@ -299,7 +305,8 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         sends = sum((s < last) + (s > 0) for s in stages) if pp > 1 else 0
         pp_c = sends * p2p_msg + (len(stages) * hw.stage_overhead if pp > 1 else 0.0)
         zero3 = 0.0
-        if layout.zero_stage >= 3 and dp > 1:  # parameter all-gathers, prefetched
+        if layout.zero_stage >= 3 and dp > 1 and layout.reshard_after_forward:
+            # parameter all-gathers in every micro-batch's forward and backward, prefetched
             gather = (2 * (dp - 1) / dp * hw.compute_bytes * ranks[r].param_count
                       / dp_bw)
             zero3 = max(0.0, gather - compute)
@@ -327,6 +334,10 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         hidden = (lambda t: max(t - backward, tail)) if pp == 1 else (lambda t: t)
         scatters = 1 if zero == 1 else m  # stage 1: once, at the last micro-batch
         dp_c = scatters * hidden(half) + (half if zero in (1, 2) else 0.0)
+        if zero >= 3 and not layout.reshard_after_forward:
+            # one all-gather of the parameters per step (in the compute dtype), exposed
+            dp_c += allreduce_time(hw.compute_bytes * max(r.param_count for r in ranks),
+                                   dp, dp_bw, dp_lat) / 2
     updated = max(r.param_count for r in ranks) / (dp if layout.zero_stage >= 1 else 1)
     opt = 32 * updated / hw.memory_bw
     step = pipe + dp_c + opt

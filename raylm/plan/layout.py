@@ -43,6 +43,8 @@ class Plan:
     recompute: str = "none"  # activation checkpointing: none, selective or full
     zero_stage: int = 0  # ZeRO over each dp group (raylm.plan.zero)
     cpu_offload: bool = False  # zero_stage 3 on GPUs: shards and optimizer states in host memory
+    # zero_stage 3: free gathered parameters after each forward (False: kept all step)
+    reshard_after_forward: bool = True
 
     # The degrees, read from dims (the one place that knows the axes).
     dp = property(lambda self: self.dims.dp)
@@ -78,6 +80,8 @@ class Plan:
                      f"(blocks {stages})")
         if self.zero_stage > 0:
             text += f"; {describe_zero(self.zero_stage, self.dp, self.cpu_offload)}"
+            if self.zero_stage == 3 and not self.reshard_after_forward:
+                text += ", parameters kept gathered through each step"
         if self.recompute != "none":
             text += f"; {self.recompute} activation checkpointing"
         return text
@@ -173,7 +177,8 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
                 cpus_per_worker=cfg.cpus_per_worker, use_gpu=cfg.use_gpu,
                 schedule=schedule,
                 sequence_parallel=bool(sp and tp > 1), recompute=recompute,
-                zero_stage=zero or 0, cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
+                zero_stage=zero or 0, cpu_offload=bool(getattr(cfg, "cpu_offload", False)),
+                reshard_after_forward=getattr(cfg, "reshard_after_forward", True) is not False)
 
 
 def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,

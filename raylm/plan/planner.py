@@ -148,7 +148,8 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
                    pp_virtual_stages: int = 2, pp_split: Optional[list] = None,
                    sequence_parallel: Optional[bool] = False,
                    zero_stage: Optional[int] = 0, recompute: Optional[str] = "none",
-                   prefer: Optional[tuple] = None) -> Search:
+                   prefer: Optional[tuple] = None,
+                   reshard_after_forward: bool = True) -> Search:
     """Every layout of ``num_workers`` workers, ranked. ``dp``/``tp``/``pp`` nonzero fix
     that dimension. ``prefer`` = (dp, tp, pp, schedule): take that candidate as the
     chosen one whatever its rank (the user's own layout), the others ranked against it.
@@ -172,7 +173,8 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
             for sched in (schedules if p > 1 else schedules[:1]):
                 cands.append(_candidate(shape, hw, parts, d, t, p, sched, micro_batch_size,
                                         global_batch, pp_virtual_stages, pp_split,
-                                        sequence_parallel, zero_stage, recompute))
+                                        sequence_parallel, zero_stage, recompute,
+                                        reshard_after_forward))
     if not cands:
         raise ConfigError(f"no layout dp x tp x pp = {num_workers} matches dp={dp or 'any'} "
                           f"tp={tp or 'any'} pp={pp or 'any'}")
@@ -200,13 +202,14 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
 
 
 def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_virtual,
-               split, sp, zero, recompute) -> Candidate:
+               split, sp, zero, recompute, reshard_after_forward=True) -> Candidate:
     virtual = virtual_stages(schedule, pp_virtual) if pp > 1 else 1
     m = global_batch // (dp * mbs)
     layout = Layout(dims=ParallelDims(dp=dp, pp=pp, tp=tp), micro_batch_size=mbs,
                     microbatches=max(1, m), schedule=schedule, virtual=virtual,
                     sequence_parallel=bool(sp) and tp > 1, zero_stage=zero or 0,
-                    recompute=recompute or "none")
+                    recompute=recompute or "none",
+                    reshard_after_forward=reshard_after_forward)
     c = Candidate(layout)
     if tp > 1:  # the model's own limits first: the most useful reason to show
         c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
@@ -435,7 +438,8 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, schedules=schedules,
         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=split,
         sequence_parallel=sequence_parallel, zero_stage=zero_stage, recompute=recompute,
-        prefer=prefer)
+        prefer=prefer,
+        reshard_after_forward=getattr(cfg, "reshard_after_forward", True) is not False)
 
 
 def no_fit_error(search: Search) -> ConfigError:

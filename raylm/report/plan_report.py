@@ -251,6 +251,7 @@ def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, se
               for e in entries]
     return {"stage": plan.zero_stage, "requested": requested, "chosen_by": how,
             "cpu_offload": plan.cpu_offload, "dp": plan.dp,
+            "reshard_after_forward": plan.reshard_after_forward,
             "worker_memory": hw.worker_memory, "stages": stages,
             "ownership": owners, "ownership_rows": rows_kept,
             "ownership_summary": lines}
@@ -500,6 +501,8 @@ def _zero_lines(report: dict) -> list[str]:
     lines = ["", f"ZeRO over each data-parallel group (dp={z['dp']}; per worker{where}; "
              f"stage {z['stage']}: {z['chosen_by']}"
              + (", sharded state offloaded to host memory" if z["cpu_offload"] else "")
+             + (", parameters kept gathered through each step (--reshard_after_forward "
+                "False)" if not z.get("reshard_after_forward", True) else "")
              + "):"]
     rows = []
     for s in z["stages"]:

@@ -951,7 +951,8 @@ class Driver:
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
             json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
                                   "sequence_parallel": plan.sequence_parallel,
-                                  "recompute": plan.recompute},
+                                  "recompute": plan.recompute,
+                                  "reshard_after_forward": plan.reshard_after_forward},
                        "precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
                        "step": self.record.step, "ranks": ranks}, f, indent=2)
 

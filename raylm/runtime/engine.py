@@ -170,6 +170,7 @@ class Engine:
                 batch_loss, labels = self.loss_sum(read(ids), None)
                 loss_sum += batch_loss.item()
                 tokens += self.objective.count(labels)
+        self.grad_sync.release()
         return loss_sum, tokens
 
     def count(self, batch: dict, step) -> int:
@@ -518,7 +519,8 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     # Checkpoints and the saved model in the model's own (layout-free) shapes.
     e.canonical = canonical_adapter(e.model, e.tensor_parallel)
     e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group,
-                                None if e.zero_stage == 3 else e.reduce_dtype)
+                                None if e.zero_stage == 3 else e.reduce_dtype,
+                                keep_gathered=not e.plan.reshard_after_forward)
     groups, hyper = _adamw(e.model, cfg)
     e.optimizer, e.stepper = e.grad_sync.make_optimizer(groups, **hyper)
     e.scheduler = make_scheduler(e.optimizer, cfg, total_steps)
@@ -578,7 +580,8 @@ def _shard(e: Engine, roots: list) -> None:
                  for n, p in e.model.named_parameters(remove_duplicate=False)
                  if isinstance(p, DTensor)}
     apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload,
-               mixed_precision(e.autocast, e.cfg.get("reduce_dtype")))
+               mixed_precision(e.autocast, e.cfg.get("reduce_dtype")),
+               reshard_after_forward=e.plan.reshard_after_forward)
     if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
            for p in e.model.parameters()):
         # Before anything takes references to the parameters (materialising makes new

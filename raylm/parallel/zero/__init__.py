@@ -12,13 +12,15 @@ from raylm.parallel.zero.fsdp import FSDPGradients
 from raylm.parallel.zero.partitioned import ReduceScatterGradients, ShardedGradients
 
 
-def gradient_sync(stage: int, model, dp_group, reduce_dtype=None) -> GradientSync:
+def gradient_sync(stage: int, model, dp_group, reduce_dtype=None,
+                  keep_gathered: bool = False) -> GradientSync:
     """The gradient sync of a ZeRO stage over ``dp_group``: 0 all-reduces full gradients
     (in ``reduce_dtype`` when given: bf16 on the wire), 1 reduce-scatters them once per
     step, 2 after every micro-batch into partitions, 3 is FSDP's (the model must be
-    sharded with apply_fsdp already, whose policy holds its reduce dtype)."""
+    sharded with apply_fsdp already, whose policy holds its reduce dtype;
+    ``keep_gathered``: its parameters stay gathered through a step's micro-batches)."""
     if stage == 3:
-        return FSDPGradients(model, dp_group)
+        return FSDPGradients(model, dp_group, keep_gathered)
     params = list(model.parameters())
     if stage == 0:
         return GradientAllReduce(params, dp_group, reduce_dtype=reduce_dtype)
