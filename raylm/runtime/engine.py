@@ -165,12 +165,14 @@ class Engine:
             micro_batch_ids = self.pad_rounds(micro_batch_ids, most)
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        with torch.no_grad(), self.loss_context():
-            for ids in micro_batch_ids:
-                batch_loss, labels = self.loss_sum(read(ids), None)
-                loss_sum += batch_loss.item()
-                tokens += self.objective.count(labels)
-        self.grad_sync.release()
+        try:
+            with torch.no_grad(), self.loss_context():
+                for ids in micro_batch_ids:
+                    batch_loss, labels = self.loss_sum(read(ids), None)
+                    loss_sum += batch_loss.item()
+                    tokens += self.objective.count(labels)
+        finally:
+            self.grad_sync.release()
         return loss_sum, tokens
 
     def count(self, batch: dict, step) -> int:
@@ -441,16 +443,20 @@ class PipelineEngine(Engine):
         count and size), filled up with padding ids."""
         pipe = self.pipeline
         loss_sum, tokens = 0.0, 0
-        with torch.no_grad(), self.loss_context():
-            pipe.train(False)
-            for chunk in micro_batch_ids:
-                batches = [read(ids) for ids in chunk] if self.needs_data else []
-                ids, labels, kwargs = self.stack(batches, None)
-                losses = pipe.forward_only(ids, labels, kwargs, self.objective.loss_sum,
-                                           self.eval_stage_modules)
-                loss_sum += sum(float(x) for x in losses)
-                if pipe.has_last:
-                    tokens += sum(self.count(b, None) for b in batches)
+        try:
+            with torch.no_grad(), self.loss_context():
+                pipe.train(False)
+                for chunk in micro_batch_ids:
+                    batches = [read(ids) for ids in chunk] if self.needs_data else []
+                    ids, labels, kwargs = self.stack(batches, None)
+                    losses = pipe.forward_only(ids, labels, kwargs,
+                                               self.objective.loss_sum,
+                                               self.eval_stage_modules)
+                    loss_sum += sum(float(x) for x in losses)
+                    if pipe.has_last:
+                        tokens += sum(self.count(b, None) for b in batches)
+        finally:
+            self.grad_sync.release()
         return loss_sum, tokens
 
     def stack(self, batches: list, step):

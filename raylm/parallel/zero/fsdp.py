@@ -10,7 +10,7 @@ averaged: raylm's loss is already divided by the step's global token count.
 ``--reshard_after_forward False`` (FSDP2's option): a unit keeps its gathered parameters
 after its forward, and, without a pipeline, ``FSDPGradients`` keeps them after every
 backward but the step's last: one all-gather per unit and step instead of two per
-micro-batch (measured at dp=2 with 4 micro-batches: 0.54-0.61 -> 0.63-0.76 of stage 0's speed,
+micro-batch (measured at dp=2 with 4 micro-batches: 0.54 -> 0.76-0.80 of stage 0's speed,
 benchmarks/bench_zero.py), holding every gathered parameter through the step. Torch's
 pipeline schedules do the same between their micro-batches themselves.
 """
@@ -44,8 +44,8 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
     """Shard ``model`` over ``dp_mesh`` (a 1-D DeviceMesh): each block of ``model`` found
     under ``roots`` (the modules whose forward runs), then each root, with FSDP2's
     ``mp_policy`` (``mixed_precision``) when given and its ``reshard_after_forward``
-    for the blocks (roots keep theirs to backward either way: FSDP2 does not reshard a
-    root after forward). Returns the FSDP modules, roots last."""
+    (given explicitly, FSDP2 applies it to a root too). Returns the FSDP modules, roots
+    last."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                         OffloadPolicy, fully_shard)
 
@@ -65,8 +65,8 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     offload_policy=offload, mp_policy=mp)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=True, offload_policy=offload,
-                    mp_policy=mp)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload, mp_policy=mp)
     for group in slots.values():
         # Point every slot of a shared parameter at the one FSDP now manages (stale
         # slots would hold a second, unsharded, never-trained copy).
@@ -101,17 +101,24 @@ class FSDPGradients(GradientSync):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.loss = None
+        # Every FSDP unit (under a pipeline the roots are the stage modules, and torch's
+        # schedule keeps them gathered between its micro-batches itself); the model,
+        # when it is the root, is told when to reshard after backward.
+        self.units = ([m for m in model.modules() if isinstance(m, FSDPModule)]
+                      if keep_gathered else [])
         self.root = model if keep_gathered and isinstance(model, FSDPModule) else None
         self._keep(True)
 
     def release(self) -> None:
         """Free what a forward without backward (evaluation) left gathered."""
-        if self.root is not None:
-            from torch.distributed.fsdp import FSDPModule
+        for m in self.units:
+            m.reshard()
 
-            for m in self.root.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+    def reset(self) -> None:
+        """A step dropped half-way: its gathered parameters freed too."""
+        super().reset()
+        self.release()
+        self._keep(True)
 
     def _keep(self, keep: bool) -> None:
         """Whether the coming backwards leave every unit's parameters gathered."""
