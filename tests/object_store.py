@@ -13,19 +13,20 @@ import pyarrow.fs as pafs
 BUCKET = "raylm-test"
 # moto takes any credentials; they travel in the URI (pyarrow's user-info form), so that
 # Ray's workers, started before the test, need no environment of their own.
-CREDENTIALS = "test:test"
+KEY, SECRET = "test", "test"
+REGION = "us-east-1"
 
 
 class S3Endpoint:
     def __init__(self, host: str, port: int):
-        self.query = f"endpoint_override={host}:{port}&scheme=http&region=us-east-1"
-        self.fs = pafs.S3FileSystem(access_key="test", secret_key="test", scheme="http",
-                                    endpoint_override=f"{host}:{port}", region="us-east-1",
+        self.query = f"endpoint_override={host}:{port}&scheme=http&region={REGION}"
+        self.fs = pafs.S3FileSystem(access_key=KEY, secret_key=SECRET, scheme="http",
+                                    endpoint_override=f"{host}:{port}", region=REGION,
                                     allow_bucket_creation=True)
 
     def uri(self, key: str) -> str:
         """``s3://`` URI of ``key`` in the test bucket, as a user would pass it."""
-        return f"s3://{CREDENTIALS}@{BUCKET}/{key.strip('/')}?{self.query}"
+        return f"s3://{KEY}:{SECRET}@{BUCKET}/{key.strip('/')}?{self.query}"
 
     def put(self, key: str, data: bytes) -> None:
         with self.fs.open_output_stream(f"{BUCKET}/{key}") as f:
