@@ -35,6 +35,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, required=True, help="torch threads per process")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the loop on this process's GPU (bench_gpu.py)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                    help="bf16: the forward under torch.autocast(bfloat16), fp32 weights "
+                    "and optimizer, as raylm's --bf16")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model)")
+    ap.add_argument("--profile_dir", default=None,
+                    help="trace steps 2-4 with torch.profiler into DIR/plain.json")
 
 
 def build(args):
@@ -69,35 +77,68 @@ def run_loop(args, rank: int, world: int) -> dict:
     torch.set_num_threads(args.threads)
     model, reader, sampler, block_size = build(args)
     parameters = sum(p.numel() for p in model.parameters())
+    device = torch.device(getattr(args, "device", "cpu"))
+    cuda = device.type == "cuda"
+    model.to(device)
+    bf16 = getattr(args, "precision", "fp32") == "bf16"
+    if getattr(args, "compile", False):
+        model = torch.compile(model)
+    prof = None
+    if getattr(args, "profile_dir", None):  # steps 2-4, as raylm's --profile traces
+        os.makedirs(args.profile_dir, exist_ok=True)
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+            + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(
+                os.path.join(args.profile_dir, "plain.json")))
+        prof.start()
+
+    def mark():
+        # On a GPU the clock reads when the queued kernels have run, not when they were
+        # queued (a plain loop syncs once a step at loss.item(); these syncs cost ~10 us).
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
                               num_training_steps=args.steps)
 
-    step_times, losses, parts = [], [], []
+    step_times, losses, parts, grad_norms = [], [], [], []
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        t0 = mark()
         ids = rank_share(sampler.global_batch(step), rank, world)
         batch = reader.read(ids)
-        t1 = time.perf_counter()
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        t1 = mark()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()  # (DDP's all-reduce overlaps it; what it does not hide is in here)
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        t3 = time.perf_counter()
+        t2 = mark()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t3 = mark()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
+        t4 = mark()
         losses.append(loss.item())
+        grad_norms.append(grad_norm.item())
         step_times.append(time.perf_counter() - t0)
         # The step's parts, named as raylm's breakdown (raylm.runtime.profiling).
         parts.append({"data_wait_s": t1 - t0, "forward_backward_s": t2 - t1,
                       "clip_s": t3 - t2, "optimizer_s": t4 - t3})
+        if prof is not None:
+            prof.step()
+            if step == 4:
+                prof.stop()
+                prof = None
     return {"world_size": world, "threads": args.threads, "global_batch": args.global_batch,
             "block_size": block_size, "step_times": step_times, "losses": losses,
-            "parts": parts, "parameters": parameters}
+            "parts": parts, "parameters": parameters, "grad_norms": grad_norms}
 
 
 def main() -> int:

@@ -658,7 +658,9 @@ class Driver:
                 if overflow:
                     log.warning("step %d: fp16 gradients overflowed: skipped on every rank; "
                                 "loss scale %g -> %g", run.step, scale.scale, after.scale)
-            run.history = [h for h in run.history if h["step"] < run.step] + [rec]
+            if run.history and run.history[-1]["step"] >= run.step:  # a step run again
+                run.history = [h for h in run.history if h["step"] < run.step]
+            run.history.append(rec)  # (not a copy of the whole history every step)
             if data.stream is not None:
                 rec["stream_wait_s"] = waited
                 data.stream.release_before(run.step)

@@ -404,6 +404,13 @@ class RankWorker:
         t_opt = time.time()
         with self._region("raylm.optimizer"):
             self.engine.apply_update()
+            if self.device.type == "cuda":
+                import torch
+
+                # The optimizer's kernels run before the clock reads (else they would be
+                # counted in the next step's forward); the GPU idles at the step boundary
+                # anyway, while the driver collects the ranks' answers.
+                torch.cuda.synchronize(self.device)
         self.optimizer_s = time.time() - t_opt
         self.prepared, self.committed_step = None, step + 1  # steps done
         every = self.cfg.get("snapshot_steps") or 0

@@ -1,0 +1,367 @@
+"""raylm on one GPU against the plain PyTorch loop on the same GPU, in one run: fp32, bf16,
+fp16 and bf16 with --torch_compile, tokens/s and model FLOPs utilisation (MFU).
+
+    python benchmarks/bench_gpu.py                 # GPT-2 12 x 768, block 1024 (~4 min)
+    python benchmarks/bench_gpu.py --quick         # GPT-2 2 x 128, block 128 (~2 min)
+    python benchmarks/bench_gpu.py --only plain-bf16 raylm-bf16 --json gpu.json
+
+Rows (one GPU; raylm: one rank actor holding it, NCCL as its process group):
+
+  plain-fp32, plain-bf16, plain-bf16-compile
+                           a plain PyTorch loop on the GPU (ddp_baseline.py --device cuda):
+                           the same model, seed, blocks and order as raylm; bf16 under
+                           torch.autocast with fp32 weights, as raylm's --bf16; the compile
+                           row wraps the whole model in torch.compile
+  raylm-fp32, raylm-bf16, raylm-fp16, raylm-bf16-compile
+                           raylm train(..., use_gpu=True) with the default fused AdamW;
+                           the compile row compiles each block (--torch_compile)
+
+Per row: tokens/s from the median steady-state step time (raylm: the driver's wall time
+of a step, from sending it to having the rank's answer, so raylm's per-step round trip is
+in it), MFU (training FLOPs of raylm's shape model, 6N plus attention, over the GPU's
+dense peak in that precision: plan/hardware.py), the ratio to the plain loop in the same
+precision, and where the step goes (raylm.runtime.profiling's parts). The loss columns
+check that raylm trains what the plain loop trains (dropout off): the largest per-step
+loss and gradient-norm differences from the plain loop in the same precision (a GPU's
+kernels are not bit-reproducible across processes: atomics in backward, autotuned
+algorithms).
+
+It also loads the bf16 row's saved model with plain transformers on the GPU and checks
+its logits against the rank's own, and asks raylm for 2 GPU ranks on a 1-GPU cluster,
+which must be one clear error before any actor starts.
+
+Asserts nothing; prints a table (and --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+ROWS = ("plain-fp32", "raylm-fp32", "plain-bf16", "raylm-bf16", "raylm-fp16",
+        "plain-bf16-compile", "raylm-bf16-compile")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5)")
+    ap.add_argument("--n_layer", type=int, default=None, help="default 12 (quick 2)")
+    ap.add_argument("--n_embd", type=int, default=None, help="default 768 (quick 128)")
+    ap.add_argument("--n_head", type=int, default=None, help="default 12 (quick 2)")
+    ap.add_argument("--block_size", type=int, default=None, help="default 1024 (quick 128)")
+    ap.add_argument("--global_batch", type=int, default=None, help="default 16 (quick 8)")
+    ap.add_argument("--train_file", nargs="*", default=None,
+                    help="text files (default: raylm's built-in sample)")
+    ap.add_argument("--only", nargs="*", choices=ROWS, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="trace steps 2-4 of every row with torch.profiler (raylm: "
+                    "--profile) and print each row's GPU kernel time per step by kernel, "
+                    "next to the plain loop's in the same precision")
+    ap.add_argument("--cpus", type=int, default=8, help="CPUs of the local Ray cluster")
+    ap.add_argument("--json", default=None, help="also write every row's figures here")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the same rows on CPU ranks, a dry run of this script on a "
+                    "machine without a GPU (no speed to read there)")
+    args = ap.parse_args(argv)
+    preset = (dict(steps=5, warmup=3, n_layer=2, n_embd=128, n_head=2, block_size=128,
+                   global_batch=8) if args.quick else
+              dict(steps=20, warmup=5, n_layer=12, n_embd=768, n_head=12, block_size=1024,
+                   global_batch=16))
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def overrides(args) -> str:
+    return (f"n_layer={args.n_layer},n_embd={args.n_embd},n_head={args.n_head},"
+            f"n_positions={args.block_size},resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0")
+
+
+def summarize(name, step_times, losses, grad_norms, warmup, tokens, parts) -> dict:
+    timed = step_times[warmup:]
+    median = statistics.median(timed)
+    keys = sorted({k for p in parts[warmup:] for k in p})
+    return {"name": name, "median_s": median, "tokens_per_s": tokens / median,
+            "losses": losses, "grad_norms": grad_norms,
+            "parts": {k: statistics.median(p.get(k) or 0.0 for p in parts[warmup:])
+                      for k in keys}}
+
+
+def run_plain(args, name, config_dir, data_dir) -> dict:
+    precision = name.split("-")[1]
+    extra = (["--compile"] if name.endswith("-compile") else []) + (
+        ["--profile_dir", os.path.join(profile_root(args), name)] if args.profile else [])
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "ddp_baseline.py"),
+           "--config_dir", config_dir, "--data_dir", data_dir, "--global_batch",
+           str(args.global_batch), "--steps", str(args.warmup + args.steps), "--threads", "4",
+           "--device", args.device, "--precision", precision, *extra]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                           f"{proc.stderr[-3000:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    out = summarize(name, r["step_times"], r["losses"], r["grad_norms"], args.warmup,
+                    args.global_batch * r["block_size"], r["parts"])
+    if args.profile:
+        out["trace"] = os.path.join(profile_root(args), name, "plain.json")
+    return out
+
+
+def run_raylm(args, name, cache, work) -> tuple[dict, object]:
+    from raylm import TrainConfig, train
+
+    precision = name.split("-")[1]
+    cfg = TrainConfig(
+        model_type="gpt2", config_overrides=overrides(args),
+        train_file=list(args.train_file or []), block_size=args.block_size,
+        data_cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
+        per_device_train_batch_size=args.global_batch, gradient_accumulation_steps=1,
+        max_steps=args.warmup + args.steps, learning_rate=5e-4, seed=42, do_eval=False,
+        disable_tqdm=True, validation_split_percentage=0.0, logging_steps=10**6,
+        save_steps=10**6, report_to=["none"], num_workers=1, cpus_per_worker=4,
+        use_gpu=args.device == "cuda", bf16=precision == "bf16", fp16=precision == "fp16",
+        torch_compile=name.endswith("-compile"), profile=args.profile, profile_steps=3)
+    t0 = time.time()
+    result = train(cfg)
+    wall = time.time() - t0
+    hist = sorted(result.history, key=lambda h: h["step"])
+    r = summarize(name, [h["step_time_s"] for h in hist], [h["loss"] for h in hist],
+                  [h.get("grad_norm") for h in hist], args.warmup,
+                  args.global_batch * args.block_size, [h["breakdown"] for h in hist])
+    mfu = [h["mfu"] for h in hist[args.warmup:] if h.get("mfu")]
+    r["mfu_logged"] = statistics.median(mfu) if mfu else None
+    r["whole_call_s"] = wall
+    if args.profile:
+        r["trace"] = os.path.join(result.output_dir, "profile", "rank-0.json")
+    return r, result
+
+
+def profile_root(args) -> str:
+    return os.path.join(args.work, "profile")
+
+
+def kernel_times(path: str, steps: int = 3) -> tuple[dict, float]:
+    """GPU time per traced step by kernel (memcpy and memset included) in a chrome trace
+    of torch.profiler, and the GPU's busy time per step (the union of its intervals)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    times, spans = {}, []
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            name = e["name"]
+            times[name] = times.get(name, 0.0) + e["dur"] / 1000 / steps
+            spans.append((e["ts"], e["ts"] + e["dur"]))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return times, busy / 1000 / steps
+
+
+def print_kernels(results: dict, rows: list) -> None:
+    """Each raylm row's GPU time per step against the plain loop's in the same precision:
+    the totals, and the kernels whose time differs most."""
+    for name in rows:
+        ref_name = "plain-" + name.split("-", 1)[-1]
+        r, ref = results.get(name), results.get(ref_name)
+        if not name.startswith("raylm") or not r or not ref or "trace" not in r:
+            continue
+        try:
+            mine, busy = kernel_times(r["trace"])
+            theirs, ref_busy = kernel_times(ref["trace"])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{name}: no trace to read ({e})")
+            continue
+        print(f"{name} against {ref_name}: GPU busy {busy:.2f} vs {ref_busy:.2f} ms per "
+              f"step; kernel time {sum(mine.values()):.2f} vs {sum(theirs.values()):.2f} ms; "
+              f"{sum(1 for _ in mine)} vs {sum(1 for _ in theirs)} distinct kernels")
+        diff = sorted(set(mine) | set(theirs),
+                      key=lambda k: -abs(mine.get(k, 0.0) - theirs.get(k, 0.0)))
+        for k in diff[:12]:
+            print(f"  {mine.get(k, 0.0):>8.3f} {theirs.get(k, 0.0):>8.3f} ms  {k[:110]}")
+
+
+def check_export(output_dir: str, device: str) -> str:
+    """The saved model loads with plain transformers on the GPU and predicts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir).to(device).eval()
+    ids = torch.arange(16, device=device).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(ids).logits
+    finite = bool(torch.isfinite(logits).all())
+    return (f"loaded {os.path.basename(output_dir)} with AutoModelForCausalLM on {device}: "
+            f"logits {tuple(logits.shape)}, finite={finite}, dtype {logits.dtype}")
+
+
+def two_ranks_one_gpu(args, cache, work) -> str:
+    """2 GPU rank actors asked for on a 1-GPU cluster: raylm's answer (run in a child
+    process with a time limit, so a wait for GPUs that never come cannot hang the run)."""
+    code = (
+        "import sys, ray; sys.path.insert(0, %r)\n"
+        "from raylm import TrainConfig, train\n"
+        "ray.init(address=%r)\n"
+        "try:\n"
+        "    train(TrainConfig(model_type='gpt2', config_overrides=%r, block_size=%d,"
+        " data_cache_dir=%r, output_dir=%r, overwrite_output_dir=True, max_steps=2,"
+        " do_eval=False, disable_tqdm=True, report_to=['none'], num_workers=2, dp=2,"
+        " use_gpu=True, per_device_train_batch_size=2))\n"
+        "    print('TRAINED (no error)')\n"
+        "except Exception as e:\n"
+        "    print('ERROR', type(e).__name__, str(e)[:600])\n"
+    ) % (REPO, os.environ.get("RAY_ADDRESS", "auto"), overrides(args), args.block_size,
+         cache, os.path.join(work, "two"))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=90)
+        out = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ERROR", "TRAINED"))]
+        return out[-1] if out else (proc.stdout[-800:] + proc.stderr[-800:])
+    except subprocess.TimeoutExpired:
+        return "HUNG: no answer in 90 s"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import ray
+    import torch
+
+    from raylm.config import TrainConfig
+    from raylm.data.sources import builtin_sample_files
+    from raylm.data.tokenized import build_tokenized_dataset
+    from raylm.models.loading import resolve_model
+    from raylm.plan.hardware import peak_flops
+    from raylm.plan.planner import shape_of
+
+    logging.basicConfig(level=logging.WARNING)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False; "
+                         "--device cpu runs the rows on CPU)")
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    rows = [r for r in ROWS if r in (args.only or ROWS)]
+    work = args.work = tempfile.mkdtemp(prefix="raylm-bench-gpu-")
+    cache = os.path.join(work, "cache")
+    results, errors, notes = {}, {}, []
+    print(f"{gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}; ray {ray.__version__}",
+          flush=True)
+    try:
+        spec = resolve_model(TrainConfig(model_type="gpt2", config_overrides=overrides(args)))
+        config_dir = os.path.join(work, "config")
+        spec.config.save_pretrained(config_dir)
+        shape = shape_of(spec, args.block_size)
+        flops_per_token = 3 * sum(u.flops for u in (shape.embed, *shape.blocks, shape.head))
+        files = [os.path.abspath(f) for f in (args.train_file or builtin_sample_files())]
+        args.train_file = files
+        ray.init(address="local", num_cpus=args.cpus, num_gpus=1 if cuda else 0, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        ds = build_tokenized_dataset(files, spec.tokenizer_dir, args.block_size,
+                                     cache_root=cache)
+        params = shape.total_params
+        print(f"data: {ds.num_samples} blocks of {ds.block_size} tokens; model gpt2 "
+              f"{overrides(args)}, vocab {spec.vocab_size}"
+              + (f", {params / 1e6:.1f}M parameters" if params else "")
+              + f"; {flops_per_token / 1e9:.3f} GFLOP per token trained; global batch "
+              f"{args.global_batch}; {args.warmup} warm-up + {args.steps} timed steps",
+              flush=True)
+        export_dir = None
+        for name in rows:
+            t0 = time.time()
+            try:
+                if name.startswith("plain"):
+                    r = run_plain(args, name, config_dir, ds.cache_dir)
+                else:
+                    r, result = run_raylm(args, name, cache, work)
+                    if name == "raylm-bf16":
+                        export_dir = result.output_dir
+                half = "bf16" in name or "fp16" in name
+                peak = peak_flops(gpu, 0.0, half)
+                r["mfu"] = r["tokens_per_s"] * flops_per_token / peak if peak else None
+                results[name] = r
+                print(f"  {name}: {r['tokens_per_s']:,.0f} tokens/s"
+                      + (f", mfu {r['mfu']:.1%}" if r["mfu"] else "")
+                      + f" ({time.time() - t0:.0f} s)", flush=True)
+            except Exception:
+                errors[name] = traceback.format_exc()
+                print(f"  {name}: FAILED ({time.time() - t0:.0f} s)\n{errors[name][-3000:]}",
+                      flush=True)
+        if args.profile:
+            print()
+            print_kernels(results, rows)
+        if export_dir:
+            try:
+                notes.append(check_export(export_dir, args.device))
+            except Exception:
+                notes.append("export check FAILED:\n" + traceback.format_exc()[-2000:])
+        if cuda:
+            notes.append("2 GPU ranks on 1 GPU: " + two_ranks_one_gpu(args, cache, work))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(f"{'row':<19} {'s/step':>8} {'tokens/s':>10} {'mfu':>6} {'vs plain':>8} "
+          f"{'max |dloss|':>11} {'max |dgnorm|':>12} {'loss first -> last':>19} {'call s':>7}")
+    for name in rows:
+        if name not in results:
+            print(f"{name:<19} FAILED")
+            continue
+        r = results[name]
+        ref = results.get("plain-" + name.split("-", 1)[-1])
+        ratio = dl = dg = "n/a"
+        if ref and ref is not r:
+            ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}"
+            n = min(len(r["losses"]), len(ref["losses"]))
+            dl = f"{max(abs(a - b) for a, b in zip(r['losses'][:n], ref['losses'][:n])):.1e}"
+            pairs = [(a, b) for a, b in zip(r["grad_norms"][:n], ref["grad_norms"][:n])
+                     if a is not None and b is not None]
+            if pairs:
+                dg = f"{max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs):.1e}"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
+        call = f"{r['whole_call_s']:.0f}" if "whole_call_s" in r else ""
+        print(f"{name:<19} {r['median_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+              f"{ratio:>8} {dl:>11} {dg:>12} "
+              f"{r['losses'][0]:>8.3f} -> {r['losses'][-1]:.3f} {call:>7}")
+    print("(max |dgnorm|: relative to the plain loop's gradient norm)")
+    print()
+    print("where a step goes (ms, medians over the timed steps)")
+    keys = sorted({k for r in results.values() for k in r["parts"]})
+    print(f"{'row':<19} " + " ".join(f"{k[:-2]:>14}" for k in keys) + f" {'rest':>8}")
+    for name in rows:
+        if name in results:
+            r = results[name]
+            cells = [f"{r['parts'][k] * 1000:>14.2f}" if k in r["parts"] else f"{'-':>14}"
+                     for k in keys]
+            rest = r["median_s"] - sum(r["parts"].values())
+            print(f"{name:<19} " + " ".join(cells) + f" {rest * 1000:>8.2f}")
+    print()
+    for line in notes:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "gpu": gpu, "torch": torch.__version__,
+                       "results": results, "errors": errors, "notes": notes}, f, indent=2)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
