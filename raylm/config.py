@@ -391,14 +391,15 @@ class TrainConfig:
         False, "With --use_gpu and --zero_stage 3: keep the sharded parameters, gradients "
         "and optimizer states in host memory and step on the CPU (FSDP2's "
         "CPUOffloadPolicy).", "cluster")
-    reshard_after_forward: bool = _f(
-        True, "With --zero_stage 3 (FSDP2's option of the same name): True frees each "
-        "block's gathered parameters after its forward and gathers them again for its "
-        "backward, in every micro-batch (ZeRO-3's memory: two blocks gathered at a time). "
-        "False keeps them gathered from the step's first forward to its last backward: "
-        "one all-gather per step instead of two per micro-batch, for the memory of every "
-        "gathered parameter during the step (between steps, and in checkpoints, the "
-        "state stays sharded; see `raylm plan`).", "cluster")
+    reshard_after_forward: Optional[bool] = _f(
+        None, "With ZeRO-3 (FSDP2's option of the same name): True frees each block's "
+        "gathered parameters after its forward and gathers them again for its backward, "
+        "in every micro-batch (ZeRO-3's memory: two blocks gathered at a time). False keeps "
+        "them gathered from the step's first forward to its last backward: one all-gather "
+        "per step instead of two per micro-batch, for the memory of every gathered "
+        "parameter during the step (between steps, and in checkpoints, the state stays "
+        "sharded). Unset: False where that fits --worker_memory_gb, without a pipeline "
+        "(--pp > 1) or --cpu_offload, else True (see `raylm plan`).", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")

@@ -482,17 +482,50 @@ def test_reshard_after_forward_false_is_stage_3s_and_plans_its_memory():
     plan = make_plan(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=False), 2)
     assert plan.zero_stage == 3 and not plan.reshard_after_forward
     assert "parameters kept gathered through each step" in plan.describe()
-    assert make_plan(_zero_cfg(dp=2, zero_stage=3), 2).reshard_after_forward
+    assert make_plan(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=True),
+                     2).reshard_after_forward
     for stage, named in ((None, "unset"), (2, "2")):
         with pytest.raises(ConfigError, match=r"--reshard_after_forward False needs "
                                               r"--zero_stage 3 .*is " + named):
             make_plan(_zero_cfg(dp=2, zero_stage=stage, reshard_after_forward=False), 2)
     # The planner's memory of the user's layout follows the flag.
-    base = evaluate_layout(_zero_cfg(dp=2, zero_stage=3), 2, 1, 1, zero_stage=3)
+    base = evaluate_layout(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=True),
+                           2, 1, 1, zero_stage=3)
     kept = evaluate_layout(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=False),
                            2, 1, 1, zero_stage=3)
     assert kept.memory.total > base.memory.total
     assert kept.memory.parameters == base.memory.parameters
+
+
+def test_reshard_after_forward_unset_keeps_gathered_where_it_fits():
+    # Unset, ZeRO-3 keeps its parameters gathered through each step where the worker
+    # memory holds them: in a layout the flags fix, and in the planner's own.
+    resharded = evaluate_layout(_zero_cfg(dp=2, zero_stage=3, reshard_after_forward=True),
+                                2, 1, 1, zero_stage=3)
+    kept = evaluate_layout(_zero_cfg(dp=2, zero_stage=3), 2, 1, 1, zero_stage=3)
+    assert not kept.layout.reshard_after_forward and kept.fits
+    assert kept.memory.total > resharded.memory.total
+    # One all-gather a step, not two a micro-batch: never slower in the cost model.
+    assert kept.time.step <= resharded.time.step
+    plan = make_plan(_zero_cfg(dp=2, zero_stage=3), 2)
+    assert plan.zero_stage == 3 and not plan.reshard_after_forward
+    assert "parameters kept gathered through each step" in plan.describe()
+    searched = make_plan(_zero_cfg(num_workers=4, zero_stage=3), 4)
+    assert searched.dp > 1 and not searched.reshard_after_forward
+    # Memory between the two: the parameters are freed after each forward, as before.
+    between = (kept.memory.total + resharded.memory.total) / 2 / GIB
+    tight = make_plan(_zero_cfg(dp=2, zero_stage=3, worker_memory_gb=between), 2)
+    assert tight.zero_stage == 3 and tight.reshard_after_forward
+    assert "kept gathered" not in tight.describe()
+    # A stage the planner chose to fit the memory is not spent on gathered parameters.
+    fitted = make_plan(_zero_cfg(DEEP_GPT2, dp=4, worker_memory_gb=11.5 / 1024), 4)
+    assert fitted.zero_stage == 3 and fitted.reshard_after_forward
+    # Not under a pipeline (its schedule keeps them gathered anyway) or --cpu_offload.
+    assert make_plan(_zero_cfg(DEEP_GPT2, dp=2, pp=2, zero_stage=3), 4).reshard_after_forward
+    offload = make_plan(_zero_cfg(dp=2, zero_stage=3, use_gpu=True, cpu_offload=True), 2)
+    assert offload.cpu_offload and offload.reshard_after_forward
+    # Stages below 3 have nothing to gather.
+    assert make_plan(_zero_cfg(dp=2, zero_stage=2), 2).reshard_after_forward
 
 
 def _stage_memory(cfg, plan) -> list:

@@ -40,6 +40,9 @@ RUNS = [  # (stage, dp, pp, tp, activation checkpointing)
     (2, 2, 2, 1, "none"), (3, 2, 2, 1, "selective"),
     (1, 2, 1, 2, "none"), (3, 2, 1, 2, "full"),
 ]
+# ZeRO-3 keeps its parameters gathered through each step by default where they fit, as
+# they do here, except under a pipeline: one run frees them after each forward instead.
+RESHARDED = {(3, 4, 1, 1, "full")}
 
 
 @pytest.mark.parametrize("stage,dp,pp,tp,recompute", RUNS,
@@ -48,27 +51,33 @@ RUNS = [  # (stage, dp, pp, tp, activation checkpointing)
                               for s, d, p, t, r in RUNS])
 def test_zero_matches_single_process(stage, dp, pp, tp, recompute, reference, ray_cluster,
                                      corpus_dir, cache_root, tmp_path):
+    resharded = (stage, dp, pp, tp, recompute) in RESHARDED
     cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=dp, pp=pp, tp=tp,
                       num_workers=dp * pp * tp, zero_stage=stage,
                       cpus_per_worker=0.5 if dp * pp * tp > 2 else 1.0,
-                      activation_checkpointing=recompute)
+                      activation_checkpointing=recompute,
+                      reshard_after_forward=True if resharded else None)
     result = train(cfg)
     assert result.metrics["world_size"] == dp * pp * tp
     assert_parity(result, reference("gpt2"))
     assert_zero_memory(result.output_dir, stage, dp, pp * tp)
     assert_recomputed(result.output_dir, recompute)
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        kept = not json.load(f)["layout"]["reshard_after_forward"]
+    assert kept == (stage == 3 and pp == 1 and not resharded)
 
 
 def test_zero3_parameters_kept_gathered_through_the_step(reference, ray_cluster, corpus_dir,
                                                         cache_root, tmp_path):
-    """--reshard_after_forward False at ZeRO-3 (dp=2, 2 micro-batches a step, an
-    evaluation between steps): the blocks keep their gathered parameters from the
-    step's first forward to its last backward (one all-gather a step instead of two per
-    micro-batch; benchmarks/bench_zero.py measures the speed). The same single-process
-    losses, gradient norms and final weights; between steps the states are sharded as
-    at ZeRO-3, to the byte of the ZeRO figures."""
+    """ZeRO-3 (dp=2, 2 micro-batches a step, an evaluation between steps) with
+    --reshard_after_forward left unset, which where the parameters fit is False: the
+    blocks keep their gathered parameters from the step's first forward to its last
+    backward (one all-gather a step instead of two per micro-batch;
+    benchmarks/bench_zero.py measures the speed). The same single-process losses,
+    gradient norms and final weights; between steps the states are sharded as at
+    ZeRO-3, to the byte of the ZeRO figures."""
     cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, num_workers=2,
-                      zero_stage=3, cpus_per_worker=1.0, reshard_after_forward=False,
+                      zero_stage=3, cpus_per_worker=1.0,
                       do_train=True, do_eval=True, eval_strategy="steps", eval_steps=1,
                       max_eval_samples=8)
     result = train(cfg)

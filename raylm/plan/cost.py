@@ -51,10 +51,10 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   parameters after the optimizer step (exposed); stage 2 reduce-scatters after every
   micro-batch (each overlapped with that micro-batch's backward), then the same
   all-gather; stage 3 all-gathers each block's parameters in every micro-batch's forward
-  and backward (prefetched: only what the compute does not hide counts) and
-  reduce-scatters every micro-batch's gradients, with no all-gather after the step
-  (--reshard_after_forward False: one all-gather per step, exposed, and the gathered
-  parameters held through the step);
+  and backward (prefetched: what the forward's third of the compute, and the backward's
+  two thirds, do not hide counts) and reduce-scatters every micro-batch's gradients, with
+  no all-gather after the step (--reshard_after_forward False: the first forward's
+  all-gather only, once a step, and the gathered parameters held through the step);
 * the optimizer step and gradient clipping stream ~32 bytes per parameter it updates;
 * activation checkpointing: full adds each block's forward again, selective its
   element-wise ops, memory-bound (``recompute_time``).
@@ -304,15 +304,21 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         tp_c = n_ar * tp_msg if tp > 1 else 0.0
         sends = sum((s < last) + (s > 0) for s in stages) if pp > 1 else 0
         pp_c = sends * p2p_msg + (len(stages) * hw.stage_overhead if pp > 1 else 0.0)
-        zero3 = 0.0
-        if layout.zero_stage >= 3 and dp > 1 and layout.reshard_after_forward:
-            # parameter all-gathers in every micro-batch's forward and backward, prefetched
-            gather = (2 * (dp - 1) / dp * hw.compute_bytes * ranks[r].param_count
-                      / dp_bw)
-            zero3 = max(0.0, gather - compute)
-        per_rank.append((compute + tp_c + pp_c + zero3, compute, tp_c, pp_c))
+        zero3 = kept = 0.0
+        if layout.zero_stage >= 3 and dp > 1:
+            # The parameters' all-gather, each block's prefetched behind the compute
+            # before it: behind the forward (a third of the compute), and again behind
+            # the backward (two thirds) when they were freed after the forward.
+            gather = (dp - 1) / dp * hw.compute_bytes * ranks[r].param_count / dp_bw
+            forward = max(0.0, gather - compute / 3)
+            if layout.reshard_after_forward:  # both, in every micro-batch
+                zero3 = forward + max(0.0, gather - 2 * compute / 3)
+            else:  # kept from the step's first forward to its last backward: once a step
+                kept = forward
+        per_rank.append((compute + tp_c + pp_c + zero3, compute, tp_c, pp_c, kept))
     slow = max(range(pp), key=lambda r: per_rank[r][0])
-    t_mb, compute, tp_c, pp_c = per_rank[slow]
+    t_mb, compute, tp_c, pp_c, _ = per_rank[slow]
+    gathered_once = max(k[4] for k in per_rank)
     v = {"interleaved_1f1b": layout.virtual, "zero_bubble": 3}.get(layout.schedule, 1)
     bubble = (pp - 1) / v * t_mb if pp > 1 else 0.0
     pipe = m * t_mb + bubble
@@ -334,10 +340,7 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         hidden = (lambda t: max(t - backward, tail)) if pp == 1 else (lambda t: t)
         scatters = 1 if zero == 1 else m  # stage 1: once, at the last micro-batch
         dp_c = scatters * hidden(half) + (half if zero in (1, 2) else 0.0)
-        if zero >= 3 and not layout.reshard_after_forward:
-            # one all-gather of the parameters per step (in the compute dtype), exposed
-            dp_c += allreduce_time(hw.compute_bytes * max(r.param_count for r in ranks),
-                                   dp, dp_bw, dp_lat) / 2
+        dp_c += gathered_once  # --reshard_after_forward False: the step's one gather
     updated = max(r.param_count for r in ranks) / (dp if layout.zero_stage >= 1 else 1)
     opt = 32 * updated / hw.memory_bw
     step = pipe + dp_c + opt

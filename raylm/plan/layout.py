@@ -25,7 +25,8 @@ from raylm.plan.dims import ParallelDims
 from raylm.plan.partition import (check_schedule, parse_pp_split, partition,
                                   virtual_stages)
 from raylm.plan.planner import choose_for_config, evaluate_layout
-from raylm.plan.zero import STAGE_PARTITIONS, requested_zero_stage, unsupported
+from raylm.plan.zero import (STAGE_PARTITIONS, requested_reshard, requested_zero_stage,
+                             unsupported)
 
 @dataclass(frozen=True)
 class Plan:
@@ -153,8 +154,11 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
                           "each); lower --cpus_per_worker")
     accum, schedule = cfg.gradient_accumulation_steps, cfg.pipeline_schedule
     searched = not (cfg.dp or cfg.tp or cfg.pp)
+    reshard = requested_reshard(cfg)
     if searched:  # the planner's layout (and, when unset, ZeRO stage)
         chosen = choose_for_config(cfg, num_workers, spec, seq_len, search, hw=hw)
+        if reshard is None:
+            reshard = chosen.reshard_after_forward
         tp, pp, accum = chosen.tp, chosen.pp, chosen.microbatches
         schedule = chosen.schedule if pp > 1 else schedule
         if zero is None:
@@ -171,6 +175,9 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
         zero, sp, recompute = memory_settings(
             cfg, dp, tp, pp, spec, seq_len, hw, zero if zero is not None or dp > 1 else 0,
             sp if sp is not None or tp > 1 else False, recompute)
+    if reshard is None:  # a layout the flags fix: the planner's choice for it
+        reshard = _kept_gathered_fits(cfg, dp, tp, pp, spec, seq_len, hw, zero, sp,
+                                      recompute)
     return Plan(dims=ParallelDims(dp=dp, pp=pp, tp=tp),
                 micro_batch_size=cfg.per_device_train_batch_size,
                 global_batch_size=cfg.per_device_train_batch_size * accum * dp,
@@ -178,7 +185,25 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
                 schedule=schedule,
                 sequence_parallel=bool(sp and tp > 1), recompute=recompute,
                 zero_stage=zero or 0, cpu_offload=bool(getattr(cfg, "cpu_offload", False)),
-                reshard_after_forward=getattr(cfg, "reshard_after_forward", True) is not False)
+                reshard_after_forward=reshard or (zero or 0) != 3)
+
+
+def _kept_gathered_fits(cfg, dp, tp, pp, spec, seq_len, hw, zero, sp, recompute):
+    """--reshard_after_forward unset on a layout the flags fix: False (keep ZeRO-3's
+    parameters gathered through each step) where the planner finds that it fits
+    (raylm.plan.planner._keep_gathered), else True; True when the layout cannot be
+    evaluated (its own errors come later)."""
+    if (zero or 0) != 3 or dp < 2 or pp > 1:
+        return True
+    try:
+        c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
+                            zero_stage=3, sequence_parallel=bool(sp and tp > 1),
+                            recompute=recompute)
+    except (ConfigError, ValueError):
+        return True
+    if c is None or c.problem:
+        return True
+    return c.layout.reshard_after_forward
 
 
 def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,

@@ -47,7 +47,7 @@ from raylm.plan.hardware import Hardware, hardware_for
 from raylm.plan.partition import check_schedule, parse_pp_split, partition, virtual_stages
 from raylm.plan.shape import ModelShape, model_shape
 from raylm.plan.text import human_bytes
-from raylm.plan.zero import ZERO_STAGES, requested_zero_stage, unsupported
+from raylm.plan.zero import ZERO_STAGES, requested_reshard, requested_zero_stage, unsupported
 
 FROM_CONFIG = "config"  # zero_stage argument: the stage the TrainConfig's flags ask for
 log = logging.getLogger("raylm")
@@ -149,14 +149,15 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
                    sequence_parallel: Optional[bool] = False,
                    zero_stage: Optional[int] = 0, recompute: Optional[str] = "none",
                    prefer: Optional[tuple] = None,
-                   reshard_after_forward: bool = True) -> Search:
+                   reshard_after_forward: Optional[bool] = True) -> Search:
     """Every layout of ``num_workers`` workers, ranked. ``dp``/``tp``/``pp`` nonzero fix
     that dimension. ``prefer`` = (dp, tp, pp, schedule): take that candidate as the
     chosen one whatever its rank (the user's own layout), the others ranked against it.
     ``zero_stage``: every layout at that ZeRO stage; None: per layout, the lowest stage
     that fits (see the module doc). ``sequence_parallel`` and ``recompute`` (activation
     checkpointing): every layout with that setting; None: per layout, the fastest
-    setting that fits (see the module doc).
+    setting that fits (see the module doc). ``reshard_after_forward`` (ZeRO-3's): None:
+    False where it fits and no pipeline is used (_keep_gathered), else True.
     """
     t0 = time.perf_counter()
     parts: dict = {}
@@ -203,13 +204,14 @@ def search_layouts(shape: ModelShape, num_workers: int, hw: Hardware, *,
 
 def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_virtual,
                split, sp, zero, recompute, reshard_after_forward=True) -> Candidate:
+    keep = reshard_after_forward is None  # ZeRO-3 keeps gathered where it fits
     virtual = virtual_stages(schedule, pp_virtual) if pp > 1 else 1
     m = global_batch // (dp * mbs)
     layout = Layout(dims=ParallelDims(dp=dp, pp=pp, tp=tp), micro_batch_size=mbs,
                     microbatches=max(1, m), schedule=schedule, virtual=virtual,
                     sequence_parallel=bool(sp) and tp > 1, zero_stage=zero or 0,
                     recompute=recompute or "none",
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward is not False)
     c = Candidate(layout)
     if tp > 1:  # the model's own limits first: the most useful reason to show
         c.problem = _tp_problem(shape, tp, layout.sequence_parallel, parts)
@@ -264,6 +266,8 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     best = None
     for option in memory_options(layout, shape, parts, sp, recompute):
         o = _lowest_stage(Candidate(option, c.stage_bounds), shape, part, hw, zero)
+        if keep:
+            o = _keep_gathered(o, shape, part, hw)
         if best is None or (o.fits and not best.fits) or (
                 o.fits and o.time.step < best.time.step * (1 - SAME_TIME)) or (
                 not o.fits and not best.fits and o.least_memory() < best.least_memory()):
@@ -308,6 +312,22 @@ def _lowest_stage(c: Candidate, shape: ModelShape, part, hw: Hardware, zero) -> 
                 return z
         c.zero_tried = tried  # fits at no stage: reported at stage 0
     return c
+
+
+def _keep_gathered(c: Candidate, shape: ModelShape, part, hw: Hardware) -> Candidate:
+    """``c`` at ZeRO-3 with its parameters kept gathered through each step
+    (--reshard_after_forward False: one all-gather per step instead of two per
+    micro-batch, never slower in the cost model) when that still fits; ``c`` otherwise,
+    and always with a pipeline (its schedule keeps them gathered through the step
+    anyway, whatever the flag)."""
+    if c.layout.zero_stage != 3 or c.dp < 2 or c.pp > 1 or not c.fits:
+        return c
+    k = Candidate(dataclasses.replace(c.layout, reshard_after_forward=False), c.stage_bounds)
+    _estimate(k, shape, part, hw)
+    if not k.fits:
+        return c
+    k.zero_tried = c.zero_tried
+    return k
 
 
 def _estimate(c: Candidate, shape: ModelShape, part, hw: Hardware) -> None:
@@ -438,8 +458,7 @@ def search_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
         dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, schedules=schedules,
         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=split,
         sequence_parallel=sequence_parallel, zero_stage=zero_stage, recompute=recompute,
-        prefer=prefer,
-        reshard_after_forward=getattr(cfg, "reshard_after_forward", True) is not False)
+        prefer=prefer, reshard_after_forward=requested_reshard(cfg))
 
 
 def no_fit_error(search: Search) -> ConfigError:

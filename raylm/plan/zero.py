@@ -101,6 +101,16 @@ def unsupported(stage: int, pp: int, schedule: str, own_stages: bool = True):
     return None
 
 
+def requested_reshard(cfg) -> Optional[bool]:
+    """--reshard_after_forward as given; unset: None (the planner keeps ZeRO-3's
+    parameters gathered through a step where that fits), or True under --cpu_offload
+    (whose point is memory)."""
+    flag = getattr(cfg, "reshard_after_forward", None)
+    if flag is None and getattr(cfg, "cpu_offload", False):
+        return True
+    return flag
+
+
 def requested_zero_stage(cfg) -> Optional[int]:
     """The ZeRO stage the flags ask for (None: unset, the planner's choice), after the
     checks that need no model: --zero_optimization True is --zero_stage 1; --cpu_offload

@@ -135,7 +135,8 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         "ranks": [],
         "tied": {},
         "zero": zero_report(spec, plan, seq_len, shape, part, layout, hw, requested,
-                            searched, model),
+                            searched, model,
+                            reshard_flag=getattr(cfg, "reshard_after_forward", None)),
         "recompute": recompute_report(cfg, shape, part or single_stage(shape), layout, hw,
                                       searched),
     }
@@ -215,10 +216,11 @@ def recompute_report(cfg, shape, part, layout, hw, searched: bool) -> dict:
 
 
 def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, searched,
-                model=None) -> dict:
+                model=None, reshard_flag=None) -> dict:
     """The ZeRO part of the report: the plan's stage and how it was chosen, the
     predicted per-worker states at each stage 0-3 for the layout (the pp rank that
-    needs the most), and which rank owns which partition (raylm.report.ownership)."""
+    needs the most), and which rank owns which partition (raylm.report.ownership).
+    ``reshard_flag``: --reshard_after_forward as given (None: the planner chose)."""
     import dataclasses
 
     if requested is not None:
@@ -252,6 +254,7 @@ def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, se
     return {"stage": plan.zero_stage, "requested": requested, "chosen_by": how,
             "cpu_offload": plan.cpu_offload, "dp": plan.dp,
             "reshard_after_forward": plan.reshard_after_forward,
+            "reshard_after_forward_by": "flag" if reshard_flag is not None else "planner",
             "worker_memory": hw.worker_memory, "stages": stages,
             "ownership": owners, "ownership_rows": rows_kept,
             "ownership_summary": lines}
@@ -501,8 +504,11 @@ def _zero_lines(report: dict) -> list[str]:
     lines = ["", f"ZeRO over each data-parallel group (dp={z['dp']}; per worker{where}; "
              f"stage {z['stage']}: {z['chosen_by']}"
              + (", sharded state offloaded to host memory" if z["cpu_offload"] else "")
-             + (", parameters kept gathered through each step (--reshard_after_forward "
-                "False)" if not z.get("reshard_after_forward", True) else "")
+             + ((", parameters kept gathered through each step (--reshard_after_forward "
+                 "False)" if z.get("reshard_after_forward_by") == "flag" else
+                 ", parameters kept gathered through each step (the planner's: they fit; "
+                 "--reshard_after_forward True frees them after each forward)")
+                if not z.get("reshard_after_forward", True) else "")
              + "):"]
     rows = []
     for s in z["stages"]:
