@@ -95,13 +95,23 @@ def global_norm(pieces, pp_group=None) -> torch.Tensor:
     for groups, sq in summed.items():
         sq = sq.reshape(1).clone()
         for g in groups:
+            sq = _for_backend(sq, g)
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=g)
         total += sq[0].to(device)
     if not _trivial(pp_group):
-        total = total.reshape(1).clone()
+        total = _for_backend(total.reshape(1).clone(), pp_group)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total[0]
+        total = total[0].to(device)
     return total.sqrt()
+
+
+def _for_backend(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` where ``group``'s backend can sum it: NCCL takes GPU tensors only, and a
+    rank's pieces can be on the CPU (no pieces at all; --cpu_offload's sharded
+    gradients)."""
+    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return t.cuda()
+    return t
 
 
 @torch.no_grad()

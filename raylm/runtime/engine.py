@@ -279,7 +279,12 @@ class Engine:
             for p in group_params["params"]:
                 for _, v in sorted(self.optimizer.state[p].items()):
                     if isinstance(v, torch.Tensor):
-                        dist.broadcast(v, group_src=src, group=group)
+                        # (torch's AdamW loop keeps its step count on the CPU, which NCCL
+                        # cannot send: through the rank's device)
+                        buf = v if v.device == self.device else v.to(self.device)
+                        dist.broadcast(buf, group_src=src, group=group)
+                        if buf is not v:
+                            v.copy_(buf)
 
     def leave_group(self) -> None:
         """Drop the step under way and every reference this engine holds to the process
@@ -562,7 +567,10 @@ def _pipeline(e: Engine) -> PipelineRuntime:
                      stage_rank=stage_ranks(plan.schedule, plan.pp, plan.virtual))
     pp_rank = e.mesh["pp"].get_local_rank()
     stage_ids = part.stages_of(pp_rank)
-    example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
+    # (on the model's device: torch.export traces the stages there)
+    where = next(e.model.parameters()).device
+    example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long,
+                          device=where if where.type != "meta" else "cpu")
     modules, holders, e.eval_stage_modules = cut(e.model, part, stage_ids, example)
     if e.zero_stage == 3:
         _shard(e, list(modules))

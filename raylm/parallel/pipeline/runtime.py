@@ -43,6 +43,7 @@ class PipelineRuntime:
         self.has_first = 0 in stage_ids
         self.has_last = part.num_stages - 1 in stage_ids
         self.num_microbatches = num_microbatches
+        self.device = device  # (evaluation's receive buffers: NCCL takes GPU tensors only)
         self.stages = [PipelineStage(m, s, part.num_stages, device, group=pp_group)
                        for m, s in zip(modules, stage_ids)]
         cls = SCHEDULE_CLASSES[schedule]
@@ -125,7 +126,7 @@ class PipelineRuntime:
         dist.recv_object_list(box, group_src=peer, group=self.pp_group)
         out = []
         for shape, dtype in box[0]:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, group_src=peer, group=self.pp_group)
             out.append(t)
         return tuple(out)

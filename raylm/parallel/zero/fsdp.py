@@ -182,7 +182,9 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
         if name in tp_layout:  # the rank's tensor-parallel shard, in the runtime form
             mesh, placements, shape = tp_layout[name]
             local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-            local = torch.zeros(local_shape, dtype=full.dtype)
+            # On the mesh's device: DTensor.from_local moves a tensor of another device
+            # there, so a CPU tensor would not be the one written below (GPU ranks).
+            local = torch.zeros(local_shape, dtype=full.dtype, device=mesh.device_type)
             tmp = DTensor.from_local(local, mesh, placements, shape=shape,
                                      stride=contiguous_stride(shape), run_check=False)
             rule = adapter.rule(name, tmp) if adapter is not None else None
@@ -191,7 +193,7 @@ def materialize(model: nn.Module, spec, seed: int, device, tp_layout: dict,
             src = distribute_tensor(full.reshape(view.shape), mesh, view.placements,
                                     src_data_rank=None)
             view.to_local().copy_(src.to_local())
-            value = local
+            value = tmp.to_local()
         dest = p.to_local() if isinstance(p, DTensor) else p
         if isinstance(p, DTensor) and dest.shape != value.shape:
             write_rows_back(p, value)  # the rank's FSDP rows (of its tp shard)
