@@ -528,6 +528,21 @@ def test_reshard_after_forward_unset_keeps_gathered_where_it_fits():
     assert make_plan(_zero_cfg(dp=2, zero_stage=2), 2).reshard_after_forward
 
 
+def test_pipelined_zero3_holds_its_stage_gathered_and_its_gradients_unsharded():
+    # torch's pipeline schedule defers FSDP's reshard and reduce-scatter to the step's
+    # last backward: each rank holds its stage's parameters gathered and their gradients
+    # unsharded (fp32: 4 + 4 bytes a parameter) on top of the sharded states.
+    piped = evaluate_layout(_zero_cfg(DEEP_GPT2, dp=2, pp=2, zero_stage=3,
+                                      gradient_accumulation_steps=4), 2, 1, 2,
+                            zero_stage=3)
+    assert not piped.problem and len(piped.ranks) == 2
+    for r in piped.ranks:
+        assert r.workspace >= 8 * r.param_count
+    flat = evaluate_layout(_zero_cfg(DEEP_GPT2, dp=4, zero_stage=3,
+                                     reshard_after_forward=True), 4, 1, 1, zero_stage=3)
+    assert flat.memory.workspace < 8 * flat.memory.param_count  # two blocks, one gradient
+
+
 def _stage_memory(cfg, plan) -> list:
     """The cost model's peak bytes per worker of ``plan``'s layout at stages 0-3."""
     fixed = TrainConfig(**{**cfg.__dict__, "gradient_accumulation_steps":

@@ -236,7 +236,14 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):
             work += recomputed
         copies = 0.0
-        if zero >= 3:
+        if zero >= 3 and pp > 1:
+            # torch's pipeline schedule runs every backward but the step's last without
+            # resharding or reducing (PipelineStage.backward_maybe_with_nosync): the
+            # stage's parameters end up gathered, whatever --reshard_after_forward, and
+            # its gradients accumulate unsharded (fp32) until one reduce-scatter after
+            # the last micro-batch.
+            work += low * psi + FP32 * trained_psi
+        elif zero >= 3:
             # Two blocks gathered (in the compute dtype under mixed precision), one
             # block's gradient (fp32); --reshard_after_forward False: every parameter
             # the rank holds gathered, from the step's first forward to its last backward.
