@@ -281,9 +281,11 @@ def test_leftover_temporary_directory_is_never_used(ray_local, tok, tmp_path, th
                        torch.from_numpy(expected_blocks(tok, [as_read(t) for t in TEXTS.values()])))
     assert leftover.exists()  # maybe a build still running: not ours to delete or read
 
-    # Idle for longer than any build runs: left by a crash, and cleared by the next build.
+    # Idle for longer than any build runs (nothing in it written since): left by a crash,
+    # and cleared by the next build.
     stale_time = time.time() - STALE_TMP_S - 60
-    os.utime(leftover, (stale_time, stale_time))
+    for path in [*leftover.rglob("*"), leftover]:
+        os.utime(path, (stale_time, stale_time))
     shutil.rmtree(good.cache_dir)
     build(three_files, root)
     assert not leftover.exists()

@@ -24,8 +24,9 @@ from raylm.data.reader import BlockReader
 from raylm.data.sources import (builtin_tokenizer_dir, iter_text_chunks, iter_texts,
                                 resolve_files)
 from raylm.data.stream import PIECE_SHIFT, TokenStream, piece_order
-from raylm.data.tokenized import (CACHE_PREFIX, MANIFEST, build_tokenized_dataset, cache_key,
-                                  load_tokenizer, tokenize_file)
+from raylm.data import tokenized
+from raylm.data.tokenized import (CACHE_PREFIX, MANIFEST, TMP_PREFIX, build_tokenized_dataset,
+                                  cache_key, load_tokenizer, tokenize_file)
 from raylm.errors import ConfigError
 from raylm.runtime.prepare import check_inputs
 from tests.conftest import SHAKESPEARE, TINY_GPT2
@@ -432,17 +433,26 @@ def test_a_corpus_in_an_object_store_streams_and_trains_as_it_does_from_disk(
 
 
 def test_a_token_cache_in_an_object_store_commits_whole_and_is_reused(
-        ray_cluster, s3, corpus, cache_root):
+        ray_cluster, s3, corpus, cache_root, monkeypatch):
     """--data_cache_dir s3://...: a build from the bucket's files into the bucket holds the
     disk build's samples. An object store has no rename, so the shards are copied into
     place and the manifest last: what an interrupted commit left (shards, no manifest) is
-    never read as a cache but replaced, and nothing temporary is left behind."""
+    never read as a cache but replaced, and nothing temporary is left behind. What a
+    crashed build left in the bucket is cleared once idle (dated by its newest object),
+    what a build still running is writing is not."""
     tokenizer, root = builtin_tokenizer_dir(), s3.uri("cache")
     files = resolve_files([s3.uri("corpus")])
     on_disk = build_tokenized_dataset(sorted(str(p) for p in corpus.iterdir()), tokenizer, 32,
                                       cache_root=cache_root, piece_mb=PIECE_MB)
-    final = f"cache/{CACHE_PREFIX}{cache_key(files, tokenizer, 32, False, None, True, PIECE_MB)}"
+    key = cache_key(files, tokenizer, 32, False, None, True, PIECE_MB)
+    final = f"cache/{CACHE_PREFIX}{key}"
     s3.put(f"{final}/shard-000009-000000000000.parquet", b"half a shard")  # no manifest
+    crashed = f"cache/{TMP_PREFIX}{key}-crashed/shard-000000-000000000000.parquet"
+    s3.put(crashed, b"a crashed build's shard")
+    monkeypatch.setattr(tokenized, "STALE_TMP_S", 2.0)  # (S3 sets an object's time itself)
+    time.sleep(3.0)
+    running = f"cache/{TMP_PREFIX}{key}-running/shard-000000-000000000000.parquet"
+    s3.put(running, b"a running build's shard")
     built = build_tokenized_dataset(files, tokenizer, 32, cache_root=root, piece_mb=PIECE_MB)
     assert not built.reused and built.num_samples == on_disk.num_samples
     assert all(f.startswith("s3://") for f in built.shard_files)
@@ -450,7 +460,8 @@ def test_a_token_cache_in_an_object_store_commits_whole_and_is_reused(
     assert (BlockReader(built).read(ids)["input_ids"]
             == BlockReader(on_disk).read(ids)["input_ids"]).all()
     shards = [os.path.basename(f) for f in on_disk.shard_files]
-    assert s3.keys("cache") == sorted(f"{final}/{name}" for name in shards + [MANIFEST])
+    assert s3.keys("cache") == sorted([f"{final}/{name}" for name in shards + [MANIFEST]]
+                                      + [running])
     again = build_tokenized_dataset(files, tokenizer, 32, cache_root=root, piece_mb=PIECE_MB)
     assert again.reused and again.shard_files == built.shard_files
 

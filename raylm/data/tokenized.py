@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import posixpath
-import shutil
 import signal
 import threading
 import time
@@ -168,8 +167,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
 
     if before_tokenizing is not None:
         before_tokenizing()
-    if local:
-        _remove_stale_tmp(root_path, key)
+    _remove_stale_tmp(fs, root_path, key)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_token_id = pad_token_id_for(tokenizer, line_by_line, tokenizer_dir)
 
@@ -209,19 +207,30 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     return TokenizedDataset.load(final)
 
 
-def _remove_stale_tmp(root_path: str, key: str) -> None:
-    """Delete what builds of this key killed mid-way left behind.
+def _remove_stale_tmp(fs, root_path: str, key: str) -> None:
+    """Delete what builds of this key killed mid-way left behind, on a local disk or in an
+    object store.
 
-    Only directories untouched for STALE_TMP_S: a build still running (another process
-    tokenizing the same inputs) keeps writing shards into its own, younger, directory.
+    Only directories where nothing was written for STALE_TMP_S: a build still running
+    (another process tokenizing the same inputs) keeps writing shards into its own,
+    younger, directory. (An object store's directories have no time of their own: the
+    newest object in one dates it.)
     """
-    if not os.path.isdir(root_path):
-        return
     prefix = f"{TMP_PREFIX}{key}-"
-    for name in os.listdir(root_path):
-        path = os.path.join(root_path, name)
-        if name.startswith(prefix) and time.time() - os.path.getmtime(path) > STALE_TMP_S:
-            shutil.rmtree(path, ignore_errors=True)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(root_path, allow_not_found=True))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.type != pafs.FileType.Directory or not entry.base_name.startswith(prefix):
+            continue
+        try:
+            inside = fs.get_file_info(pafs.FileSelector(entry.path, recursive=True))
+            written = [i.mtime.timestamp() for i in [entry, *inside] if i.mtime is not None]
+            if written and time.time() - max(written) > STALE_TMP_S:
+                fs.delete_dir(entry.path)
+        except OSError:
+            continue  # (gone meanwhile: another build cleared it)
 
 
 # --- cache identity ------------------------------------------------------------------------
