@@ -50,6 +50,8 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_throughput import config_overrides, median_parts, summarize  # noqa: E402
+
 ROWS = ("plain-fp32", "raylm-fp32", "plain-bf16", "raylm-bf16", "raylm-fp16",
         "plain-bf16-compile", "raylm-bf16-compile")
 
@@ -84,22 +86,16 @@ def parse_args(argv=None):
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    args.dropout = 0.0  # (every row then computes the same losses)
     return args
 
 
-def overrides(args) -> str:
-    return (f"n_layer={args.n_layer},n_embd={args.n_embd},n_head={args.n_head},"
-            f"n_positions={args.block_size},resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0")
-
-
-def summarize(name, step_times, losses, grad_norms, warmup, tokens, parts) -> dict:
-    timed = step_times[warmup:]
-    median = statistics.median(timed)
-    keys = sorted({k for p in parts[warmup:] for k in p})
-    return {"name": name, "median_s": median, "tokens_per_s": tokens / median,
-            "losses": losses, "grad_norms": grad_norms,
-            "parts": {k: statistics.median(p.get(k) or 0.0 for p in parts[warmup:])
-                      for k in keys}}
+def row(name, step_times, losses, grad_norms, warmup, tokens, parts) -> dict:
+    """bench_throughput's steady-state figures of one run, with its per-step losses and
+    gradient norms (compared with the plain loop's) and its parts' medians."""
+    r = summarize(name, "1 GPU", step_times, warmup, tokens, losses)
+    r.update(losses=losses, grad_norms=grad_norms, parts=median_parts(parts, warmup))
+    return r
 
 
 def run_plain(args, name, config_dir, data_dir) -> dict:
@@ -117,8 +113,8 @@ def run_plain(args, name, config_dir, data_dir) -> dict:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
                            f"{proc.stderr[-3000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
-    out = summarize(name, r["step_times"], r["losses"], r["grad_norms"], args.warmup,
-                    args.global_batch * r["block_size"], r["parts"])
+    out = row(name, r["step_times"], r["losses"], r["grad_norms"], args.warmup,
+              args.global_batch * r["block_size"], r["parts"])
     if args.profile:
         out["trace"] = os.path.join(profile_root(args), name, "plain.json")
     return out
@@ -129,7 +125,7 @@ def run_raylm(args, name, cache, work) -> tuple[dict, object]:
 
     precision = name.split("-")[1]
     cfg = TrainConfig(
-        model_type="gpt2", config_overrides=overrides(args),
+        model_type="gpt2", config_overrides=config_overrides(args),
         train_file=list(args.train_file or []), block_size=args.block_size,
         data_cache_dir=cache, output_dir=os.path.join(work, name), overwrite_output_dir=True,
         per_device_train_batch_size=args.global_batch, gradient_accumulation_steps=1,
@@ -142,9 +138,9 @@ def run_raylm(args, name, cache, work) -> tuple[dict, object]:
     result = train(cfg)
     wall = time.time() - t0
     hist = sorted(result.history, key=lambda h: h["step"])
-    r = summarize(name, [h["step_time_s"] for h in hist], [h["loss"] for h in hist],
-                  [h.get("grad_norm") for h in hist], args.warmup,
-                  args.global_batch * args.block_size, [h["breakdown"] for h in hist])
+    r = row(name, [h["step_time_s"] for h in hist], [h["loss"] for h in hist],
+            [h.get("grad_norm") for h in hist], args.warmup,
+            args.global_batch * args.block_size, [h["breakdown"] for h in hist])
     mfu = [h["mfu"] for h in hist[args.warmup:] if h.get("mfu")]
     r["mfu_logged"] = statistics.median(mfu) if mfu else None
     r["whole_call_s"] = wall
@@ -192,7 +188,7 @@ def print_kernels(results: dict, rows: list) -> None:
             continue
         print(f"{name} against {ref_name}: GPU busy {busy:.2f} vs {ref_busy:.2f} ms per "
               f"step; kernel time {sum(mine.values()):.2f} vs {sum(theirs.values()):.2f} ms; "
-              f"{sum(1 for _ in mine)} vs {sum(1 for _ in theirs)} distinct kernels")
+              f"{len(mine)} vs {len(theirs)} distinct kernels")
         diff = sorted(set(mine) | set(theirs),
                       key=lambda k: -abs(mine.get(k, 0.0) - theirs.get(k, 0.0)))
         for k in diff[:12]:
@@ -228,7 +224,7 @@ def two_ranks_one_gpu(args, cache, work) -> str:
         "    print('TRAINED (no error)')\n"
         "except Exception as e:\n"
         "    print('ERROR', type(e).__name__, str(e)[:600])\n"
-    ) % (REPO, os.environ.get("RAY_ADDRESS", "auto"), overrides(args), args.block_size,
+    ) % (REPO, os.environ.get("RAY_ADDRESS", "auto"), config_overrides(args), args.block_size,
          cache, os.path.join(work, "two"))
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -264,21 +260,23 @@ def main(argv=None) -> int:
     print(f"{gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}; ray {ray.__version__}",
           flush=True)
     try:
-        spec = resolve_model(TrainConfig(model_type="gpt2", config_overrides=overrides(args)))
+        spec = resolve_model(TrainConfig(model_type="gpt2",
+                                         config_overrides=config_overrides(args)))
         config_dir = os.path.join(work, "config")
         spec.config.save_pretrained(config_dir)
         shape = shape_of(spec, args.block_size)
         flops_per_token = 3 * sum(u.flops for u in (shape.embed, *shape.blocks, shape.head))
         files = [os.path.abspath(f) for f in (args.train_file or builtin_sample_files())]
         args.train_file = files
-        ray.init(address="local", num_cpus=args.cpus, num_gpus=1 if cuda else 0, include_dashboard=False,
+        ray.init(address="local", num_cpus=args.cpus, num_gpus=1 if cuda else 0,
+                 include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         ds = build_tokenized_dataset(files, spec.tokenizer_dir, args.block_size,
                                      cache_root=cache)
         params = shape.total_params
         print(f"data: {ds.num_samples} blocks of {ds.block_size} tokens; model gpt2 "
-              f"{overrides(args)}, vocab {spec.vocab_size}"
+              f"{config_overrides(args)}, vocab {spec.vocab_size}"
               + (f", {params / 1e6:.1f}M parameters" if params else "")
               + f"; {flops_per_token / 1e9:.3f} GFLOP per token trained; global batch "
               f"{args.global_batch}; {args.warmup} warm-up + {args.steps} timed steps",

@@ -77,14 +77,14 @@ def run_loop(args, rank: int, world: int) -> dict:
     torch.set_num_threads(args.threads)
     model, reader, sampler, block_size = build(args)
     parameters = sum(p.numel() for p in model.parameters())
-    device = torch.device(getattr(args, "device", "cpu"))
+    device = torch.device(args.device)
     cuda = device.type == "cuda"
     model.to(device)
-    bf16 = getattr(args, "precision", "fp32") == "bf16"
-    if getattr(args, "compile", False):
+    bf16 = args.precision == "bf16"
+    if args.compile:
         model = torch.compile(model)
     prof = None
-    if getattr(args, "profile_dir", None):  # steps 2-4, as raylm's --profile traces
+    if args.profile_dir:  # steps 2-4, as raylm's --profile traces
         os.makedirs(args.profile_dir, exist_ok=True)
         prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]

@@ -172,10 +172,11 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
         raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
                           f"--num_workers {num_workers}")
     if (zero is None and dp > 1) or (sp is None and tp > 1) or recompute is None:
-        zero, sp, recompute = memory_settings(
+        zero, sp, recompute, planned = memory_settings(
             cfg, dp, tp, pp, spec, seq_len, hw, zero if zero is not None or dp > 1 else 0,
             sp if sp is not None or tp > 1 else False, recompute)
-    if reshard is None:  # a layout the flags fix: the planner's choice for it
+        reshard = planned if reshard is None else reshard
+    if reshard is None:  # a layout the flags fix entirely: the planner's choice for it
         reshard = _kept_gathered_fits(cfg, dp, tp, pp, spec, seq_len, hw, zero, sp,
                                       recompute)
     return Plan(dims=ParallelDims(dp=dp, pp=pp, tp=tp),
@@ -191,9 +192,9 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
 def _kept_gathered_fits(cfg, dp, tp, pp, spec, seq_len, hw, zero, sp, recompute):
     """--reshard_after_forward unset on a layout the flags fix: False (keep ZeRO-3's
     parameters gathered through each step) where the planner finds that it fits
-    (raylm.plan.planner._keep_gathered), else True; True when the layout cannot be
-    evaluated (its own errors come later)."""
-    if (zero or 0) != 3 or dp < 2 or pp > 1:
+    (raylm.plan.planner._keep_gathered, which says where it applies), else True; True
+    when the layout cannot be evaluated (its own errors come later)."""
+    if (zero or 0) != 3:  # (nothing to gather: no evaluation needed)
         return True
     try:
         c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
@@ -241,11 +242,12 @@ def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
 def memory_settings(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None, hw=None,
                     zero=None, sp=None, recompute=None) -> tuple:
     """For a layout the flags fix: (ZeRO stage, sequence parallelism, activation
-    checkpointing), those given as they are and those left None as the planner would
-    set them for it (raylm.plan.planner.evaluate_layout: nothing it does not need to
-    fit the worker memory); when the layout fits at no setting, or cannot be evaluated,
-    the least machinery (the layout's own errors, or the run, tell what does not fit)."""
-    least = (zero or 0, bool(sp), recompute or "none")
+    checkpointing, ZeRO-3's reshard_after_forward), those given as they are and those
+    left None as the planner would set them for it (raylm.plan.planner.evaluate_layout:
+    nothing it does not need to fit the worker memory); when the layout fits at no
+    setting, or cannot be evaluated, the least machinery (the layout's own errors, or
+    the run, tell what does not fit)."""
+    least = (zero or 0, bool(sp), recompute or "none", True)
     try:
         c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp, spec=spec, seq_len=seq_len, hw=hw,
                             zero_stage=zero, sequence_parallel=sp, recompute=recompute)
@@ -253,7 +255,8 @@ def memory_settings(cfg, dp: int, tp: int, pp: int, spec=None, seq_len=None, hw=
         return least  # a layout or model the checks after planning explain
     if c is None or c.problem or not c.fits:
         return least
-    return c.layout.zero_stage, c.layout.sequence_parallel, c.layout.recompute
+    return (c.layout.zero_stage, c.layout.sequence_parallel, c.layout.recompute,
+            c.layout.reshard_after_forward)
 
 
 def plan_pipeline(cfg, spec, plan: Plan, seq_len: int):

@@ -132,7 +132,7 @@ def requested_zero_stage(cfg) -> Optional[int]:
             raise ConfigError(f"--cpu_offload needs --zero_stage 3 (FSDP2's CPU offload of "
                               f"the sharded parameters, gradients and optimizer states; "
                               f"stages 1 and 2 do not offload yet; --zero_stage {got})")
-    if getattr(cfg, "reshard_after_forward", True) is False and stage != 3:
+    if requested_reshard(cfg) is False and stage != 3:
         got = "unset" if stage is None else str(stage)
         raise ConfigError(f"--reshard_after_forward False needs --zero_stage 3 (it is FSDP2's "
                           f"choice of when to free gathered parameters; --zero_stage is "
