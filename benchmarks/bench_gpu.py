@@ -71,7 +71,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="trace steps 2-4 of every row with torch.profiler (raylm: "
                     "--profile) and print each row's GPU kernel time per step by kernel, "
-                    "next to the plain loop's in the same precision")
+                    "next to the plain loop's in the same precision, and where the GPU "
+                    "sits idle (the CPU work it waits on)")
+    ap.add_argument("--keep_traces", default=None, metavar="DIR",
+                    help="with --profile: copy every row's trace to DIR/ROW.json")
     ap.add_argument("--cpus", type=int, default=8, help="CPUs of the local Ray cluster")
     ap.add_argument("--json", default=None, help="also write every row's figures here")
     ap.add_argument("--quick", action="store_true")
@@ -195,6 +198,92 @@ def print_kernels(results: dict, rows: list) -> None:
             print(f"  {mine.get(k, 0.0):>8.3f} {theirs.get(k, 0.0):>8.3f} ms  {k[:110]}")
 
 
+def _interval_union(spans: list) -> list:
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def idle_gaps(path: str, steps: int = 3, min_us: float = 20.0) -> dict:
+    """Where the GPU sits idle in a chrome trace of torch.profiler, and on what.
+
+    Each idle gap between kernels (of at least ``min_us``) is put on the CPU work that held
+    back the kernel after it: the innermost CPU op around that kernel's launch (found by the
+    launch's correlation id) and the outermost named region (a raylm.* record_function, or
+    ProfilerStep) around it. A gap whose kernel was launched before the gap began is the
+    GPU's own (a stream wait, a copy); it is put on 'launched early'. Returns milliseconds
+    per traced step: {'total', 'by_op', 'by_region', 'count'}."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels, launches, cpu = [], {}, {}
+    for e in events:
+        if "dur" not in e or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(e)
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = e
+        elif cat in ("cpu_op", "user_annotation", "python_function"):
+            cpu.setdefault(e.get("tid"), []).append(e)
+    kernels.sort(key=lambda e: e["ts"])
+    busy = _interval_union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    # the kernel that ends each gap: the first to start at the end of a busy interval
+    starts = {}
+    for k in kernels:
+        starts.setdefault(k["ts"], k)
+    by_op, by_region, total, count = {}, {}, 0.0, 0
+    for (_, end), (nxt, _) in zip(busy, busy[1:]):
+        gap = nxt - end
+        if gap < min_us:
+            continue
+        k = starts.get(nxt)
+        launch = launches.get((k.get("args") or {}).get("correlation")) if k else None
+        op, region = "unknown (no launch found)", "-"
+        if launch is not None and launch["ts"] <= end:
+            op = "launched early: " + k["name"][:60]
+        elif launch is not None:
+            around = [e for e in cpu.get(launch.get("tid"), [])
+                      if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+            ops = [e for e in around if e.get("cat") == "cpu_op"]
+            named = [e for e in around if e.get("cat") == "user_annotation"
+                     and not e["name"].startswith("ProfilerStep")]
+            op = min(ops, key=lambda e: e["dur"])["name"] if ops else "no cpu op"
+            region = max(named, key=lambda e: e["dur"])["name"] if named else "-"
+        ms = gap / 1000 / steps
+        by_op[op] = by_op.get(op, 0.0) + ms
+        by_region[region] = by_region.get(region, 0.0) + ms
+        total += ms
+        count += 1
+    return {"total": total, "by_op": by_op, "by_region": by_region, "count": count / steps}
+
+
+def print_idle(results: dict, rows: list) -> None:
+    """Each traced row's GPU idle time per step (gaps of 20 us or more between kernels),
+    by the CPU op that launched the kernel after each gap, and by raylm's region."""
+    for name in rows:
+        r = results.get(name)
+        if not r or "trace" not in r:
+            continue
+        try:
+            g = idle_gaps(r["trace"])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{name}: no trace to read ({e})")
+            continue
+        print(f"{name}: GPU idle {g['total']:.2f} ms per step in {g['count']:.0f} gaps "
+              f"of 20 us or more; by region: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in
+                          sorted(g["by_region"].items(), key=lambda kv: -kv[1])[:6]))
+        for k, v in sorted(g["by_op"].items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {v:>8.3f} ms  {k[:110]}")
+
+
 def check_export(output_dir: str, device: str) -> str:
     """The saved model loads with plain transformers on the GPU and predicts."""
     import torch
@@ -305,6 +394,14 @@ def main(argv=None) -> int:
         if args.profile:
             print()
             print_kernels(results, rows)
+            print()
+            print_idle(results, rows)
+            if args.keep_traces:
+                os.makedirs(args.keep_traces, exist_ok=True)
+                for name in rows:
+                    if "trace" in results.get(name, {}):
+                        shutil.copy(results[name]["trace"],
+                                    os.path.join(args.keep_traces, name + ".json"))
         if export_dir:
             try:
                 notes.append(check_export(export_dir, args.device))

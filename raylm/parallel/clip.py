@@ -114,16 +114,37 @@ def _for_backend(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
-def clip_grad_norm(pieces, grads, max_norm: float, pp_group=None,
-                   loss_scale: float = 1.0) -> float:
+def clip_grad_norm(pieces, grads, max_norm: float, pp_group=None, loss_scale: float = 1.0):
     """Scale every tensor of ``grads`` so the global norm of ``pieces`` is at most
     ``max_norm``, with torch's formula (coefficient ``max_norm / (norm + 1e-6)``, capped
     at 1); returns the norm before clipping. ``loss_scale``: the gradients are of a loss
     multiplied by it (fp16): they are divided by it in the same pass, and the norm
     returned is the unscaled one; not finite (an overflow somewhere: the same figure on
-    every rank), they are left as they are for the caller to skip the step."""
+    every rank), they are left as they are for the caller to skip the step. On a GPU
+    (gradients there, no loss scale) the norm is returned as a 0-d device tensor, read
+    without a host sync here: ``float()`` of it waits for the clip."""
     total = global_norm(pieces, pp_group)
+    kept = [g for g in grads if g is not None]
+    if loss_scale == 1.0 and total.device.type == "cuda" and \
+            all(_local(g).device.type == "cuda" for g in kept):
+        # On a GPU, no wait for the device: the coefficient stays a device tensor (as in
+        # torch's clip_grad_norm_), so the clip's kernels queue behind backward's while
+        # the CPU goes on, and the caller reads the norm once the step's work is all
+        # launched. (x * 1.0 is x: scaling when nothing clips changes no bit.) Cast to
+        # float32 as the CPU path's Python scalar is inside the kernels.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
+        plain = [g for g in kept if not isinstance(g, DTensor)]
+        if plain:
+            torch._foreach_mul_(plain, coef)
+        for g in kept:
+            if isinstance(g, DTensor):
+                g.to_local().mul_(coef)  # (a Partial gradient's pieces: the sum scales)
+        return total
     if loss_scale != 1.0:
         total = total / loss_scale
         if not bool(torch.isfinite(total)):

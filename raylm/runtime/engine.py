@@ -120,8 +120,8 @@ class Engine:
 
     def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
         """Forward and backward over the step's micro-batches, gradients summed over dp.
-        Returns (the step's summed loss over dp, the global batch's label tokens, this
-        rank's). The loss of a step is the mean over every label token of the global
+        Returns (the step's summed loss over dp, the global batch's label tokens: 0-d
+        tensors or numbers, ``float()`` reads them; this rank's label tokens). The loss of a step is the mean over every label token of the global
         batch, so each rank needs the global count before its first backward: it is
         summed over dp in the background while the first forward runs."""
         local_tokens = sum(self.count(b, step) for b in batches)
@@ -148,7 +148,9 @@ class Engine:
         for _ in range(rounds - len(batches)):
             sync.end_round(force=True)  # as many rounds as the other ranks
         global_loss = self.finish_sync()  # gradients (and the loss) summed over dp
-        return float(global_loss.item()), float(global_tokens[0].item()), local_tokens
+        # (0-d tensors: read by the caller once the step's work is launched, so that on
+        # a GPU the clip's kernels queue behind backward's with no host sync between.)
+        return global_loss, global_tokens[0], local_tokens
 
     def finish_sync(self):
         """The gradient sync's end (what backward did not hide of it), timed: sync_s."""
@@ -239,7 +241,8 @@ class Engine:
         """After the gradients are synced: clip (the last collective of a step). Nothing
         the step changes is touched yet; ``apply_update`` commits the step, ``leave_group``
         drops it. Returns the learning rate the step will use, the norm before clipping
-        and the process's peak resident memory."""
+        (on a GPU a 0-d device tensor: raylm.parallel.clip) and the process's peak
+        resident memory."""
         # The norm is logged whether or not it clips (--max_grad_norm 0: an infinite
         # bound, which leaves the gradients as they are).
         max_norm = self.cfg["max_grad_norm"]
@@ -441,7 +444,7 @@ class PipelineEngine(Engine):
         sync.arm(loss_sum)
         global_loss = self.finish_sync()  # dp sum (each stage over its own dp group)
         pipe.sync_tied_grads(sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
-        return float(global_loss.item()), float(global_tokens), local_tokens
+        return global_loss, float(global_tokens), local_tokens
 
     def evaluate(self, micro_batch_ids: list, read) -> tuple:
         """``micro_batch_ids``: chunks of one step's shape (the schedule's micro-batch

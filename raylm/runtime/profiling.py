@@ -5,7 +5,8 @@ Each rank times the parts of its step (RankWorker._train_step): waiting for its 
 under a pipeline the schedule, sends and receives included), what backward did not hide
 of the gradient sync (``grad_sync_s``), clipping with the global norm (``clip_s``) and the
 optimizer step (``optimizer_s``: applied when the driver commits the step, so a rank
-reports the last one it applied). The driver adds the step boundary
+reports the last one it applied). On a GPU the parts from forward on are the device's
+time (CUDA events: ``StepClock``), not the launches'. The driver adds the step boundary
 (``boundary_idle_s``: the rank idle between returning one step and starting the next,
 the driver's round trip) and logs the parts of the slowest rank, averaged over each
 logging window, in metrics.jsonl as ``breakdown``.
@@ -19,6 +20,7 @@ and renamed).
 from __future__ import annotations
 
 import os
+import time
 
 BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
              "boundary_idle_s")
@@ -32,6 +34,33 @@ def slowest_breakdown(results: list) -> dict:
     idle = [r["boundary_idle_s"] for r in results if r.get("boundary_idle_s") is not None]
     out["boundary_idle_s"] = min(idle) if idle else 0.0
     return out
+
+
+class StepClock:
+    """Marks in a rank's step, and the time between two of them: wall time on a CPU; on a
+    GPU, CUDA events on the current stream, so a span is the device's time and taking a
+    mark waits for nothing (the worker reads the spans after the step's one host sync).
+    Without them the CPU's clock would time kernel launches, not kernels."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def span(start, end) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (waits for ``end`` on a GPU)."""
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
 
 class WindowBreakdown:

@@ -19,7 +19,7 @@ from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
-from raylm.runtime.profiling import StepProfiler
+from raylm.runtime.profiling import StepClock, StepProfiler
 from raylm.runtime.snapshots import SnapshotSender
 
 _NO_REGION = contextlib.nullcontext()
@@ -56,7 +56,7 @@ class RankWorker:
         # When the last step returned, and the time of the calls run since (its commit,
         # a checkpoint, an evaluation): boundary_idle_s.
         self.returned_at, self.busy_s = None, 0.0
-        self.optimizer_s = None  # the last optimizer step's time (commit)
+        self.optimizer_s = None  # the last optimizer step's time, or its marks (commit)
         self.profiler = None  # raylm.runtime.profiling.StepProfiler under --profile
         self.profiled = False
 
@@ -360,18 +360,24 @@ class RankWorker:
         overflow = ((self.rank, step, "overflow", self.generation) in self.faults
                     and self._overflow_gradients(step))
         meter = self._meter()
-        t_fb = time.time()
+        clock = StepClock(self.device)
+        t_fb = clock.mark()
         with self._region("raylm.forward_backward"):
             loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
-        t_clip = time.time()
+        t_clip = clock.mark()
         if overflow:
             overflow.remove()
         self._fault(step, "update")  # after the gradient sync, before the step is prepared
         with self._region("raylm.clip"):
             out = e.prepare_update()  # clip (the norm over the whole model)
+        t_end = clock.mark()
+        # The step's figures, read once all its work is launched: on a GPU this is the
+        # step's one wait for the device (the clip's kernels queued behind backward's).
+        loss, tokens, out["grad_norm"] = float(loss), float(tokens), float(out["grad_norm"])
         # Where the step's time went (raylm.runtime.profiling).
-        out.update({"forward_backward_s": t_clip - t_fb - e.sync_s, "grad_sync_s": e.sync_s,
-                    "clip_s": time.time() - t_clip, "optimizer_s": self.optimizer_s})
+        out.update({"forward_backward_s": clock.span(t_fb, t_clip) - e.sync_s,
+                    "grad_sync_s": e.sync_s, "clip_s": clock.span(t_clip, t_end),
+                    "optimizer_s": self._optimizer_s()})
         self.prepared = step
         self._report_memory(out, meter)
         out["snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
@@ -387,6 +393,12 @@ class RankWorker:
         self.returned_at, self.busy_s = time.time(), 0.0
         return out
 
+    def _optimizer_s(self):
+        """The last optimizer step's time (its commit's marks, read now), or None."""
+        if isinstance(self.optimizer_s, tuple):
+            self.optimizer_s = StepClock.span(*self.optimizer_s)
+        return self.optimizer_s
+
     def _region(self, name: str):
         """A named region of --profile's trace (nothing when not tracing)."""
         return self.profiler.region(name) if self.profiler is not None else _NO_REGION
@@ -401,17 +413,13 @@ class RankWorker:
         self._fault(step, "commit")
         t0 = time.time()
         self._state_settled()
-        t_opt = time.time()
+        clock = StepClock(self.device)
+        t_opt = clock.mark()
         with self._region("raylm.optimizer"):
             self.engine.apply_update()
-            if self.device.type == "cuda":
-                import torch
-
-                # The optimizer's kernels run before the clock reads (else they would be
-                # counted in the next step's forward); the GPU idles at the step boundary
-                # anyway, while the driver collects the ranks' answers.
-                torch.cuda.synchronize(self.device)
-        self.optimizer_s = time.time() - t_opt
+        # (read at the next step's end: on a GPU the optimizer's kernels still run while
+        # the next step's inputs are prepared, with no wait for them here)
+        self.optimizer_s = (t_opt, clock.mark())
         self.prepared, self.committed_step = None, step + 1  # steps done
         every = self.cfg.get("snapshot_steps") or 0
         if every and self.committed_step % every == 0 and self.keepers:
@@ -577,7 +585,11 @@ class RankWorker:
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
             dtype = saved_dtype(self.cfg)
-            if self.spec.lora is not None:  # the adapter (and the merged model)
+            if self.spec.model_init is not None:  # a model of the user's own
+                from raylm.models.custom import save_custom
+
+                save_custom(model, output_dir, dtype)
+            elif self.spec.lora is not None:  # the adapter (and the merged model)
                 save_lora(model, self.spec, output_dir, dtype,
                           lambda m, d: save_in_dtype(m, d, dtype))
             else:
