@@ -110,6 +110,25 @@ class TrainConfig:
         "model class). Off: such a repository is refused. Read the code first.", "model")
 
     # --- data --------------------------------------------------------------------------
+    task: Optional[str] = _f(
+        None, "What to train: unset, a language model (the objectives above); "
+        "image-classification: an image classifier (ViT and any transformers model with an "
+        "image-classification head) on --train_dir, as run_image_classification.", "data",
+        choices=("image-classification",))
+    train_dir: Optional[str] = _f(
+        None, "--task image-classification: the training images, an image folder "
+        "(DIR/<class name>/<image>.png|jpg|...).", "data")
+    validation_dir: Optional[str] = _f(
+        None, "--task image-classification: validation images in the same layout (default: "
+        "--train_val_split of --train_dir held out).", "data")
+    train_val_split: float = _f(
+        0.15, "--task image-classification without --validation_dir: the share of the "
+        "training images held out for evaluation.", "data")
+    image_flip: bool = _f(
+        True, "--task image-classification: flip half the training images left-right, "
+        "drawn per (seed, epoch, image), as run_image_classification's "
+        "RandomHorizontalFlip (false for pictures a mirror changes, such as digits).",
+        "data")
     dataset_name: Optional[str] = _f(
         None, "Data through datasets.load_dataset, as run_clm: a Hub dataset id, a local "
         "dataset directory, or json / csv / text / parquet to read --train_file and "
@@ -480,7 +499,9 @@ class TrainConfig:
                            "mean_noise_span_length": 3.0, "use_peft": False,
                            "lora_rank": None, "lora_alpha": None, "lora_dropout": None,
                            "lora_target_modules": [], "streaming": None,
-                           "shuffle_buffer_size": 1000, "piece_size_mb": 64.0}
+                           "shuffle_buffer_size": 1000, "piece_size_mb": 64.0,
+                           "task": None, "train_dir": None, "validation_dir": None,
+                           "train_val_split": 0.15, "image_flip": True}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

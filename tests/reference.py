@@ -13,12 +13,12 @@ import os
 from typing import NamedTuple
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
-                          get_scheduler)
+from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForMaskedLM, AutoModelForSeq2SeqLM, get_scheduler)
 
-from raylm.data.reader import IGNORE_INDEX, BlockReader
+from raylm.data.reader import IGNORE_INDEX, make_reader
 from raylm.data.sampler import GlobalBatchSampler
-from raylm.models.objectives import corrupt_spans, mask_tokens
+from raylm.models.objectives import ImageClassification, corrupt_spans, mask_tokens
 
 
 class Reference(NamedTuple):
@@ -81,9 +81,13 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     torch.manual_seed(cfg.seed)
     seq2seq = bool(getattr(spec.config, "is_encoder_decoder", False))
     mlm = spec.objective == "mlm"
+    images = spec.objective == "image_classification"
     auto = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForMaskedLM if mlm
-            else AutoModelForCausalLM)
-    model = auto.from_config(spec.config, dtype=torch.float32)
+            else AutoModelForImageClassification if images else AutoModelForCausalLM)
+    # A model of the user's own (train(..., model_init=)): the user's module itself, its
+    # loss the next-token cross-entropy written out here.
+    custom = getattr(spec, "model_init", None)
+    model = custom() if custom else auto.from_config(spec.config, dtype=torch.float32)
     if spec.lora is not None:
         model = with_adapters(model, spec.lora, cfg.seed)
     model = model.to(dtype)
@@ -97,7 +101,7 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
                           num_training_steps=steps)
     sampler = GlobalBatchSampler(train_ids, global_batch_size, cfg.seed)
-    reader = BlockReader(dataset)
+    reader = make_reader(dataset)
     mb = cfg.per_device_train_batch_size
     losses, norms = [], []
     lr_sum = 0.0
@@ -116,6 +120,9 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
             for b in batches:
                 b["input_ids"], b["labels"] = corrupt_spans(b["input_ids"], b["sample_ids"],
                                                             spec.masking, epoch)
+        if images:  # raylm's flips (seed, epoch, sample id) and normalisation
+            for b in batches:
+                b.update(ImageClassification(spec.masking).split(b, epoch))
         if mlm:
             for b in batches:
                 b["input_ids"], b["labels"] = mask_tokens(b["input_ids"], b["labels"],
@@ -132,6 +139,14 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
                     half = b["input_ids"].shape[1] // 2
                     out = model(input_ids=b["input_ids"][:, :half],
                                 labels=b["labels"][:, half:].contiguous())
+                elif images:  # HF's own loss (mean cross-entropy over the images)
+                    out = model(pixel_values=b["pixel_values"], labels=b["labels"])
+                elif custom:
+                    logits = model(b["input_ids"])
+                    out = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                        b["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+                    out = type("Out", (), {"loss": out})
                 else:
                     out = model(input_ids=b["input_ids"], labels=b["labels"])
             if mlm:
@@ -211,3 +226,22 @@ def reference_fixture(key: str, config_fn, global_batch_size: int, steps: int):
                 global_batch_size, steps)
         return get
     return reference
+
+
+# dp=2, pp=2 and ZeRO-3 on dp=2, each with a global batch of 4 micro-batches: the layouts
+# a new kind of model is first held to (pytest.mark.parametrize("layout", *THREE_LAYOUTS)).
+THREE_LAYOUTS = ([dict(dp=2, gradient_accumulation_steps=2),
+                  dict(pp=2, gradient_accumulation_steps=4),
+                  dict(dp=2, zero_stage=3, gradient_accumulation_steps=2)],
+                 ["dp2", "pp2", "dp2-zero3"])
+
+
+def reference_of(cfg, global_batch_size: int, steps: int, model_init=None) -> Reference:
+    """``single_process_reference`` of a run's model and data (``model_init``: a model of
+    the user's own)."""
+    from raylm.runtime.prepare import check_inputs, prepare_data
+
+    inputs = check_inputs(cfg, model_init=model_init)
+    data = prepare_data(cfg, inputs)
+    return single_process_reference(cfg, inputs.spec, data.train, data.train_ids,
+                                    global_batch_size, steps)

@@ -25,7 +25,51 @@ IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) sk
 PAD_ID = -1  # a sample id that reads as a filler row: no labels, so no loss and no gradient
 
 
-class BlockReader:
+class _ShardReader:
+    """Random access by global sample id to a dataset stored as shards of consecutive ids
+    (``shard_files``, ``shard_offsets``, ``num_samples``): a shard is loaded whole on first
+    use (``_load``) and kept, so later reads are numpy fancy indexing."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._offsets = np.asarray(dataset.shard_offsets, dtype=np.int64)
+        self._shards: dict = {}
+        self._lock = threading.Lock()  # the Prefetcher's thread and the caller may both read
+
+    def _locate(self, ids) -> tuple:
+        """(ids as int64, which are PAD_ID, each id's shard (-1 for a pad)); an id out of
+        range is an IndexError."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pad = ids == PAD_ID
+        real = ids[~pad]
+        if len(real) and (real.min() < 0 or real.max() >= self.dataset.num_samples):
+            bad = real[(real < 0) | (real >= self.dataset.num_samples)][0]
+            raise IndexError(f"sample id {bad} out of range 0..{self.dataset.num_samples - 1}")
+        shard_of = np.searchsorted(self._offsets, ids, side="right") - 1
+        shard_of[pad] = -1
+        return ids, pad, shard_of
+
+    def _rows(self, ids, shard_of):
+        """(the rows of each shard touched, the shard's arrays, the rows' local indices):
+        one numpy gather per shard, not one Python step per row."""
+        for shard in np.unique(shard_of[shard_of >= 0]):
+            rows = shard_of == shard
+            yield rows, self._shard(int(shard)), ids[rows] - self._offsets[shard]
+
+    def _shard(self, index: int):
+        shard = self._shards.get(index)
+        if shard is None:
+            with self._lock:
+                shard = self._shards.get(index)
+                if shard is None:
+                    shard = self._shards[index] = self._load(self.dataset.shard_files[index])
+        return shard
+
+    def _load(self, path: str):
+        raise NotImplementedError
+
+
+class BlockReader(_ShardReader):
     """Reads samples by id from a TokenizedDataset's shards.
 
     A shard is loaded whole on first use (memory-mapped parquet for local files, pyarrow's
@@ -34,11 +78,8 @@ class BlockReader:
     """
 
     def __init__(self, dataset: TokenizedDataset):
-        self.dataset = dataset
+        super().__init__(dataset)
         self.block_size = dataset.block_size
-        self._offsets = np.asarray(dataset.shard_offsets, dtype=np.int64)
-        self._shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()  # the Prefetcher's thread and the caller may both read
 
     def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
         """Rows for ``ids``: input_ids, labels, attention_mask, and the ids themselves
@@ -46,34 +87,13 @@ class BlockReader:
         filler row (token 0, attended to like any row so attention stays finite, every
         label IGNORE_INDEX). Pipeline schedules need equal micro-batches; fillers make an
         epoch's short last step one."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        pad = ids == PAD_ID
-        real = ids[~pad]
-        if len(real) and (real.min() < 0 or real.max() >= self.dataset.num_samples):
-            bad = real[(real < 0) | (real >= self.dataset.num_samples)][0]
-            raise IndexError(f"sample id {bad} out of range 0..{self.dataset.num_samples - 1}")
+        ids, pad, shard_of = self._locate(ids)
         input_ids = np.zeros((len(ids), self.block_size), dtype=np.int32)
         lengths = np.full(len(ids), self.block_size, dtype=np.int32)
-        shard_of = np.searchsorted(self._offsets, ids, side="right") - 1
-        shard_of[pad] = -1
-        # One numpy gather per shard touched, not one Python step per row.
-        for shard in np.unique(shard_of[~pad]):
-            rows = shard_of == shard
-            tokens, shard_lengths = self._shard(int(shard))
-            local = ids[rows] - self._offsets[shard]
+        for rows, (tokens, shard_lengths), local in self._rows(ids, shard_of):
             input_ids[rows] = tokens[local]
             lengths[rows] = shard_lengths[local]
-
         return _batch(ids, input_ids, lengths, pad, self.block_size)
-
-    def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        shard = self._shards.get(index)
-        if shard is None:
-            with self._lock:
-                shard = self._shards.get(index)
-                if shard is None:
-                    shard = self._shards[index] = self._load(self.dataset.shard_files[index])
-        return shard
 
     def _load(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         fs, fs_path = filesystem_for(path)
@@ -160,7 +180,10 @@ class StreamReader:
 
 
 def make_reader(dataset):
-    """The reader of a TokenizedDataset (the cache) or a StreamSpec (--streaming)."""
+    """The reader of a TokenizedDataset (the cache), a StreamSpec (--streaming) or an
+    ImageDataset (raylm.data.images)."""
+    if getattr(dataset, "images", False):
+        return ImageReader(dataset)
     if getattr(dataset, "streaming", False):
         return StreamReader(dataset)
     return BlockReader(dataset)
@@ -239,3 +262,31 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ImageReader(_ShardReader):
+    """Reads decoded images (an ImageDataset: raylm.data.images) by sample id:
+    ``pixel_values`` (uint8, [B, C, H, W]), ``labels`` (int64; IGNORE_INDEX for a PAD_ID
+    filler row, whose pixels are 0) and ``sample_ids``."""
+
+    def read(self, ids: Sequence[int] | np.ndarray) -> dict:
+        d = self.dataset
+        ids, pad, shard_of = self._locate(ids)
+        pixels = np.zeros((len(ids), d.image_size, d.image_size, d.channels), dtype=np.uint8)
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+        for rows, (data, shard_labels), local in self._rows(ids, shard_of):
+            pixels[rows] = data[local]
+            labels[rows] = shard_labels[local]
+        return {"pixel_values": torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous(),
+                "labels": torch.from_numpy(labels),
+                "sample_ids": torch.from_numpy(ids.copy())}
+
+    def _load(self, path: str):
+        d = self.dataset
+        table = pq.read_table(path, memory_map=True)
+        raw = table.column("pixels").combine_chunks()
+        # a fixed_size_binary column's buffer is the rows' bytes back to back
+        flat = np.frombuffer(raw.buffers()[1], dtype=np.uint8,
+                             count=len(raw) * d.block_size, offset=raw.offset * d.block_size)
+        data = flat.reshape(len(raw), d.image_size, d.image_size, d.channels)
+        return data, table.column("label").to_numpy().astype(np.int64)

@@ -167,7 +167,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
 
     if before_tokenizing is not None:
         before_tokenizing()
-    _remove_stale_tmp(fs, root_path, key)
+    remove_stale_tmp(fs, root_path, key)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_token_id = pad_token_id_for(tokenizer, line_by_line, tokenizer_dir)
 
@@ -198,7 +198,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
         }
         with fs.open_output_stream(posixpath.join(tmp_path, MANIFEST)) as f:
             f.write(json.dumps(manifest, indent=1).encode("utf-8"))
-        _commit(fs, tmp_path, final_path, replace=overwrite)
+        commit_build(fs, tmp_path, final_path, replace=overwrite)
     finally:
         # After a local commit the directory is gone already; otherwise (failure, lost race,
         # object-store copy) it is removed here.
@@ -207,7 +207,7 @@ def build_tokenized_dataset(files: list[str], tokenizer_dir: str, block_size: in
     return TokenizedDataset.load(final)
 
 
-def _remove_stale_tmp(fs, root_path: str, key: str) -> None:
+def remove_stale_tmp(fs, root_path: str, key: str) -> None:
     """Delete what builds of this key killed mid-way left behind, on a local disk or in an
     object store.
 
@@ -293,7 +293,7 @@ def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name + (f"?{query}" if query else "")
 
 
-def _commit(fs: pafs.FileSystem, tmp_path: str, final_path: str,
+def commit_build(fs: pafs.FileSystem, tmp_path: str, final_path: str,
             replace: bool = False) -> None:
     """Move a finished cache directory into place.
 

@@ -18,7 +18,8 @@ def _mappings():
     return {"causal": m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             "seq2seq": m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
             "span_corruption": m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-            "mlm": m.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+            "mlm": m.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            "image_classification": m.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
 
 
 def heads_of(config) -> list:
@@ -43,13 +44,16 @@ def set_head(config, objective: str) -> None:
 
 def model_class(config):
     """The Auto class of the head ``config.architectures`` names: masked LM for a
-    masked-LM class of a non-encoder-decoder, seq2seq for an encoder-decoder, else
-    causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+    masked-LM class of a non-encoder-decoder, image classification for an
+    image-classification class, seq2seq for an encoder-decoder, else causal LM."""
+    from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
+                              AutoModelForMaskedLM, AutoModelForSeq2SeqLM)
 
     if getattr(config, "is_encoder_decoder", False):
         return AutoModelForSeq2SeqLM
     arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch is not None and arch == _mappings()["image_classification"].get(config.model_type):
+        return AutoModelForImageClassification
     if arch is not None and arch == _mappings()["mlm"].get(config.model_type):
         return AutoModelForMaskedLM
     return AutoModelForCausalLM
@@ -61,3 +65,39 @@ def from_config(config, trust_remote_code: bool = False, **kwargs):
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     return model_class(config).from_config(config, **kwargs)
+
+
+def apply_overrides(config, overrides) -> None:
+    """--config_overrides ("a=1,b=x") applied to ``config``; one ConfigError for an item
+    that is not key=value or a key the config lacks."""
+    if not overrides:
+        return
+    # PretrainedConfig.update_from_string parses "a=1,b=x" with the types of the current
+    # values, and refuses keys the config lacks; turn its error into ours.
+    for item in overrides.split(","):
+        if "=" not in item:
+            raise ConfigError(f"--config_overrides: '{item}' is not of the form key=value")
+        key = item.split("=", 1)[0].strip()
+        if not hasattr(config, key):
+            raise ConfigError(
+                f"--config_overrides: {type(config).__name__} has no key '{key}'")
+    try:
+        config.update_from_string(overrides)
+    except ValueError as e:
+        raise ConfigError(f"--config_overrides: {e}") from None
+
+
+def config_of_type(model_type, default_type: str, defaults: dict, overrides):
+    """A fresh config of ``model_type`` (--model_type; None: ``default_type`` with
+    ``defaults`` set, raylm's built-in model), with --config_overrides applied."""
+    from transformers import CONFIG_MAPPING
+
+    name = model_type or default_type
+    if name not in CONFIG_MAPPING:
+        raise ConfigError(f"--model_type: unknown model type '{name}'")
+    config = CONFIG_MAPPING[name]()
+    if model_type is None:
+        for k, v in defaults.items():
+            setattr(config, k, v)
+    apply_overrides(config, overrides)
+    return config

@@ -71,9 +71,17 @@ def layer_units(model: nn.Module) -> list[str]:
             best, best_score = name, score
     if best is None:
         raise ConfigError(
-            f"{type(model).__name__} has no nn.ModuleList of identical blocks, so raylm "
+            f"{model_name(model)} has no nn.ModuleList of identical blocks, so raylm "
             "cannot cut it into pipeline stages; train it without pipeline parallelism")
     return [f"{best}.{i}" for i in range(len(lists[best]))]
+
+
+def model_name(model: nn.Module) -> str:
+    """The model's class, or for a model of the user's own its factory's name."""
+    from raylm.models.custom import is_custom
+
+    config = getattr(model, "config", None)
+    return config.name if is_custom(config) else type(model).__name__
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -145,36 +153,41 @@ def _check_bounds(bounds, n_blocks: int) -> None:
 
 
 class _Logits(nn.Module):
-    """What is exported: input_ids in, logits out (no loss, no cache, no other outputs)."""
+    """What is exported: the model's main input in (input_ids; an image model's
+    pixel_values: its ``main_input_name``), logits out (no loss, no cache, no other
+    outputs)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.key = getattr(model, "main_input_name", None) or "input_ids"
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward(self, inputs):
+        if self.key == "input_ids":
+            return self.model(input_ids=inputs, use_cache=False).logits
+        return self.model(**{self.key: inputs}).logits
 
 
 def _export(model: nn.Module, example_input_ids: torch.Tensor):
-    if example_input_ids.dim() != 2:
-        raise ConfigError(f"the example input_ids must be [batch, seq], not "
+    if example_input_ids.dim() < 2:
+        raise ConfigError(f"the example input must be [batch, ...], not "
                           f"{list(example_input_ids.shape)}")
     if example_input_ids.shape[0] == 1:
         # torch.export specializes a dimension of size 1 to a constant, which would fix
         # the batch size at 1; a two-row example keeps it dynamic.
-        example_input_ids = example_input_ids.repeat(2, 1)
+        example_input_ids = example_input_ids.repeat(2, *[1] * (example_input_ids.dim() - 1))
     batch = torch.export.Dim("batch")
     try:
         ep = torch.export.export(_Logits(model), (example_input_ids,),
                                  dynamic_shapes=({0: batch},))
     except Exception as e:  # torch.export raises many types; all mean "cannot trace"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"torch.export cannot capture {type(model).__name__} for the "
+        raise ConfigError(f"torch.export cannot capture {model_name(model)} for the "
                           f"pipeline split: {first}") from e
     writes = [spec.target for spec in ep.graph_signature.output_specs
               if spec.kind != OutputKind.USER_OUTPUT]
     if writes:
-        raise ConfigError(f"{type(model).__name__} writes to {', '.join(map(str, writes))} in "
+        raise ConfigError(f"{model_name(model)} writes to {', '.join(map(str, writes))} in "
                           "its forward; the pipeline split supports forwards that only read "
                           "their parameters and buffers")
     return ep

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from raylm.errors import ConfigError, first_line
-from raylm.models.auto import from_config, heads_of, model_class, set_head
+from raylm.models.auto import (apply_overrides, config_of_type, from_config, heads_of,
+                               model_class, set_head)
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
 from raylm.models.lora import Lora, add_lora, resolve_lora, without_lora
 from raylm.models.objectives import raw_length, resolve_objective
@@ -39,6 +40,9 @@ class ModelSpec:
     # What a drawing objective needs: masked LM's Masking, span corruption's Spans.
     masking: Optional[object] = None
     lora: Optional[Lora] = None  # --use_peft: the adapters every rank adds (raylm.models.lora)
+    # A model of the user's own (train(..., model_init=)): config is then a CustomConfig
+    # (raylm.models.custom).
+    model_init: Optional[Callable] = None
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -58,30 +62,37 @@ def max_positions(config) -> Optional[int]:
     return None
 
 
-def _apply_overrides(config, overrides: Optional[str]) -> None:
-    if not overrides:
-        return
-    # PretrainedConfig.update_from_string parses "a=1,b=x" with the types of the current
-    # values, and refuses keys the config lacks; turn its error into ours.
-    for item in overrides.split(","):
-        if "=" not in item:
-            raise ConfigError(f"--config_overrides: '{item}' is not of the form key=value")
-        key = item.split("=", 1)[0].strip()
-        if not hasattr(config, key):
-            raise ConfigError(
-                f"--config_overrides: {type(config).__name__} has no key '{key}'")
-    try:
-        config.update_from_string(overrides)
-    except ValueError as e:
-        raise ConfigError(f"--config_overrides: {e}") from None
-
-
-def resolve_model(cfg) -> ModelSpec:
-    """Validate the model flags of a TrainConfig and return a ModelSpec (driver side)."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+def resolve_model(cfg, model_init: Optional[Callable] = None,
+                  classes: Optional[list] = None) -> ModelSpec:
+    """Validate the model flags of a TrainConfig and return a ModelSpec (driver side);
+    ``model_init``: a model of the user's own (raylm.models.custom); ``classes``: an
+    image classifier's (--task image-classification: raylm.models.vision)."""
+    from transformers import AutoConfig
 
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
+
+    if getattr(cfg, "task", None) == "image-classification":
+        from raylm.models.vision import resolve_image_model
+
+        if model_init is not None:
+            raise ConfigError("model_init with --task image-classification: not available "
+                              "yet (a model of your own trains on token data)")
+        config, pretrained, augment = resolve_image_model(cfg, classes or [])
+        return ModelSpec(config=config, pretrained_path=pretrained, tokenizer_dir="",
+                         vocab_size=0, objective="image_classification", masking=augment)
+    if model_init is not None:
+        from raylm.models.custom import check_custom
+        from raylm.models.units import transformer_blocks
+
+        tokenizer_dir = cfg.tokenizer_name or builtin_tokenizer_dir()
+        if not os.path.isdir(tokenizer_dir):
+            raise ConfigError(f"--tokenizer_name: no such directory: {tokenizer_dir}")
+        tokenizer_dir = os.path.abspath(tokenizer_dir)
+        vocab = len(load_tokenizer(tokenizer_dir))
+        config = check_custom(cfg, model_init, tokenizer_dir, vocab, transformer_blocks)
+        return ModelSpec(config=config, pretrained_path=None, tokenizer_dir=tokenizer_dir,
+                         vocab_size=vocab, objective="causal", model_init=model_init)
 
     def local(name: str, flag: str) -> tuple:
         """(local path, HubRef or None): a Hub name is fetched (raylm.models.hub)."""
@@ -117,16 +128,10 @@ def resolve_model(cfg) -> ModelSpec:
         if not os.path.exists(name):
             raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
         config = read_config(name, "--config_name")
-        _apply_overrides(config, cfg.config_overrides)
+        apply_overrides(config, cfg.config_overrides)
     else:
-        model_type = cfg.model_type or DEFAULT_MODEL_TYPE
-        if model_type not in CONFIG_MAPPING:
-            raise ConfigError(f"--model_type: unknown model type '{model_type}'")
-        config = CONFIG_MAPPING[model_type]()
-        if cfg.model_type is None:
-            for k, v in DEFAULT_MODEL_CONFIG.items():
-                setattr(config, k, v)
-        _apply_overrides(config, cfg.config_overrides)
+        config = config_of_type(cfg.model_type, DEFAULT_MODEL_TYPE, DEFAULT_MODEL_CONFIG,
+                                cfg.config_overrides)
 
     remote = cfg.trust_remote_code and "AutoModelForCausalLM" in \
         (getattr(config, "auto_map", None) or {})
@@ -192,6 +197,10 @@ def resolve_block_size(cfg, spec: ModelSpec) -> int:
     """The tokens of a sample in the data: --block_size (--max_seq_length), checked
     against the model's positions. Under span corruption that flag is the encoder's
     input length, and a sample is the longer raw span that corrupts to it."""
+    if spec.objective == "image_classification":
+        from raylm.models.vision import sequence_length
+
+        return sequence_length(spec.config)
     limit = spec.max_positions
     if cfg.block_size is None:
         size = min(limit or 1024, 1024)
@@ -228,6 +237,19 @@ def build_model(spec: ModelSpec, seed: int, device=None):
     """
     import torch
 
+    if spec.model_init is not None:  # a model of the user's own (raylm.models.custom)
+        from raylm.models.custom import build_custom
+
+        if device is not None and torch.device(device).type == "meta":
+            # Built on the CPU first (raylm cannot trace its construction), under a forked
+            # generator; ZeRO-3 then keeps each rank's shards only.
+            from raylm.models.materialize import params_to_meta
+
+            with torch.random.fork_rng(devices=[]):
+                model = build_custom(spec.model_init, spec.config, seed)
+            params_to_meta(model)
+            return model
+        return build_custom(spec.model_init, spec.config, seed)
     if device is not None and torch.device(device).type == "meta":
         from raylm.models.materialize import meta_skeleton
 

@@ -442,6 +442,12 @@ def _run_private(gen: Iterator, rng: _Rng) -> Iterator:
 def meta_skeleton(spec, seed: int):
     """The model ``build_model(spec, seed)`` builds, with every parameter on the meta
     device and every buffer real (see ``raylm.models.loading.build_model``)."""
+    if _built_whole(spec):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
+        params_to_meta(model)
+        return model
     config = spec.config
     model, trace = trace_from_config(config, spec.trust_remote_code)
     holders = _tensor_holders(model)
@@ -460,11 +466,19 @@ def meta_skeleton(spec, seed: int):
                 module._buffers[attr] = real
             else:
                 setattr(module, attr, real)
-    _params_to_meta(model)
+    params_to_meta(model)
     if spec.pretrained_path:
         _load_buffers(model, spec.weights_dir)
         model.eval()  # as from_pretrained leaves it
     return model
+
+
+def _built_whole(spec) -> bool:
+    """Image classifiers are built whole on the CPU (under a forked generator) rather than
+    replayed from a meta-device trace: ViT's initialisation (``trunc_normal_`` on a
+    float32 copy assigned back through ``.data``) replays to other values, and these
+    models are small next to what ZeRO-3 is for."""
+    return getattr(spec, "objective", None) == "image_classification"
 
 
 class _NeedsRandom(Exception):
@@ -516,11 +530,26 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
     Tensors yielded for the same storage (tied weights) are the same tensor object;
     copy before writing into one.
     """
+    if getattr(spec, "model_init", None) is not None:  # a model of the user's own
+        from raylm.models.custom import initial_custom_state
+
+        yield from initial_custom_state(spec.model_init, spec.config, seed, names)
+        return
     if getattr(spec, "lora", None) is not None:
         yield from _with_adapters(spec, seed, names)
         return
     if spec.pretrained_path:
         yield from _pretrained_state(spec, seed, names)
+        return
+    if _built_whole(spec):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            state = from_config(spec.config, spec.trust_remote_code,
+                                dtype=torch.float32).state_dict()
+        wanted = _check_names(state, names)
+        for name, tensor in state.items():
+            if name in wanted:
+                yield name, _cpu_value(tensor)
         return
     config = copy.deepcopy(spec.config)
     model, trace = trace_from_config(config, spec.trust_remote_code)
@@ -563,7 +592,7 @@ def _cpu_value(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
 
 
-def _params_to_meta(model) -> None:
+def params_to_meta(model) -> None:
     """Parameters the construction made on the CPU (torch.tensor constants) go to the
     meta device like the rest, tied ones staying one Parameter."""
     moved: dict = {}

@@ -321,6 +321,74 @@ def _seq2seq(config, masking=None) -> Seq2Seq:
     return Seq2Seq(pad, start if start is not None else pad)
 
 
+# -- image classification -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Augment:
+    """What image classification draws per sample, settled on the driver: the seed, and
+    whether to flip images left-right at random in training (half of them, drawn per
+    (seed, epoch, sample id), as ``torchvision.transforms.RandomHorizontalFlip``); the
+    normalisation (``(x / 255 - mean) / std`` per channel, the image processor's)."""
+
+    seed: int
+    flip: bool = True
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.5, 0.5, 0.5)
+
+
+def flips(sample_ids, augment: Augment, epoch) -> np.ndarray:
+    """Which samples are flipped at ``epoch`` (None: evaluating, none): a function of
+    (seed, epoch, sample id) only, so the same on every layout, resume and resize."""
+    ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+    if epoch is None or not augment.flip:
+        return np.zeros(len(ids), dtype=bool)
+    return np.array([i >= 0 and np.random.default_rng([augment.seed, epoch, int(i)]).random()
+                     < 0.5 for i in ids], dtype=bool)
+
+
+class ImageClassification:
+    """One label per image (HF's run_image_classification): cross-entropy of the
+    logits [B, K] against the labels, summed (a step divides by the global batch's
+    images); a filler row's label is IGNORE_INDEX."""
+
+    name = "image_classification"
+
+    def __init__(self, augment: Augment):
+        self.augment = augment
+
+    def split(self, batch: dict, epoch=None) -> dict:
+        pixels = batch["pixel_values"]
+        flip = flips(batch["sample_ids"], self.augment, epoch)
+        if flip.any():
+            pixels = pixels.clone()
+            rows = torch.from_numpy(flip)
+            pixels[rows] = pixels[rows].flip(-1)
+        c = pixels.shape[1]
+        mean = torch.tensor(self.augment.mean[:c]).view(1, c, 1, 1)
+        std = torch.tensor(self.augment.std[:c]).view(1, c, 1, 1)
+        return {"pixel_values": (pixels.float() / 255.0 - mean) / std,
+                "labels": batch["labels"]}
+
+    def loss_sum(self, logits, labels):
+        return _local(F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
+                                      reduction="sum"))
+
+    def count(self, labels) -> int:
+        return int((labels != IGNORE_INDEX).sum())
+
+    def correct(self, logits, labels) -> int:
+        """Top-1 hits among the labelled rows."""
+        return int(((logits.argmax(-1) == labels.to(logits.device))
+                    & (labels.to(logits.device) != IGNORE_INDEX)).sum())
+
+
+def is_image_classifier(config) -> bool:
+    from transformers.models.auto.modeling_auto import \
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as names
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return arch is not None and arch == names.get(getattr(config, "model_type", None))
+
+
 def _drawn(cls, kind):
     """The builder of an objective that draws per sample from ``kind`` facts."""
     def build(config, masking=None):
@@ -341,6 +409,7 @@ OBJECTIVES = {
     "mlm": (_drawn(MaskedLM, Masking), lambda config: has_masked_lm_head(config)
             and not getattr(config, "is_decoder", False)),
     "span_corruption": (_drawn(SpanCorruption, Spans), is_seq2seq),
+    "image_classification": (_drawn(ImageClassification, Augment), is_image_classifier),
 }
 
 # Objectives whose labels are a sample of what the model reads: throughput counts the
@@ -349,6 +418,8 @@ PREDICTS_A_SAMPLE = ("mlm", "span_corruption")
 
 
 def default_objective(config) -> str:
+    if is_image_classifier(config):
+        return "image_classification"
     if is_seq2seq(config):
         return "span_corruption" if config.model_type in T5_TYPES else "seq2seq"
     if has_masked_lm_head(config) and not getattr(config, "is_decoder", False):
@@ -360,8 +431,12 @@ def check_objective(config, name=None) -> str:
     """The objective a run uses: ``name`` (--objective), else the model's default. A
     one-line ConfigError for a name raylm does not know or a model it cannot train."""
     name = name or default_objective(config)
-    if name not in OBJECTIVES:
-        raise ConfigError(f"--objective {name}: choose one of {', '.join(OBJECTIVES)}")
+    text = [o for o in OBJECTIVES if o != "image_classification"]  # (--task's, not a flag's)
+    if name not in OBJECTIVES or (name == "image_classification"
+                                  and not is_image_classifier(config)):
+        raise ConfigError(f"--objective {name}: choose one of {', '.join(text)}"
+                          + (" (image classification is --task image-classification)"
+                             if name == "image_classification" else ""))
     if not OBJECTIVES[name][1](config):
         if name == "mlm" and has_masked_lm_head(config):
             raise ConfigError(f"--mlm: the '{config.model_type}' config is built as a decoder "

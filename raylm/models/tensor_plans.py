@@ -210,6 +210,10 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> N
     if tp <= 1:
         return
     model_type = getattr(config, "model_type", None) or type(config).__name__
+    if model_type == "custom":  # (raylm.models.custom)
+        raise ConfigError(f"--tp {tp}: the model_init model {config.name} has no "
+                          "tensor-parallel plan (not available for a model of your own yet); "
+                          "leave --tp unset: data and pipeline parallelism and ZeRO apply")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not heads:

@@ -82,6 +82,10 @@ def family_units(model: nn.Module, family: Family, seq_len: int) -> tuple:
 
 def meta_model(spec) -> nn.Module:
     """The model's structure with no weights (for planning; any size is instant)."""
+    if getattr(spec, "model_init", None) is not None:  # (a model of the user's own)
+        from raylm.models.custom import meta_custom
+
+        return meta_custom(spec.model_init, spec.config)
     model = meta_base(spec.config, spec.trust_remote_code)
     lora = getattr(spec, "lora", None)
     return add_lora(model, lora, 0) if lora is not None else model

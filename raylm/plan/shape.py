@@ -121,9 +121,11 @@ def model_shape(model, seq_len: int, use_gpu: bool = False) -> ModelShape:
     tied = max(0, embed.params + sum(u.params for u in blocks) + head.params - total)
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
-    emb_n = emb.weight.numel() if emb is not None else 0
-    out_n = out.weight.numel() if out is not None else 0
-    is_tied = emb is not None and out is not None and out.weight is emb.weight
+    # (an image model's input embedding is a patch projection: no ``weight`` of its own)
+    emb_w, out_w = getattr(emb, "weight", None), getattr(out, "weight", None)
+    emb_n = emb_w.numel() if emb_w is not None else 0
+    out_n = out_w.numel() if out_w is not None else 0
+    is_tied = emb_w is not None and out_w is not None and out_w is emb_w
     # A tied table sits in the embedding unit only where the units count it twice.
     embed_split = emb_n if (not is_tied or tied) else 0
     return ModelShape(

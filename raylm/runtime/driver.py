@@ -103,7 +103,8 @@ def startup_line(startup: dict) -> str:
 
 
 class Driver:
-    def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = ()):
+    def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = (),
+                 model_init=None):
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
         # ("step": before its forward, "sync": during its gradient sync, "update": after
@@ -114,6 +115,7 @@ class Driver:
         # Each callback may define on_step_end(driver, step, record); tests use it to
         # kill a rank mid-run.
         self.callbacks = list(callbacks)
+        self.model_init = model_init  # a model of the user's own (raylm.models.custom)
         self.state = None
         self.steps_per_epoch = None  # the sampler's, once training starts
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
@@ -171,7 +173,8 @@ class Driver:
         cfg = self.cfg
         self._enter("planning")
         with _timed(self.startup, "inputs"):
-            inputs = check_inputs(cfg)  # no cluster needed: fails fast on bad input
+            # (no cluster needed: fails fast on bad input)
+            inputs = check_inputs(cfg, model_init=self.model_init)
         with _timed(self.startup, "ray"):
             owns_ray = cluster.connect(cfg.address)
         asked = False
@@ -1087,9 +1090,13 @@ class Driver:
         loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out["eval_loss"]
         results = {"eval_loss": loss, "perplexity": perplexity(loss),
                    "eval_samples": len(data.eval_ids), **results}
+        if "eval_correct" in out:  # image classification: top-1 accuracy
+            results["eval_accuracy"] = out["eval_correct"] / max(out["eval_tokens"], 1)
         self.metrics.append({"step": step, **results})
-        self.progress.write(f"eval at step {step}: loss {loss:.4f}  perplexity "
-                            f"{results['perplexity']:.2f}" + "".join(
+        self.progress.write(f"eval at step {step}: loss {loss:.4f}  " + (
+                            f"accuracy {results['eval_accuracy']:.4f}"
+                            if "eval_accuracy" in results else
+                            f"perplexity {results['perplexity']:.2f}") + "".join(
                                 f"  {name} {results[f'eval_{name}_loss']:.4f}"
                                 for name, _ in data.eval_sets))
         self.last_eval = (step, results)
@@ -1360,6 +1367,11 @@ class Driver:
     def _save_tokenizer(self, directory: str) -> None:
         from raylm.data.tokenized import load_tokenizer
 
+        if self.spec.objective == "image_classification":  # (no tokenizer: its images')
+            from raylm.models.vision import save_image_processor
+
+            save_image_processor(self.spec, directory)
+            return
         # The tokenizer resolve_model loaded (cached), saved beside the model.
         load_tokenizer(self.spec.tokenizer_dir).save_pretrained(directory)
 
@@ -1449,9 +1461,13 @@ def _first_line(e: BaseException) -> str:
     return text[-1] if text else type(e).__name__
 
 
-def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = ()) -> TrainResult:
+def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
+          model_init=None) -> TrainResult:
     """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
-    ``faults``: injected rank failures, for tests (see Driver)."""
+    ``model_init``: a model of your own in place of the config's Hugging Face model, a
+    callable with no arguments returning a ``torch.nn.Module`` whose ``forward(input_ids)``
+    gives the logits (raylm.models.custom says what applies to it). ``faults``: injected
+    rank failures, for tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
-    return Driver(config, callbacks, faults).run()
+    return Driver(config, callbacks, faults, model_init=model_init).run()

@@ -95,6 +95,9 @@ class Engine:
         self.loss_scale = 1.0
         self.overflow = False
         self.sync_s = 0.0  # the last step's exposed gradient sync (finish_sync)
+        # What the first pipeline stage is fed: token ids, or an image model's pixels.
+        self.model_input = ("pixel_values" if self.objective.name == "image_classification"
+                            else "input_ids")
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -159,23 +162,30 @@ class Engine:
         self.sync_s = time.perf_counter() - t0
         return out
 
+    @property
+    def counts_correct(self) -> bool:
+        """Whether evaluation counts top-1 hits (image classification's accuracy)."""
+        return hasattr(self.objective, "correct")
+
     def evaluate(self, micro_batch_ids: list, read) -> tuple:
-        """(summed loss, label tokens) of this rank's eval micro-batches (``read(ids)``
-        gives a batch); not reduced over dp."""
+        """(summed loss, label tokens, top-1 hits or None) of this rank's eval
+        micro-batches (``read(ids)`` gives a batch); not reduced over dp."""
         if self.grad_sync.collective_forwards:  # as many forwards as the other dp ranks
             most = int(all_reduce_max(len(micro_batch_ids), self.dp_group, self.device))
             micro_batch_ids = self.pad_rounds(micro_batch_ids, most)
         self.model.eval()
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, correct = 0.0, 0, 0
         try:
             with torch.no_grad(), self.loss_context():
                 for ids in micro_batch_ids:
-                    batch_loss, labels = self.loss_sum(read(ids), None)
-                    loss_sum += batch_loss.item()
+                    logits, labels = self.forward(read(ids), None)
+                    loss_sum += self.objective.loss_sum(logits, labels).item()
                     tokens += self.objective.count(labels)
+                    if self.counts_correct:
+                        correct += self.objective.correct(logits, labels)
         finally:
             self.grad_sync.release()
-        return loss_sum, tokens
+        return loss_sum, tokens, correct if self.counts_correct else None
 
     def count(self, batch: dict, step) -> int:
         """Label tokens of a micro-batch under the objective."""
@@ -198,11 +208,18 @@ class Engine:
 
     def loss_sum(self, batch: dict, step):
         """Forward one micro-batch; its summed token loss and its labels."""
+        logits, labels = self.forward(batch, step)
+        return self.objective.loss_sum(logits, labels), labels
+
+    def forward(self, batch: dict, step):
+        """The logits of one micro-batch, and its labels."""
         parts = {k: v.to(self.device) for k, v in self.split(batch, step).items()}
         labels = parts.pop("labels")
         # Packed blocks have no padding: no mask, so attention takes its causal fast path.
-        if bool((batch["attention_mask"] == 0).any()):
-            parts["attention_mask"] = batch["attention_mask"].to(self.device)
+        # (Images have no mask at all.)
+        mask = batch.get("attention_mask")
+        if mask is not None and bool((mask == 0).any()):
+            parts["attention_mask"] = mask.to(self.device)
         if step is not None and self.sample_dropout:
             # Dropout masks drawn per sample from (seed, step, sample id, call): the same
             # whatever the layout, so a resized run computes an unchanged run's losses.
@@ -210,7 +227,7 @@ class Engine:
                 logits = self.model(**parts).logits
         else:
             logits = self.model(**parts).logits
-        return self.objective.loss_sum(logits, labels), labels
+        return logits, labels
 
     def loss_context(self):
         """Forward, loss and backward run inside this: autocast under mixed precision,
@@ -450,22 +467,28 @@ class PipelineEngine(Engine):
         """``micro_batch_ids``: chunks of one step's shape (the schedule's micro-batch
         count and size), filled up with padding ids."""
         pipe = self.pipeline
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, correct = 0.0, 0, 0
+
+        def scored(logits, labels):  # (the last stage's loss, and its top-1 hits)
+            nonlocal correct
+            if self.counts_correct:
+                correct += self.objective.correct(logits, labels)
+            return self.objective.loss_sum(logits, labels)
+
         try:
             with torch.no_grad(), self.loss_context():
                 pipe.train(False)
                 for chunk in micro_batch_ids:
                     batches = [read(ids) for ids in chunk] if self.needs_data else []
                     ids, labels, kwargs = self.stack(batches, None)
-                    losses = pipe.forward_only(ids, labels, kwargs,
-                                               self.objective.loss_sum,
+                    losses = pipe.forward_only(ids, labels, kwargs, scored,
                                                self.eval_stage_modules)
                     loss_sum += sum(float(x) for x in losses)
                     if pipe.has_last:
                         tokens += sum(self.count(b, None) for b in batches)
         finally:
             self.grad_sync.release()
-        return loss_sum, tokens
+        return loss_sum, tokens, correct if self.counts_correct else None
 
     def stack(self, batches: list, step):
         """The step's rows as the schedule takes them: all micro-batches stacked (it
@@ -477,7 +500,7 @@ class PipelineEngine(Engine):
         def stacked(key):
             return torch.cat([p[key] for p in parts]).to(self.device)
 
-        ids = stacked("input_ids") if pipe.has_first else None
+        ids = stacked(self.model_input) if pipe.has_first else None
         labels = stacked("labels") if pipe.has_last else None
         kwargs = {}
         if pipe.needs_decoder_inputs:  # the stage that embeds the decoder's input (T5)
@@ -572,8 +595,16 @@ def _pipeline(e: Engine) -> PipelineRuntime:
     stage_ids = part.stages_of(pp_rank)
     # (on the model's device: torch.export traces the stages there)
     where = next(e.model.parameters()).device
-    example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long,
-                          device=where if where.type != "meta" else "cpu")
+    where = where if where.type != "meta" else "cpu"
+    if e.model_input == "pixel_values":  # an image model: a micro-batch of its images
+        from raylm.models.vision import channels, image_size
+
+        size = image_size(e.spec.config)
+        example = torch.zeros(plan.micro_batch_size, channels(e.spec.config), size, size,
+                              device=where)
+    else:
+        example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long,
+                              device=where)
     modules, holders, e.eval_stage_modules = cut(e.model, part, stage_ids, example)
     if e.zero_stage == 3:
         _shard(e, list(modules))

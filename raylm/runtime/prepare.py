@@ -39,6 +39,8 @@ class Inputs:
     resume_from: Optional[str] = None  # checkpoint directory
     streaming: bool = False  # the training data is streamed (streams())
     run_record: Optional[dict] = None  # of the run being resumed
+    # --task image-classification: (training ImageFolder, validation ImageFolder or None)
+    images: Optional[tuple] = None
 
 
 @dataclass
@@ -52,24 +54,55 @@ class Data:
     stream: object = None  # --streaming: the TokenStream (train is then its StreamSpec)
 
 
-def check_inputs(cfg: TrainConfig, check_output_dir: bool = True) -> Inputs:
+def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None) -> Inputs:
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
     check_precision(cfg)
     if not cfg.should_train and not cfg.should_eval:
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
+    if cfg.task == "image-classification":
+        return _check_image_inputs(cfg, check_output_dir, model_init)
+    for flag in ("train_dir", "validation_dir"):
+        if getattr(cfg, flag):
+            raise ConfigError(f"--{flag} is image data: give --task image-classification "
+                              "with it (text data is --train_file)")
     train_files, eval_files, eval_names = _data_files(cfg)
-    if not cfg.should_train and not cfg.model_name_or_path:
+    if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
 
-    spec = resolve_model(cfg)  # (and its objective: raylm.models.objectives)
+    spec = resolve_model(cfg, model_init)  # (and its objective: raylm.models.objectives)
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
                     eval_files=eval_files, eval_names=eval_names,
                     streaming=bool(train_files) and cfg.should_train
                     and streams(cfg, train_files, say=True))
+    if cfg.should_train and check_output_dir:
+        _check_output_dir(cfg, inputs)
+    return inputs
+
+
+def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init) -> Inputs:
+    """check_inputs for --task image-classification: the image folders scanned (classes,
+    files), the classifier resolved with their classes."""
+    from raylm.data.images import scan_image_folder
+    from raylm.models.loading import resolve_block_size, resolve_model
+
+    if not cfg.train_dir:
+        raise ConfigError("--task image-classification needs --train_dir: an image folder "
+                          "(DIR/<class name>/<image>.png|jpg|...)")
+    if not 0.0 <= cfg.train_val_split < 1.0:
+        raise ConfigError(f"--train_val_split must be in [0, 1) (got {cfg.train_val_split})")
+    train = scan_image_folder(cfg.train_dir, "--train_dir")
+    if len(train.classes) < 2:
+        raise ConfigError(f"--train_dir {train.root}: one class ({train.classes[0]}); a "
+                          "classifier needs at least two class directories")
+    val = (scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
+           if cfg.validation_dir else None)
+    spec = resolve_model(cfg, model_init, classes=train.classes)
+    inputs = Inputs(spec=spec, block_size=resolve_block_size(cfg, spec), train_files=[],
+                    eval_files=[], images=(train, val))
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
     return inputs
@@ -384,6 +417,8 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
             keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
             before_tokenizing=_release_kept_ranks, piece_mb=cfg.piece_size_mb)
 
+    if inputs.images is not None:
+        return _image_data(cfg, inputs)
     if inputs.streaming:
         return _streaming_data(cfg, inputs, build)
     train = build(inputs.train_files) if inputs.train_files else None
@@ -411,6 +446,43 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
                           "data, a smaller --block_size or --validation_split_percentage")
     return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids,
                 eval_sets=eval_sets)
+
+
+def _image_data(cfg: TrainConfig, inputs: Inputs) -> Data:
+    """--task image-classification: the folders decoded into the image cache (Ray Data
+    tasks; reused when built before), the validation images --validation_dir's or a
+    seeded --train_val_split share of --train_dir's."""
+    from raylm.data.images import build_image_dataset
+    from raylm.data.sampler import split_train_eval
+    from raylm.data.tokenized import default_cache_root
+    from raylm.models.vision import channels, image_size
+
+    train_folder, val_folder = inputs.images
+    size, c = image_size(inputs.spec.config), channels(inputs.spec.config)
+
+    def build(folder):
+        return build_image_dataset(folder, size, c, cfg.data_cache_dir or default_cache_root(),
+                                   overwrite=cfg.overwrite_cache,
+                                   before_decoding=_release_kept_ranks)
+
+    train = build(train_folder)
+    log.info("training data: %d images of %d classes, %dx%d (%s)", train.num_samples,
+             len(train.classes), size, size, "cached" if train.reused else "decoded now")
+    if val_folder is not None:
+        eval_ds = build(val_folder)
+        eval_ids = np.arange(eval_ds.num_samples, dtype=np.int64)
+        train_ids = np.arange(train.num_samples, dtype=np.int64)
+    else:
+        train_ids, eval_ids = split_train_eval(train.num_samples, cfg.train_val_split * 100,
+                                               seed=0)
+        eval_ds = train if len(eval_ids) else None
+    if cfg.max_train_samples is not None:
+        train_ids = train_ids[:cfg.max_train_samples]
+    if cfg.max_eval_samples is not None:
+        eval_ids = eval_ids[:cfg.max_eval_samples]
+    if cfg.should_train and len(train_ids) == 0:
+        raise ConfigError("no training images left after the validation split")
+    return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids)
 
 
 def _eval_sets(cfg: TrainConfig, inputs: Inputs, eval_ds, eval_ids: np.ndarray):

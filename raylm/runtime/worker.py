@@ -545,22 +545,26 @@ class RankWorker:
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
-        from raylm.data.reader import BlockReader
+        from raylm.data.reader import make_reader
         from raylm.parallel.data import all_reduce_sum
 
         t0 = time.time()
         reader = self.reader
         if eval_dataset is not None:
             if self.eval_reader is None:
-                self.eval_reader = BlockReader(eval_dataset)
+                self.eval_reader = make_reader(eval_dataset)
             reader = self.eval_reader
         e = self.engine
-        loss_sum, tokens = e.evaluate(micro_batch_ids, reader.read)
-        loss_sum, tokens = all_reduce_sum([loss_sum, tokens], e.dp_group, self.device)
+        loss_sum, tokens, correct = e.evaluate(micro_batch_ids, reader.read)
+        loss_sum, tokens, correct = all_reduce_sum([loss_sum, tokens, correct or 0],
+                                                   e.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         self.busy_s += time.time() - t0
-        return {"eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
-                "eval_tokens": int(tokens), "has_loss": e.has_loss}
+        out = {"eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
+               "eval_tokens": int(tokens), "has_loss": e.has_loss}
+        if e.counts_correct:  # (image classification: top-1 hits)
+            out["eval_correct"] = int(correct)
+        return out
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:

@@ -1,0 +1,268 @@
+"""Your own model: ``train(config, model_init=factory)`` trains any ``torch.nn.Module``.
+
+``model_init`` is a callable with no arguments that returns a fresh module (the HF
+Trainer's ``model_init``). Its ``forward(input_ids)`` takes a LongTensor ``[batch, seq]``
+of token ids and returns the logits ``[batch, seq, vocab]``: a tensor, or an object or
+dict with ``logits`` (a Hugging Face output). The vocabulary must cover the tokenizer's.
+raylm trains it with the causal-LM objective (next-token cross-entropy, the mean over
+the global batch's label tokens) on the same driver, rank actors, planner, checkpoints
+and recovery as a Hugging Face model:
+
+* every rank calls ``model_init()`` after ``torch.manual_seed(seed)``, so the ranks and a
+  single process that does the same start from the same weights;
+* data parallelism and ZeRO 1-3 as for any model (ZeRO-3's units: the repeated blocks,
+  an ``nn.ModuleList`` of same-type modules, found as for a Hugging Face model);
+* pipeline stages from the generic ``torch.export`` split (raylm.models.export_split):
+  the blocks are the module's largest ``nn.ModuleList`` of identical children, and a
+  model without one, or whose forward torch.export cannot capture, is one clear error
+  naming the model before any actor starts;
+* the trained weights are saved as the module's own ``state_dict`` (its own names) in
+  ``output_dir/model.safetensors``, loadable with ``safetensors.torch.load_file`` and
+  ``module.load_state_dict``.
+
+Not yet: tensor parallelism (no plan for a module raylm does not know; one clear error),
+LoRA (``--use_peft``), padded line-by-line data (the forward takes no attention mask),
+the other objectives, and a loss of the user's own.
+
+The module is wrapped (``CustomLM``) so that the engine, the export split and the
+checkpoints see what they see of a Hugging Face model: a ``config`` (``CustomConfig``)
+and a forward whose output has ``logits``. Its parameters are named ``module.<name>``
+inside raylm; the saved file drops the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from typing import Callable
+
+from raylm.errors import ConfigError, first_line
+
+PREFIX = "module."
+
+
+class CustomConfig:
+    """What raylm reads of a model's config, for a model of the user's own (picklable)."""
+
+    model_type = "custom"
+    is_encoder_decoder = False
+    is_decoder = True
+    use_cache = False
+    dtype = None
+    architectures = None
+
+    def __init__(self, name: str, vocab_size: int, hidden_size=None, num_hidden_layers=None):
+        self.name = name  # the factory's qualified name (for messages and the saved file)
+        self.vocab_size = vocab_size  # the logits' last dimension
+        # What the planner's cost model reads (raylm.plan.shape), seen in a forward on the
+        # meta device: the width of what enters the first block, and the blocks.
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, "model_init": self.name,
+                "vocab_size": self.vocab_size}
+
+
+def is_custom(config) -> bool:
+    return isinstance(config, CustomConfig)
+
+
+def logits_of(output):
+    """The logits of what a user's forward returned: the tensor itself, or its
+    ``logits`` (an attribute, or a dict key)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "logits" in output:
+        return output["logits"]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the model's forward returned {type(output).__name__}; raylm needs the "
+                    "logits [batch, seq, vocab]: a tensor, or an object or dict with "
+                    "'logits'")
+
+
+def _make_wrapper():
+    from torch import nn
+
+    class CustomLM(nn.Module):
+        """The user's module as the engine takes a language model: ``forward(input_ids)``
+        with an output that has ``logits``, and a ``config``."""
+
+        def __init__(self, module: nn.Module, config: CustomConfig):
+            super().__init__()
+            self.module = module
+            self.config = config
+
+        def forward(self, input_ids, attention_mask=None, use_cache=None, **unused):
+            if attention_mask is not None:
+                raise ValueError("a model_init model takes no attention mask (padded "
+                                 "line-by-line data)")
+            return SimpleNamespace(logits=logits_of(self.module(input_ids)))
+
+        def get_input_embeddings(self):
+            return next((m for m in self.module.modules() if isinstance(m, nn.Embedding)),
+                        None)
+
+        def get_output_embeddings(self):
+            return None  # (the planner counts the head with the rest, not apart)
+
+    return CustomLM
+
+
+_WRAPPER = None
+
+
+def wrap(module, config: CustomConfig):
+    global _WRAPPER
+    if _WRAPPER is None:
+        _WRAPPER = _make_wrapper()
+    return _WRAPPER(module, config)
+
+
+def factory_name(model_init: Callable) -> str:
+    module = getattr(model_init, "__module__", None) or "?"
+    return f"{module}.{getattr(model_init, '__qualname__', type(model_init).__name__)}"
+
+
+def build_custom(model_init: Callable, config: CustomConfig, seed: int):
+    """``model_init()`` after ``torch.manual_seed(seed)``, wrapped (on the CPU)."""
+    import torch
+
+    torch.manual_seed(seed)
+    return wrap(model_init(), config)
+
+
+def meta_custom(model_init: Callable, config: CustomConfig):
+    """The model's structure on the meta device (no weights; no random state changes)."""
+    import torch
+
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        return wrap(model_init(), config)
+
+
+def initial_custom_state(model_init: Callable, config: CustomConfig, seed: int, names=None):
+    """``(name, tensor)`` of ``build_custom(...).state_dict()`` (materialize's
+    ``initial_state`` for a model of the user's own: the whole model built once on the
+    CPU, the caller's random generator untouched)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        state = build_custom(model_init, config, seed).state_dict()
+    wanted = set(state) if names is None else set(names)
+    unknown = wanted - set(state)
+    if unknown:
+        raise KeyError(f"not in the model's state: {sorted(unknown)[:5]}")
+    for name, value in state.items():
+        if name in wanted:
+            yield name, value.detach().float().contiguous() if value.is_floating_point() \
+                else value.detach().contiguous()
+
+
+def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
+                 blocks_of: Callable) -> CustomConfig:
+    """Check a model_init and the flags that go with it on the driver (one clear error
+    before any actor starts); returns its CustomConfig. ``blocks_of(module)``: the
+    module's repeated blocks (raylm.models.units.transformer_blocks)."""
+    import torch
+
+    name = factory_name(model_init)
+    if not callable(model_init):
+        raise ConfigError(f"model_init must be a callable returning a torch.nn.Module, not "
+                          f"{type(model_init).__name__}")
+    for flag, value in (("--model_name_or_path", cfg.model_name_or_path),
+                        ("--config_name", cfg.config_name), ("--model_type", cfg.model_type),
+                        ("--config_overrides", cfg.config_overrides)):
+        if value:
+            raise ConfigError(f"model_init {name} is the model: drop {flag}")
+    if cfg.use_peft:
+        raise ConfigError(f"--use_peft: LoRA is not available for a model_init model "
+                          f"({name}) yet")
+    if cfg.mlm or cfg.objective not in (None, "causal"):
+        raise ConfigError(f"model_init {name}: a model of your own trains with the causal "
+                          "objective (next token); drop --mlm / --objective")
+    if cfg.line_by_line:
+        raise ConfigError(f"--line_by_line pads samples and needs an attention mask, which a "
+                          f"model_init model ({name}) is not given: drop --line_by_line")
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            module = model_init()
+    except Exception as e:
+        raise ConfigError(f"model_init {name} failed: {type(e).__name__}: {first_line(e)}") \
+            from e
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model_init {name} returned {type(module).__name__}, not a "
+                          "torch.nn.Module")
+    if not any(True for _ in module.parameters()):
+        raise ConfigError(f"model_init {name}: the model has no parameters to train")
+    rows = min(2, max(1, cfg.per_device_train_batch_size))
+    seq = cfg.block_size or 16
+    blocks, widths = blocks_of(module), []
+    hook = blocks[0].register_forward_pre_hook(
+        lambda m, args: widths.append(args[0].shape[-1] if args and
+                                      isinstance(args[0], torch.Tensor) else None)) \
+        if blocks else None
+    try:
+        with torch.no_grad():
+            logits = logits_of(module(torch.zeros(rows, seq, dtype=torch.long,
+                                                  device="meta")))
+    except Exception as e:
+        raise ConfigError(f"model_init {name}: its forward on input_ids [{rows}, {seq}] "
+                          f"failed ({type(e).__name__}: {first_line(e)}); raylm calls "
+                          "forward(input_ids) and needs logits [batch, seq, vocab]") from e
+    finally:
+        if hook is not None:
+            hook.remove()
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, seq):
+        raise ConfigError(f"model_init {name}: forward(input_ids [{rows}, {seq}]) gave "
+                          f"{list(logits.shape)}; raylm needs logits [{rows}, {seq}, vocab]")
+    if logits.shape[2] < vocab:
+        raise ConfigError(f"model_init {name}: the logits have {logits.shape[2]} entries but "
+                          f"the tokenizer ({tokenizer_dir}) has {vocab} tokens: size the "
+                          "model's vocabulary to at least that")
+    embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+    hidden = next((int(w) for w in widths if w), None) or \
+        (embedding.embedding_dim if embedding is not None else None)
+    return CustomConfig(name, int(logits.shape[2]), hidden, len(blocks) or None)
+
+
+def save_custom(model, output_dir: str, dtype) -> None:
+    """The module's own state dict (its names, without raylm's wrapper) in
+    ``output_dir/model.safetensors``, in ``dtype``; and ``raylm_model.json`` naming the
+    factory (there is no config.json: the factory is the model's definition)."""
+    import torch
+    from safetensors.torch import save_file
+
+    module = getattr(model, "module", model)
+    state, seen = {}, {}
+    for name, value in module.state_dict().items():
+        # safetensors refuses two names of one storage (tied weights): keep the first
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if key in seen:
+            continue
+        seen[key] = name
+        value = value.detach()
+        if value.is_floating_point() and dtype != torch.float32:
+            value = value.to(dtype)
+        state[name] = value.cpu().contiguous()
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = os.path.join(output_dir, ".model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(output_dir, "model.safetensors"))
+    with open(os.path.join(output_dir, "raylm_model.json"), "w") as f:
+        json.dump({**model.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
+                   "tied": {n: seen[k] for k, n in _dups(module, seen).items()}}, f, indent=1)
+
+
+def _dups(module, kept: dict) -> dict:
+    """{storage key: name} of the state entries dropped as another's tie."""
+    out = {}
+    for name, value in module.state_dict().items():
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if kept.get(key) not in (None, name):
+            out[key] = name
+    return out

@@ -1,0 +1,133 @@
+"""Image classifiers from transformers (``--task image-classification``): what to build,
+resolved on the driver, as raylm.models.loading does for language models.
+
+The model is any transformers model type with an image-classification head (ViT, DeiT,
+BEiT, Swin, ConvNeXt, ...): from a config (``--model_type``, ``--config_name``,
+``--config_overrides``; default a small ViT) or a saved classifier
+(``--model_name_or_path``). Its head is sized to the training folder's classes, whose
+names become ``id2label``, so the saved model loads with
+``AutoModelForImageClassification`` and names its predictions. The images are decoded to
+the config's ``image_size`` and ``num_channels`` (raylm.data.images).
+"""
+
+from __future__ import annotations
+
+import os
+
+from raylm.errors import ConfigError
+
+DEFAULT_MODEL_TYPE = "vit"
+# A ViT that trains in minutes on two CPU cores: 32x32 images in 4x4 patches.
+DEFAULT_VIT = dict(image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=4,
+                   num_attention_heads=4, intermediate_size=128)
+
+
+def image_names():
+    from transformers.models.auto.modeling_auto import \
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+    return MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+
+def image_size(config) -> int:
+    size = getattr(config, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise ConfigError(f"image_size {list(size)}: raylm decodes square images")
+        size = size[0]
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"model type '{config.model_type}': no image_size in its config")
+    return size
+
+
+def channels(config) -> int:
+    c = getattr(config, "num_channels", 3)
+    if c not in (1, 3):
+        raise ConfigError(f"num_channels={c}: raylm decodes images as RGB (3) or grey (1)")
+    return c
+
+
+def sequence_length(config) -> int:
+    """The tokens a block sees (the planner's sequence length): the patches (plus ViT's
+    class token); a model without patches counts its pixels over 16x16."""
+    size = image_size(config)
+    patch = getattr(config, "patch_size", None)
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0]
+    if isinstance(patch, int) and patch > 0:
+        return (size // patch) ** 2 + 1
+    return max(1, (size // 16) ** 2)
+
+
+def resolve_image_model(cfg, classes: list) -> tuple:
+    """(config, pretrained path or None, Augment) of an image classifier with ``classes``
+    (the training folder's), for raylm.models.loading's ModelSpec:
+    one ConfigError for a model type with no image-classification head, flags that do
+    not apply to images, or a saved classifier with other classes."""
+    from transformers import AutoConfig
+
+    from raylm.models.auto import apply_overrides, config_of_type, set_head
+    from raylm.models.objectives import Augment
+
+    for flag, value in (("--mlm", cfg.mlm), ("--objective", cfg.objective),
+                        ("--line_by_line", cfg.line_by_line), ("--use_peft", cfg.use_peft),
+                        ("--streaming", cfg.streaming), ("--train_file", cfg.train_file),
+                        ("--validation_file", cfg.validation_file),
+                        ("--dataset_name", cfg.dataset_name),
+                        ("--tokenizer_name", cfg.tokenizer_name)):
+        if value:
+            raise ConfigError(f"{flag} does not apply to --task image-classification (its "
+                              "data is --train_dir / --validation_dir)")
+    pretrained = None
+    if cfg.model_name_or_path:
+        path = cfg.model_name_or_path
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"--model_name_or_path: {path} is not a model directory (no "
+                              "config.json)")
+        config = AutoConfig.from_pretrained(path)
+        pretrained = os.path.abspath(path)
+        if cfg.config_overrides:
+            raise ConfigError("--config_overrides applies to models trained from scratch, "
+                              "not to --model_name_or_path")
+    elif cfg.config_name:
+        if not os.path.exists(cfg.config_name):
+            raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
+        config = AutoConfig.from_pretrained(cfg.config_name)
+        apply_overrides(config, cfg.config_overrides)
+    else:
+        config = config_of_type(cfg.model_type, DEFAULT_MODEL_TYPE, DEFAULT_VIT,
+                                cfg.config_overrides)
+    if config.model_type not in image_names():
+        raise ConfigError(f"model type '{config.model_type}' has no image-classification head "
+                          f"in transformers (those that do: "
+                          f"{', '.join(sorted(image_names())[:12])}, ...)")
+    labels = {i: c for i, c in enumerate(classes)}
+    head = (getattr(config, "architectures", None) or [None])[0]
+    if pretrained and head == image_names().get(config.model_type) and \
+            config.num_labels != len(classes):
+        raise ConfigError(f"--model_name_or_path {pretrained} classifies {config.num_labels} "
+                          f"classes, --train_dir has {len(classes)}: a new head is not "
+                          "available yet")
+    config.num_labels = len(classes)
+    config.id2label = labels
+    config.label2id = {c: i for i, c in labels.items()}
+    image_size(config), channels(config)  # (checked now: one clear error)
+    set_head(config, "image_classification")
+    return config, pretrained, Augment(seed=cfg.seed, flip=cfg.image_flip)
+
+
+def save_image_processor(spec, directory: str) -> None:
+    """The preprocessing the model was trained with, as a transformers image processor
+    (``preprocessor_config.json``): resize to image_size, rescale by 1/255, normalise by
+    the run's mean and std, so ``pipeline("image-classification", model=directory)``
+    prepares images as raylm did."""
+    try:  # (the PIL backend: torchvision is not a dependency)
+        from transformers import ViTImageProcessorPil as Processor
+    except ImportError:
+        from transformers import ViTImageProcessor as Processor
+
+    size, c = image_size(spec.config), channels(spec.config)
+    aug = spec.masking
+    Processor(size={"height": size, "width": size}, image_mean=list(aug.mean[:c]),
+                      image_std=list(aug.std[:c]), do_convert_rgb=c == 3
+                      ).save_pretrained(directory)
