@@ -124,6 +124,12 @@ class TrainConfig:
     train_val_split: float = _f(
         0.15, "--task image-classification without --validation_dir: the share of the "
         "training images held out for evaluation.", "data")
+    image_size: Optional[int] = _f(
+        None, "--task image-classification with a model of your own (model_init): the square "
+        "images are decoded to (a transformers model's comes from its config).", "data")
+    num_channels: Optional[int] = _f(
+        None, "--task image-classification with a model of your own: 3 (RGB, the default) "
+        "or 1 (grey).", "data")
     image_flip: bool = _f(
         True, "--task image-classification: flip half the training images left-right, "
         "drawn per (seed, epoch, image), as run_image_classification's "
@@ -501,7 +507,8 @@ class TrainConfig:
                            "lora_target_modules": [], "streaming": None,
                            "shuffle_buffer_size": 1000, "piece_size_mb": 64.0,
                            "task": None, "train_dir": None, "validation_dir": None,
-                           "train_val_split": 0.15, "image_flip": True}
+                           "train_val_split": 0.15, "image_flip": True,
+                           "image_size": None, "num_channels": None}
 
     def run_fingerprint(self) -> dict:
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}

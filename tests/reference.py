@@ -139,13 +139,22 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
                     half = b["input_ids"].shape[1] // 2
                     out = model(input_ids=b["input_ids"][:, :half],
                                 labels=b["labels"][:, half:].contiguous())
-                elif images:  # HF's own loss (mean cross-entropy over the images)
+                elif images and not custom:  # HF's own loss (mean over the images)
                     out = model(pixel_values=b["pixel_values"], labels=b["labels"])
+                elif images:  # a model of the user's own on images
+                    out = torch.nn.functional.cross_entropy(
+                        model(b["pixel_values"].to(dtype)).float(), b["labels"],
+                        ignore_index=IGNORE_INDEX)
+                    out = type("Out", (), {"loss": out})
                 elif custom:
                     logits = model(b["input_ids"])
-                    out = torch.nn.functional.cross_entropy(
-                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                        b["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+                    if spec.loss_fn is not None:  # the user's loss, as the HF Trainer calls it
+                        n = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+                        out = spec.loss_fn(logits, b["labels"], n)
+                    else:
+                        out = torch.nn.functional.cross_entropy(
+                            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                            b["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
                     out = type("Out", (), {"loss": out})
                 else:
                     out = model(input_ids=b["input_ids"], labels=b["labels"])
@@ -236,12 +245,13 @@ THREE_LAYOUTS = ([dict(dp=2, gradient_accumulation_steps=2),
                  ["dp2", "pp2", "dp2-zero3"])
 
 
-def reference_of(cfg, global_batch_size: int, steps: int, model_init=None) -> Reference:
+def reference_of(cfg, global_batch_size: int, steps: int, model_init=None,
+                 compute_loss_func=None) -> Reference:
     """``single_process_reference`` of a run's model and data (``model_init``: a model of
-    the user's own)."""
+    the user's own; ``compute_loss_func``: the user's loss)."""
     from raylm.runtime.prepare import check_inputs, prepare_data
 
-    inputs = check_inputs(cfg, model_init=model_init)
+    inputs = check_inputs(cfg, model_init=model_init, compute_loss_func=compute_loss_func)
     data = prepare_data(cfg, inputs)
     return single_process_reference(cfg, inputs.spec, data.train, data.train_ids,
                                     global_batch_size, steps)

@@ -115,6 +115,67 @@ def test_vit_matches_single_process(layout, reference, ray_cluster, image_dir, c
     assert evals[-1]["eval_accuracy"] == pytest.approx(hits / len(data.eval_ids))
 
 
+class ConvBlock(torch.nn.Module):
+    """A residual 3x3 convolution (GroupNorm: no batch statistics, so any split of the
+    batch computes the same)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(4, c)
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(torch.nn.functional.gelu(self.norm(x)))
+
+
+class SmallCNN(torch.nn.Module):
+    """A plain torch image classifier, no transformers class: stem, 4 blocks, pooled head."""
+
+    def __init__(self, classes: int = len(CLASSES), c: int = 16):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, stride=2, padding=1)
+        self.blocks = torch.nn.ModuleList(ConvBlock(c) for _ in range(4))
+        self.head = torch.nn.Linear(c, classes)
+
+    def forward(self, pixel_values):
+        x = self.stem(pixel_values)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def cnn_config(out, image_dir, cache_root, **kw) -> TrainConfig:
+    return config(out, image_dir, cache_root, model_type=None, config_overrides=None,
+                  image_size=SIZE, **kw)
+
+
+@pytest.fixture(scope="module")
+def cnn_reference(ray_cluster, image_dir, cache_root, tmp_path_factory):
+    cfg = cnn_config(tmp_path_factory.mktemp("ref-cnn"), image_dir, cache_root,
+                     gradient_accumulation_steps=4)
+    return reference_of(cfg, GLOBAL_BATCH, STEPS, model_init=SmallCNN)
+
+
+@pytest.mark.parametrize("layout", THREE_LAYOUTS[0], ids=THREE_LAYOUTS[1])
+def test_own_cnn_matches_single_process(layout, cnn_reference, ray_cluster, image_dir,
+                                        cache_root, tmp_path):
+    """A model of your own on images (model_init, --image_size): the same CNN in one
+    process; its weights saved under its own names; its accuracy evaluated."""
+    from safetensors.torch import load_file
+
+    cfg = cnn_config(tmp_path / "out", image_dir, cache_root, num_workers=2, **layout)
+    result = train(cfg, model_init=SmallCNN)
+    label = "cnn-" + "-".join(f"{k}{v}" for k, v in layout.items())
+    assert_steps_match(result.history, cnn_reference, STEPS, label=label)
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert_weights_match(saved, cnn_reference.state, cnn_reference.exact,
+                         cnn_reference.lr_sum, label=label)
+    SmallCNN().load_state_dict(saved, strict=True)
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+    assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0
+
+
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,
                                                      tmp_path):
     per_layout = []
@@ -155,7 +216,8 @@ def test_corrupt_image_is_one_error_naming_it(ray_cluster, image_dir, cache_root
     (dict(train_dir=None), "--task image-classification needs --train_dir"),
     (dict(train_dir="/nonexistent/images"), "--train_dir: no such directory"),
     (dict(train_file=["x.txt"]), "--train_file does not apply to --task image-classification"),
-], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag"])
+    (dict(image_size=32), "--image_size is for a model of your own"),
+], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag", "image-size-hf"])
 def test_image_bad_input(flags, message, image_dir, cache_root, tmp_path):
     cfg = config(tmp_path / "out", image_dir, cache_root)
     for k, v in flags.items():

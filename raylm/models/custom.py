@@ -52,6 +52,12 @@ class CustomConfig:
     dtype = None
     architectures = None
 
+    # An image classifier's (--task image-classification): its input is pixel_values
+    # [B, num_channels, image_size, image_size], its logits [B, num_labels].
+    is_image_classifier = False
+    image_size = num_channels = num_labels = None
+    id2label: dict = {}
+
     def __init__(self, name: str, vocab_size: int, hidden_size=None, num_hidden_layers=None):
         self.name = name  # the factory's qualified name (for messages and the saved file)
         self.vocab_size = vocab_size  # the logits' last dimension
@@ -61,6 +67,10 @@ class CustomConfig:
         self.num_hidden_layers = num_hidden_layers
 
     def to_dict(self) -> dict:
+        if self.is_image_classifier:
+            return {"model_type": self.model_type, "model_init": self.name,
+                    "task": "image-classification", "image_size": self.image_size,
+                    "num_channels": self.num_channels, "id2label": self.id2label}
         return {"model_type": self.model_type, "model_init": self.name,
                 "vocab_size": self.vocab_size}
 
@@ -97,12 +107,17 @@ def _make_wrapper():
             super().__init__()
             self.module = module
             self.config = config
+            # what the engine and the export split feed it (an image classifier: pixels)
+            self.main_input_name = ("pixel_values" if config.is_image_classifier
+                                    else "input_ids")
 
-        def forward(self, input_ids, attention_mask=None, use_cache=None, **unused):
+        def forward(self, input_ids=None, attention_mask=None, use_cache=None,
+                    pixel_values=None, **unused):
             if attention_mask is not None:
                 raise ValueError("a model_init model takes no attention mask (padded "
                                  "line-by-line data)")
-            return SimpleNamespace(logits=logits_of(self.module(input_ids)))
+            inputs = pixel_values if pixel_values is not None else input_ids
+            return SimpleNamespace(logits=logits_of(self.module(inputs)))
 
         def get_input_embeddings(self):
             return next((m for m in self.module.modules() if isinstance(m, nn.Embedding)),
@@ -163,31 +178,24 @@ def initial_custom_state(model_init: Callable, config: CustomConfig, seed: int, 
                 else value.detach().contiguous()
 
 
-def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
-                 blocks_of: Callable) -> CustomConfig:
-    """Check a model_init and the flags that go with it on the driver (one clear error
-    before any actor starts); returns its CustomConfig. ``blocks_of(module)``: the
-    module's repeated blocks (raylm.models.units.transformer_blocks)."""
-    import torch
-
-    name = factory_name(model_init)
+def _named(cfg, model_init) -> str:
+    """The factory's name, once it is checked to be one and no model flag competes."""
     if not callable(model_init):
         raise ConfigError(f"model_init must be a callable returning a torch.nn.Module, not "
                           f"{type(model_init).__name__}")
+    name = factory_name(model_init)
     for flag, value in (("--model_name_or_path", cfg.model_name_or_path),
                         ("--config_name", cfg.config_name), ("--model_type", cfg.model_type),
                         ("--config_overrides", cfg.config_overrides)):
         if value:
             raise ConfigError(f"model_init {name} is the model: drop {flag}")
-    if cfg.use_peft:
-        raise ConfigError(f"--use_peft: LoRA is not available for a model_init model "
-                          f"({name}) yet")
-    if cfg.mlm or cfg.objective not in (None, "causal"):
-        raise ConfigError(f"model_init {name}: a model of your own trains with the causal "
-                          "objective (next token); drop --mlm / --objective")
-    if cfg.line_by_line:
-        raise ConfigError(f"--line_by_line pads samples and needs an attention mask, which a "
-                          f"model_init model ({name}) is not given: drop --line_by_line")
+    return name
+
+
+def _checked_module(model_init: Callable, name: str):
+    """``model_init()`` on the meta device, checked to be a module with parameters."""
+    import torch
+
     try:
         with torch.device("meta"), torch.random.fork_rng(devices=[]):
             module = model_init()
@@ -199,8 +207,14 @@ def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
                           "torch.nn.Module")
     if not any(True for _ in module.parameters()):
         raise ConfigError(f"model_init {name}: the model has no parameters to train")
-    rows = min(2, max(1, cfg.per_device_train_batch_size))
-    seq = cfg.block_size or 16
+    return module
+
+
+def _meta_forward(module, example, blocks_of: Callable, what: str, name: str) -> tuple:
+    """(logits, the width of what enters the first repeated block or None) of a forward
+    on the meta device; a forward that fails is one ConfigError saying what it was fed."""
+    import torch
+
     blocks, widths = blocks_of(module), []
     hook = blocks[0].register_forward_pre_hook(
         lambda m, args: widths.append(args[0].shape[-1] if args and
@@ -208,15 +222,68 @@ def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
         if blocks else None
     try:
         with torch.no_grad():
-            logits = logits_of(module(torch.zeros(rows, seq, dtype=torch.long,
-                                                  device="meta")))
+            logits = logits_of(module(example))
     except Exception as e:
-        raise ConfigError(f"model_init {name}: its forward on input_ids [{rows}, {seq}] "
-                          f"failed ({type(e).__name__}: {first_line(e)}); raylm calls "
-                          "forward(input_ids) and needs logits [batch, seq, vocab]") from e
+        raise ConfigError(f"model_init {name}: its forward on {what} "
+                          f"{list(example.shape)} failed ({type(e).__name__}: "
+                          f"{first_line(e)})") from e
     finally:
         if hook is not None:
             hook.remove()
+    return logits, next((int(w) for w in widths if w), None), len(blocks) or None
+
+
+def check_custom_images(cfg, model_init: Callable, classes: list,
+                        blocks_of: Callable) -> CustomConfig:
+    """As ``check_custom``, for --task image-classification: ``forward(pixel_values)``
+    on [2, --num_channels, --image_size, --image_size] must give logits [2, classes]."""
+    import torch
+
+    name = _named(cfg, model_init)
+    if not cfg.image_size:
+        raise ConfigError(f"model_init {name} with --task image-classification: give "
+                          "--image_size (the square the images are decoded to)")
+    channels = cfg.num_channels or 3
+    if channels not in (1, 3):
+        raise ConfigError(f"--num_channels {channels}: images are decoded as RGB (3) or "
+                          "grey (1)")
+    module = _checked_module(model_init, name)
+    example = torch.zeros(2, channels, cfg.image_size, cfg.image_size, device="meta")
+    logits, hidden, n_blocks = _meta_forward(module, example, blocks_of, "pixel_values",
+                                             name)
+    if tuple(logits.shape) != (2, len(classes)):
+        raise ConfigError(f"model_init {name}: forward(pixel_values {list(example.shape)}) "
+                          f"gave {list(logits.shape)}; the image folder has {len(classes)} "
+                          f"classes, so raylm needs logits [2, {len(classes)}]")
+    config = CustomConfig(name, len(classes), hidden, n_blocks)
+    config.is_image_classifier = True
+    config.image_size, config.num_channels = cfg.image_size, channels
+    config.num_labels, config.id2label = len(classes), dict(enumerate(classes))
+    return config
+
+
+def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
+                 blocks_of: Callable) -> CustomConfig:
+    """Check a model_init and the flags that go with it on the driver (one clear error
+    before any actor starts); returns its CustomConfig. ``blocks_of(module)``: the
+    module's repeated blocks (raylm.models.units.transformer_blocks)."""
+    import torch
+
+    name = _named(cfg, model_init)
+    if cfg.use_peft:
+        raise ConfigError(f"--use_peft: LoRA is not available for a model_init model "
+                          f"({name}) yet")
+    if cfg.mlm or cfg.objective not in (None, "causal"):
+        raise ConfigError(f"model_init {name}: a model of your own trains with the causal "
+                          "objective (next token); drop --mlm / --objective")
+    if cfg.line_by_line:
+        raise ConfigError(f"--line_by_line pads samples and needs an attention mask, which a "
+                          f"model_init model ({name}) is not given: drop --line_by_line")
+    module = _checked_module(model_init, name)
+    rows = min(2, max(1, cfg.per_device_train_batch_size))
+    seq = cfg.block_size or 16
+    example = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    logits, hidden, n_blocks = _meta_forward(module, example, blocks_of, "input_ids", name)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, seq):
         raise ConfigError(f"model_init {name}: forward(input_ids [{rows}, {seq}]) gave "
                           f"{list(logits.shape)}; raylm needs logits [{rows}, {seq}, vocab]")
@@ -225,9 +292,8 @@ def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
                           f"the tokenizer ({tokenizer_dir}) has {vocab} tokens: size the "
                           "model's vocabulary to at least that")
     embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
-    hidden = next((int(w) for w in widths if w), None) or \
-        (embedding.embedding_dim if embedding is not None else None)
-    return CustomConfig(name, int(logits.shape[2]), hidden, len(blocks) or None)
+    hidden = hidden or (embedding.embedding_dim if embedding is not None else None)
+    return CustomConfig(name, int(logits.shape[2]), hidden, n_blocks)
 
 
 def save_custom(model, output_dir: str, dtype) -> None:

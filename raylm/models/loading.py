@@ -43,6 +43,8 @@ class ModelSpec:
     # A model of the user's own (train(..., model_init=)): config is then a CustomConfig
     # (raylm.models.custom).
     model_init: Optional[Callable] = None
+    # The user's loss (train(..., compute_loss_func=)): raylm.models.objectives.UserLoss.
+    loss_fn: Optional[Callable] = None
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -75,9 +77,16 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
     if getattr(cfg, "task", None) == "image-classification":
         from raylm.models.vision import resolve_image_model
 
-        if model_init is not None:
-            raise ConfigError("model_init with --task image-classification: not available "
-                              "yet (a model of your own trains on token data)")
+        if model_init is not None:  # a model of the user's own, on images
+            from raylm.models.custom import check_custom_images
+            from raylm.models.objectives import Augment
+            from raylm.models.units import transformer_blocks
+
+            config = check_custom_images(cfg, model_init, classes or [], transformer_blocks)
+            return ModelSpec(config=config, pretrained_path=None, tokenizer_dir="",
+                             vocab_size=0, objective="image_classification",
+                             masking=Augment(seed=cfg.seed, flip=cfg.image_flip),
+                             model_init=model_init)
         config, pretrained, augment = resolve_image_model(cfg, classes or [])
         return ModelSpec(config=config, pretrained_path=pretrained, tokenizer_dir="",
                          vocab_size=0, objective="image_classification", masking=augment)

@@ -381,10 +381,41 @@ class ImageClassification:
                     & (labels.to(logits.device) != IGNORE_INDEX)).sum())
 
 
+class UserLoss:
+    """An objective whose loss is the user's (``train(..., compute_loss_func=fn)``, the HF
+    Trainer's name): ``fn(logits, labels, num_items_in_batch)`` returns the loss of a
+    micro-batch divided by ``num_items_in_batch``, as the Trainer passes it. The inputs,
+    labels and label count stay the objective's (``base``). raylm asks for a micro-batch's
+    sum, ``fn(logits, labels, n) * n`` with n its own label count: exact for a loss of
+    the Trainer's form (a sum over labels divided by n) and for a mean over the n labels
+    alike, so a step's loss is the global batch's mean as for raylm's own losses."""
+
+    def __init__(self, base, fn):
+        self.base, self.fn = base, fn
+        self.name = base.name
+
+    def split(self, batch: dict, epoch=None) -> dict:
+        return self.base.split(batch, epoch)
+
+    def count(self, labels) -> int:
+        return self.base.count(labels)
+
+    def loss_sum(self, logits, labels):
+        n = max(self.count(labels), 1)
+        return self.fn(logits, labels, n) * n
+
+    def __getattr__(self, name):  # (e.g. image classification's ``correct``)
+        if name in ("base", "fn"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
 def is_image_classifier(config) -> bool:
     from transformers.models.auto.modeling_auto import \
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as names
 
+    if getattr(config, "is_image_classifier", False):  # a model of the user's own
+        return True
     arch = (getattr(config, "architectures", None) or [None])[0]
     return arch is not None and arch == names.get(getattr(config, "model_type", None))
 
@@ -459,6 +490,11 @@ def objective_for(config, name=None, masking=None):
     ``masking``: what a drawing objective needs: masked LM's Masking, span corruption's
     Spans)."""
     return OBJECTIVES[check_objective(config, name)][0](config, masking)
+
+
+def with_loss(objective, fn):
+    """``objective`` with the user's loss (``UserLoss``), or as it is (``fn`` None)."""
+    return objective if fn is None else UserLoss(objective, fn)
 
 
 def resolve_objective(cfg, config, tokenizer, tokenizer_dir: str) -> tuple:

@@ -346,7 +346,9 @@ def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
 
     shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    vocab = int(emb.weight.shape[0]) if emb is not None else 0
+    # (an image model's input embedding is a patch projection: no vocabulary)
+    weight = getattr(emb, "weight", None)
+    vocab = int(weight.shape[0]) if isinstance(weight, nn.Parameter) else 0
     if tp <= 1:
         return TensorParallelShapes(max(tp, 1), vocab, vocab, shapes, {})
     names = {id(p): n for n, p in model.named_parameters()}

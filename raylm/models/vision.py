@@ -78,6 +78,11 @@ def resolve_image_model(cfg, classes: list) -> tuple:
         if value:
             raise ConfigError(f"{flag} does not apply to --task image-classification (its "
                               "data is --train_dir / --validation_dir)")
+    for flag, value in (("--image_size", cfg.image_size), ("--num_channels", cfg.num_channels)):
+        if value:
+            raise ConfigError(f"{flag} is for a model of your own (model_init); a transformers "
+                              f"model's comes from its config (--config_overrides "
+                              f"{flag[2:]}=...)")
     pretrained = None
     if cfg.model_name_or_path:
         path = cfg.model_name_or_path

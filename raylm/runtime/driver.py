@@ -104,7 +104,7 @@ def startup_line(startup: dict) -> str:
 
 class Driver:
     def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-                 model_init=None):
+                 model_init=None, compute_loss_func=None):
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
         # ("step": before its forward, "sync": during its gradient sync, "update": after
@@ -116,6 +116,7 @@ class Driver:
         # kill a rank mid-run.
         self.callbacks = list(callbacks)
         self.model_init = model_init  # a model of the user's own (raylm.models.custom)
+        self.compute_loss_func = compute_loss_func  # the user's loss (objectives.UserLoss)
         self.state = None
         self.steps_per_epoch = None  # the sampler's, once training starts
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
@@ -174,7 +175,8 @@ class Driver:
         self._enter("planning")
         with _timed(self.startup, "inputs"):
             # (no cluster needed: fails fast on bad input)
-            inputs = check_inputs(cfg, model_init=self.model_init)
+            inputs = check_inputs(cfg, model_init=self.model_init,
+                                  compute_loss_func=self.compute_loss_func)
         with _timed(self.startup, "ray"):
             owns_ray = cluster.connect(cfg.address)
         asked = False
@@ -1462,12 +1464,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-          model_init=None) -> TrainResult:
+          model_init=None, compute_loss_func=None) -> TrainResult:
     """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
     ``model_init``: a model of your own in place of the config's Hugging Face model, a
     callable with no arguments returning a ``torch.nn.Module`` whose ``forward(input_ids)``
-    gives the logits (raylm.models.custom says what applies to it). ``faults``: injected
-    rank failures, for tests (see Driver)."""
+    gives the logits (raylm.models.custom says what applies to it).
+    ``compute_loss_func(logits, labels, num_items_in_batch)``: your own loss, as the HF
+    Trainer's (raylm.models.objectives.UserLoss). ``faults``: injected rank failures, for
+    tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
-    return Driver(config, callbacks, faults, model_init=model_init).run()
+    return Driver(config, callbacks, faults, model_init=model_init,
+                  compute_loss_func=compute_loss_func).run()

@@ -45,7 +45,7 @@ from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
-from raylm.models.objectives import objective_for
+from raylm.models.objectives import objective_for, with_loss
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
 from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
@@ -71,8 +71,9 @@ class Engine:
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.zero_stage = plan.zero_stage
-        self.objective = objective_for(spec.config, spec.objective or cfg.get("objective"),
-                                       spec.masking)
+        self.objective = with_loss(objective_for(spec.config,
+                                                 spec.objective or cfg.get("objective"),
+                                                 spec.masking), spec.loss_fn)
         # The epoch of a step, for objectives that draw per (epoch, sample): the global
         # batch is fixed across layouts, so this is too (the driver's sampler's).
         self.steps_per_epoch = int(cfg.get("steps_per_epoch") or 1)

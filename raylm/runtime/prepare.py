@@ -54,18 +54,29 @@ class Data:
     stream: object = None  # --streaming: the TokenStream (train is then its StreamSpec)
 
 
-def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None) -> Inputs:
+def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None,
+                 compute_loss_func=None) -> Inputs:
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
     check_precision(cfg)
     if not cfg.should_train and not cfg.should_eval:
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
+    if compute_loss_func is not None:
+        if not callable(compute_loss_func):
+            raise ConfigError("compute_loss_func must be a callable (logits, labels, "
+                              f"num_items_in_batch) -> loss, not "
+                              f"{type(compute_loss_func).__name__}")
+        if cfg.tp and cfg.tp > 1:
+            raise ConfigError(f"compute_loss_func with --tp {cfg.tp}: the logits are sharded "
+                              "on the vocabulary there; not available yet")
     if cfg.task == "image-classification":
-        return _check_image_inputs(cfg, check_output_dir, model_init)
-    for flag in ("train_dir", "validation_dir"):
+        inputs = _check_image_inputs(cfg, check_output_dir, model_init)
+        inputs.spec.loss_fn = compute_loss_func
+        return inputs
+    for flag in ("train_dir", "validation_dir", "image_size", "num_channels"):
         if getattr(cfg, flag):
-            raise ConfigError(f"--{flag} is image data: give --task image-classification "
+            raise ConfigError(f"--{flag} is for image data: give --task image-classification "
                               "with it (text data is --train_file)")
     train_files, eval_files, eval_names = _data_files(cfg)
     if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
@@ -73,6 +84,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
                           "--model_name_or_path")
 
     spec = resolve_model(cfg, model_init)  # (and its objective: raylm.models.objectives)
+    spec.loss_fn = compute_loss_func
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
                     eval_files=eval_files, eval_names=eval_names,
