@@ -18,7 +18,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
 
 from raylm.data.reader import IGNORE_INDEX, make_reader
 from raylm.data.sampler import GlobalBatchSampler
-from raylm.models.objectives import ImageClassification, corrupt_spans, mask_tokens
+from raylm.models.objectives import (ImageClassification, Outputs, corrupt_spans,
+                                    mask_tokens)
 
 
 class Reference(NamedTuple):
@@ -150,7 +151,7 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
                     logits = model(b["input_ids"])
                     if spec.loss_fn is not None:  # the user's loss, as the HF Trainer calls it
                         n = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-                        out = spec.loss_fn(logits, b["labels"], n)
+                        out = spec.loss_fn(Outputs(logits=logits), b["labels"], n)
                     else:
                         out = torch.nn.functional.cross_entropy(
                             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),

@@ -100,9 +100,10 @@ def test_own_model_matches_single_process(layout, reference, ray_cluster, corpus
         layout.get("dp", 1), layout.get("pp", 1), layout.get("zero_stage", 0)), ran
 
 
-def smoothed_loss(logits, labels, num_items_in_batch):
+def smoothed_loss(outputs, labels, num_items_in_batch):
     """A loss of the user's own, in the HF Trainer's form: next-token cross-entropy with
     label smoothing, summed and divided by the batch's label count."""
+    logits = outputs.logits
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
         ignore_index=-100, label_smoothing=0.1, reduction="sum") / num_items_in_batch
@@ -176,3 +177,30 @@ def test_own_loss_under_tensor_parallelism_is_one_error(corpus_dir, cache_root, 
                       data_cache_dir=cache_root, output_dir=str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="compute_loss_func with --tp 2"):
         check_inputs(cfg, compute_loss_func=smoothed_loss)
+
+
+def test_own_loss_pins_tensor_parallelism_off_and_skips_filler_batches(corpus_dir, cache_root,
+                                                                      tmp_path):
+    """With --tp unset the planner may not pick tp > 1 for a loss of your own; a filler
+    micro-batch (no labels: padded pipeline steps, ZeRO-3's extra rounds) adds 0, where a
+    plain mean would be 0/0."""
+    from raylm.models.objectives import CausalLM, UserLoss
+    from raylm.runtime.prepare import check_inputs
+
+    cfg = TrainConfig(model_type="gpt2", train_file=[str(corpus_dir)], num_workers=2,
+                      data_cache_dir=cache_root, output_dir=str(tmp_path / "out"))
+    check_inputs(cfg, compute_loss_func=smoothed_loss)
+    assert cfg.tp == 1
+
+    def mean_loss(outputs, labels, num_items_in_batch):
+        return torch.nn.functional.cross_entropy(
+            outputs["logits"][:, :-1].reshape(-1, 8), labels[:, 1:].reshape(-1))
+
+    loss = UserLoss(CausalLM(), mean_loss)
+    logits = torch.randn(2, 5, 8, requires_grad=True)
+    filler = torch.full((2, 5), -100)
+    assert loss.loss_sum(logits, filler).item() == 0.0
+    labels = torch.randint(0, 8, (2, 5))
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 8),
+                                                 labels[:, 1:].reshape(-1), reduction="sum")
+    assert torch.allclose(loss.loss_sum(logits, labels), expected)

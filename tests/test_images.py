@@ -217,10 +217,31 @@ def test_corrupt_image_is_one_error_naming_it(ray_cluster, image_dir, cache_root
     (dict(train_dir="/nonexistent/images"), "--train_dir: no such directory"),
     (dict(train_file=["x.txt"]), "--train_file does not apply to --task image-classification"),
     (dict(image_size=32), "--image_size is for a model of your own"),
-], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag", "image-size-hf"])
+    (dict(do_train=False, do_eval=True), "--do_eval without --do_train evaluates a trained"),
+], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag", "image-size-hf",
+        "eval-only-without-a-model"])
 def test_image_bad_input(flags, message, image_dir, cache_root, tmp_path):
     cfg = config(tmp_path / "out", image_dir, cache_root)
     for k, v in flags.items():
         setattr(cfg, k, v)
     with pytest.raises(ConfigError, match=message):
         check_inputs(cfg)
+
+
+def test_own_model_on_images_refuses_text_flags(image_dir, cache_root, tmp_path):
+    cfg = cnn_config(tmp_path / "out", image_dir, cache_root, use_peft=True)
+    with pytest.raises(ConfigError, match="--use_peft does not apply to --task image"):
+        check_inputs(cfg, model_init=SmallCNN)
+
+
+def test_a_sample_cap_takes_images_of_every_class(ray_cluster, image_dir, cache_root,
+                                                  tmp_path):
+    """--max_eval_samples / --max_train_samples: a seeded choice, not the first classes."""
+    cfg = config(tmp_path / "out", image_dir, cache_root, max_train_samples=9,
+                 max_eval_samples=6)
+    inputs = check_inputs(cfg, check_output_dir=False)
+    data = prepare_data(cfg, inputs)
+    labels = inputs.images[0].labels
+    assert len(data.train_ids) == 9 and len(data.eval_ids) == 6
+    assert len({labels[i] for i in data.train_ids}) == len(CLASSES)
+    assert len({labels[i] for i in data.eval_ids}) > 1

@@ -184,6 +184,9 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
     from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, commit_build,
                                       quiet_ray_data, remove_stale_tmp)
 
+    if "://" in cache_root:
+        raise ConfigError(f"--data_cache_dir {cache_root}: the image cache is written to a "
+                          "local or shared file system (not yet to an object store)")
     key = _key(folder, image_size, channels)
     root = os.path.abspath(os.path.expanduser(cache_root))
     final = os.path.join(root, CACHE_PREFIX + key)

@@ -281,7 +281,7 @@ def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
                           f"model_init model ({name}) is not given: drop --line_by_line")
     module = _checked_module(model_init, name)
     rows = min(2, max(1, cfg.per_device_train_batch_size))
-    seq = cfg.block_size or 16
+    seq = cfg.block_size or 1024  # (resolve_block_size's default for a model of no limit)
     example = torch.zeros(rows, seq, dtype=torch.long, device="meta")
     logits, hidden, n_blocks = _meta_forward(module, example, blocks_of, "input_ids", name)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, seq):
@@ -319,9 +319,11 @@ def save_custom(model, output_dir: str, dtype) -> None:
     tmp = os.path.join(output_dir, ".model.safetensors.tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(output_dir, "model.safetensors"))
-    with open(os.path.join(output_dir, "raylm_model.json"), "w") as f:
+    tmp = os.path.join(output_dir, ".raylm_model.json.tmp")
+    with open(tmp, "w") as f:
         json.dump({**model.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
                    "tied": {n: seen[k] for k, n in _dups(module, seen).items()}}, f, indent=1)
+    os.replace(tmp, os.path.join(output_dir, "raylm_model.json"))
 
 
 def _dups(module, kept: dict) -> dict:

@@ -447,6 +447,9 @@ def meta_skeleton(spec, seed: int):
             torch.manual_seed(seed)
             model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
         params_to_meta(model)
+        if spec.pretrained_path:  # (its buffers: BatchNorm statistics, from the checkpoint)
+            _load_buffers(model, spec.weights_dir)
+            model.eval()
         return model
     config = spec.config
     model, trace = trace_from_config(config, spec.trust_remote_code)

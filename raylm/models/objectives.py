@@ -381,10 +381,22 @@ class ImageClassification:
                     & (labels.to(logits.device) != IGNORE_INDEX)).sum())
 
 
+class Outputs(dict):
+    """What ``compute_loss_func`` is given as the model's outputs (as the HF Trainer
+    gives a ModelOutput): ``outputs.logits`` and ``outputs["logits"]`` both work."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class UserLoss:
     """An objective whose loss is the user's (``train(..., compute_loss_func=fn)``, the HF
-    Trainer's name): ``fn(logits, labels, num_items_in_batch)`` returns the loss of a
-    micro-batch divided by ``num_items_in_batch``, as the Trainer passes it. The inputs,
+    Trainer's name and signature): ``fn(outputs, labels, num_items_in_batch)`` returns the
+    loss of a micro-batch divided by ``num_items_in_batch``, as the Trainer passes it
+    (``outputs.logits``: the model's logits). The inputs,
     labels and label count stay the objective's (``base``). raylm asks for a micro-batch's
     sum, ``fn(logits, labels, n) * n`` with n its own label count: exact for a loss of
     the Trainer's form (a sum over labels divided by n) and for a mean over the n labels
@@ -401,8 +413,10 @@ class UserLoss:
         return self.base.count(labels)
 
     def loss_sum(self, logits, labels):
-        n = max(self.count(labels), 1)
-        return self.fn(logits, labels, n) * n
+        n = self.count(labels)
+        if n == 0:  # a filler micro-batch: nothing to learn (a mean would be 0/0)
+            return (logits.float() * 0).sum()
+        return self.fn(Outputs(logits=logits), labels, n) * n
 
     def __getattr__(self, name):  # (e.g. image classification's ``correct``)
         if name in ("base", "fn"):

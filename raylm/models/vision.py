@@ -59,6 +59,19 @@ def sequence_length(config) -> int:
     return max(1, (size // 16) ** 2)
 
 
+def check_image_flags(cfg) -> None:
+    """One ConfigError for a flag that does not apply to images (any image model)."""
+    for flag, value in (("--mlm", cfg.mlm), ("--objective", cfg.objective),
+                        ("--line_by_line", cfg.line_by_line), ("--use_peft", cfg.use_peft),
+                        ("--streaming", cfg.streaming), ("--train_file", cfg.train_file),
+                        ("--validation_file", cfg.validation_file),
+                        ("--dataset_name", cfg.dataset_name),
+                        ("--tokenizer_name", cfg.tokenizer_name)):
+        if value:
+            raise ConfigError(f"{flag} does not apply to --task image-classification (its "
+                              "data is --train_dir / --validation_dir)")
+
+
 def resolve_image_model(cfg, classes: list) -> tuple:
     """(config, pretrained path or None, Augment) of an image classifier with ``classes``
     (the training folder's), for raylm.models.loading's ModelSpec:
@@ -69,15 +82,6 @@ def resolve_image_model(cfg, classes: list) -> tuple:
     from raylm.models.auto import apply_overrides, config_of_type, set_head
     from raylm.models.objectives import Augment
 
-    for flag, value in (("--mlm", cfg.mlm), ("--objective", cfg.objective),
-                        ("--line_by_line", cfg.line_by_line), ("--use_peft", cfg.use_peft),
-                        ("--streaming", cfg.streaming), ("--train_file", cfg.train_file),
-                        ("--validation_file", cfg.validation_file),
-                        ("--dataset_name", cfg.dataset_name),
-                        ("--tokenizer_name", cfg.tokenizer_name)):
-        if value:
-            raise ConfigError(f"{flag} does not apply to --task image-classification (its "
-                              "data is --train_dir / --validation_dir)")
     for flag, value in (("--image_size", cfg.image_size), ("--num_channels", cfg.num_channels)):
         if value:
             raise ConfigError(f"{flag} is for a model of your own (model_init); a transformers "
@@ -108,11 +112,14 @@ def resolve_image_model(cfg, classes: list) -> tuple:
                           f"{', '.join(sorted(image_names())[:12])}, ...)")
     labels = {i: c for i, c in enumerate(classes)}
     head = (getattr(config, "architectures", None) or [None])[0]
-    if pretrained and head == image_names().get(config.model_type) and \
-            config.num_labels != len(classes):
-        raise ConfigError(f"--model_name_or_path {pretrained} classifies {config.num_labels} "
-                          f"classes, --train_dir has {len(classes)}: a new head is not "
-                          "available yet")
+    if pretrained and head == image_names().get(config.model_type):
+        names = [str(config.id2label.get(i, "")) for i in range(config.num_labels)]
+        if names != list(classes):
+            raise ConfigError(f"--model_name_or_path {pretrained} classifies "
+                              f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''} "
+                              f"({len(names)}); --train_dir's classes are "
+                              f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''} "
+                              f"({len(classes)}): a new head is not available yet")
     config.num_labels = len(classes)
     config.id2label = labels
     config.label2id = {c: i for i, c in labels.items()}

@@ -70,6 +70,8 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
         if cfg.tp and cfg.tp > 1:
             raise ConfigError(f"compute_loss_func with --tp {cfg.tp}: the logits are sharded "
                               "on the vocabulary there; not available yet")
+        if not cfg.tp:  # (the planner may not choose tensor parallelism for it either)
+            cfg.tp = 1
     if cfg.task == "image-classification":
         inputs = _check_image_inputs(cfg, check_output_dir, model_init)
         inputs.spec.loss_fn = compute_loss_func
@@ -101,9 +103,15 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init) ->
     from raylm.data.images import scan_image_folder
     from raylm.models.loading import resolve_block_size, resolve_model
 
+    from raylm.models.vision import check_image_flags
+
+    check_image_flags(cfg)
     if not cfg.train_dir:
         raise ConfigError("--task image-classification needs --train_dir: an image folder "
                           "(DIR/<class name>/<image>.png|jpg|...)")
+    if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
+        raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
+                          "--model_name_or_path")
     if not 0.0 <= cfg.train_val_split < 1.0:
         raise ConfigError(f"--train_val_split must be in [0, 1) (got {cfg.train_val_split})")
     train = scan_image_folder(cfg.train_dir, "--train_dir")
@@ -488,10 +496,13 @@ def _image_data(cfg: TrainConfig, inputs: Inputs) -> Data:
         train_ids, eval_ids = split_train_eval(train.num_samples, cfg.train_val_split * 100,
                                                seed=0)
         eval_ds = train if len(eval_ids) else None
+    # --max_train_samples / --max_eval_samples: a seeded choice (ids run class by class,
+    # so the first N would be the first classes only; run_image_classification shuffles)
+    rng = np.random.default_rng(0)
     if cfg.max_train_samples is not None:
-        train_ids = train_ids[:cfg.max_train_samples]
+        train_ids = np.sort(rng.permutation(train_ids)[:cfg.max_train_samples])
     if cfg.max_eval_samples is not None:
-        eval_ids = eval_ids[:cfg.max_eval_samples]
+        eval_ids = np.sort(rng.permutation(eval_ids)[:cfg.max_eval_samples])
     if cfg.should_train and len(train_ids) == 0:
         raise ConfigError("no training images left after the validation split")
     return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids)
