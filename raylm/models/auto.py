@@ -27,13 +27,30 @@ def heads_of(config) -> list:
     return [o for o, m in _mappings().items() if config.model_type in m]
 
 
+def head_class(config, objective: str):
+    """The class name transformers trains ``objective`` with for ``config``'s model type
+    (None: it has none)."""
+    return _mappings()[objective].get(getattr(config, "model_type", None))
+
+
+def is_head(config, objective: str) -> bool:
+    """Whether ``config.architectures`` names ``objective``'s head class."""
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return arch is not None and arch == head_class(config, objective)
+
+
+def types_with_head(objective: str) -> list:
+    """The model types transformers has ``objective``'s head for, sorted."""
+    return sorted(_mappings()[objective])
+
+
 def set_head(config, objective: str) -> None:
     """Name in ``config.architectures`` the class that trains ``objective``; a one-line
     ConfigError when transformers has none for the model type. (A model whose code comes
     with it, --trust_remote_code, keeps its own.)"""
     if getattr(config, "auto_map", None):
         return
-    name = _mappings()[objective].get(config.model_type)
+    name = head_class(config, objective)
     if name is None:
         raise ConfigError(f"model type '{config.model_type}' has no {objective} head in "
                           f"transformers (it has: {', '.join(heads_of(config)) or 'none'}); "
@@ -51,10 +68,9 @@ def model_class(config):
 
     if getattr(config, "is_encoder_decoder", False):
         return AutoModelForSeq2SeqLM
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    if arch is not None and arch == _mappings()["image_classification"].get(config.model_type):
+    if is_head(config, "image_classification"):
         return AutoModelForImageClassification
-    if arch is not None and arch == _mappings()["mlm"].get(config.model_type):
+    if is_head(config, "mlm"):
         return AutoModelForMaskedLM
     return AutoModelForCausalLM
 

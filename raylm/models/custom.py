@@ -20,9 +20,12 @@ and recovery as a Hugging Face model:
   ``output_dir/model.safetensors``, loadable with ``safetensors.torch.load_file`` and
   ``module.load_state_dict``.
 
-Not yet: tensor parallelism (no plan for a module raylm does not know; one clear error),
-LoRA (``--use_peft``), padded line-by-line data (the forward takes no attention mask),
-the other objectives, and a loss of the user's own.
+With ``--task image-classification`` the forward takes ``pixel_values`` ``[batch,
+channels, size, size]`` and returns ``[batch, classes]`` (``check_custom_images``), and
+``compute_loss_func`` replaces either objective's loss (raylm.models.objectives.UserLoss).
+
+Not yet: LoRA (``--use_peft``), padded line-by-line data (the forward takes no attention
+mask), and the other text objectives.
 
 The module is wrapped (``CustomLM``) so that the engine, the export split and the
 checkpoints see what they see of a Hugging Face model: a ``config`` (``CustomConfig``)
@@ -158,24 +161,6 @@ def meta_custom(model_init: Callable, config: CustomConfig):
 
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         return wrap(model_init(), config)
-
-
-def initial_custom_state(model_init: Callable, config: CustomConfig, seed: int, names=None):
-    """``(name, tensor)`` of ``build_custom(...).state_dict()`` (materialize's
-    ``initial_state`` for a model of the user's own: the whole model built once on the
-    CPU, the caller's random generator untouched)."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        state = build_custom(model_init, config, seed).state_dict()
-    wanted = set(state) if names is None else set(names)
-    unknown = wanted - set(state)
-    if unknown:
-        raise KeyError(f"not in the model's state: {sorted(unknown)[:5]}")
-    for name, value in state.items():
-        if name in wanted:
-            yield name, value.detach().float().contiguous() if value.is_floating_point() \
-                else value.detach().contiguous()
 
 
 def _named(cfg, model_init) -> str:

@@ -69,13 +69,11 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side);
     ``model_init``: a model of the user's own (raylm.models.custom); ``classes``: an
     image classifier's (--task image-classification: raylm.models.vision)."""
-    from transformers import AutoConfig
-
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
 
     if getattr(cfg, "task", None) == "image-classification":
-        from raylm.models.vision import resolve_image_model
+        from raylm.models import vision
 
         if model_init is not None:  # a model of the user's own, on images
             from raylm.models.custom import check_custom_images
@@ -87,9 +85,13 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
                              vocab_size=0, objective="image_classification",
                              masking=Augment(seed=cfg.seed, flip=cfg.image_flip),
                              model_init=model_init)
-        config, pretrained, augment = resolve_image_model(cfg, classes or [])
+        vision.check_model_flags(cfg)
+        config, pretrained, hub = model_config(cfg, vision.DEFAULT_MODEL_TYPE,
+                                               vision.DEFAULT_VIT)
+        config, augment = vision.image_classifier(cfg, config, pretrained, classes or [])
         return ModelSpec(config=config, pretrained_path=pretrained, tokenizer_dir="",
-                         vocab_size=0, objective="image_classification", masking=augment)
+                         vocab_size=0, hub=hub, objective="image_classification",
+                         masking=augment)
     if model_init is not None:
         from raylm.models.custom import check_custom
         from raylm.models.units import transformer_blocks
@@ -103,45 +105,7 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
         return ModelSpec(config=config, pretrained_path=None, tokenizer_dir=tokenizer_dir,
                          vocab_size=vocab, objective="causal", model_init=model_init)
 
-    def local(name: str, flag: str) -> tuple:
-        """(local path, HubRef or None): a Hub name is fetched (raylm.models.hub)."""
-        if is_hub_name(name):
-            return fetch(name, flag, cfg.model_revision, cfg.token, cfg.cache_dir)
-        return name, None
-
-    def read_config(path: str, flag: str):
-        try:
-            return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        except (OSError, ValueError) as e:
-            if "trust_remote_code" in str(e):
-                raise ConfigError(f"{flag} {path}: the model's code comes with it, not with "
-                                  "transformers: read it, then give --trust_remote_code "
-                                  "to run it") from None
-            raise ConfigError(f"{flag}: cannot read a model config from {path}: "
-                              f"{first_line(e)}") from None
-
-    pretrained, hub = None, None
-    if cfg.model_name_or_path:
-        path, hub = local(cfg.model_name_or_path, "--model_name_or_path")
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(
-                f"--model_name_or_path: {path} is not a model directory (no config.json): "
-                "give a directory saved with save_pretrained, or a Hub model id")
-        config = read_config(path, "--model_name_or_path")
-        pretrained = os.path.abspath(path)
-        if cfg.config_overrides:
-            raise ConfigError("--config_overrides applies to models trained from scratch, "
-                              "not to --model_name_or_path")
-    elif cfg.config_name:
-        name = local(cfg.config_name, "--config_name")[0]
-        if not os.path.exists(name):
-            raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
-        config = read_config(name, "--config_name")
-        apply_overrides(config, cfg.config_overrides)
-    else:
-        config = config_of_type(cfg.model_type, DEFAULT_MODEL_TYPE, DEFAULT_MODEL_CONFIG,
-                                cfg.config_overrides)
-
+    config, pretrained, hub = model_config(cfg, DEFAULT_MODEL_TYPE, DEFAULT_MODEL_CONFIG)
     remote = cfg.trust_remote_code and "AutoModelForCausalLM" in \
         (getattr(config, "auto_map", None) or {})
     if not remote and not heads_of(config):
@@ -150,7 +114,7 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
                           "and T5-style encoder-decoders)")
 
     if cfg.tokenizer_name:
-        tokenizer_dir = local(cfg.tokenizer_name, "--tokenizer_name")[0]
+        tokenizer_dir = _local(cfg, cfg.tokenizer_name, "--tokenizer_name")[0]
     elif pretrained and any(os.path.exists(os.path.join(pretrained, f)) for f in
                             ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer_dir = pretrained
@@ -191,6 +155,54 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
                      masking=masking)
     spec.lora = resolve_lora(cfg, config)
     return spec
+
+
+def _local(cfg, name: str, flag: str) -> tuple:
+    """(local path, HubRef or None): a Hub name is fetched (raylm.models.hub)."""
+    if is_hub_name(name):
+        return fetch(name, flag, cfg.model_revision, cfg.token, cfg.cache_dir)
+    return name, None
+
+
+def model_config(cfg, default_type: str, defaults: dict) -> tuple:
+    """(config, pretrained directory or None, HubRef or None) the model flags name:
+    --model_name_or_path (a saved model's directory or a Hub id), --config_name, or
+    --model_type (None: ``default_type`` with ``defaults``) with --config_overrides; one
+    ConfigError naming the flag for what cannot be read."""
+    from transformers import AutoConfig
+
+    def read_config(path: str, flag: str):
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise ConfigError(f"{flag} {path}: the model's code comes with it, not with "
+                                  "transformers: read it, then give --trust_remote_code "
+                                  "to run it") from None
+            raise ConfigError(f"{flag}: cannot read a model config from {path}: "
+                              f"{first_line(e)}") from None
+
+    pretrained, hub = None, None
+    if cfg.model_name_or_path:
+        path, hub = _local(cfg, cfg.model_name_or_path, "--model_name_or_path")
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"--model_name_or_path: {path} is not a model directory (no config.json): "
+                "give a directory saved with save_pretrained, or a Hub model id")
+        config = read_config(path, "--model_name_or_path")
+        pretrained = os.path.abspath(path)
+        if cfg.config_overrides:
+            raise ConfigError("--config_overrides applies to models trained from scratch, "
+                              "not to --model_name_or_path")
+    elif cfg.config_name:
+        name = _local(cfg, cfg.config_name, "--config_name")[0]
+        if not os.path.exists(name):
+            raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
+        config = read_config(name, "--config_name")
+        apply_overrides(config, cfg.config_overrides)
+    else:
+        config = config_of_type(cfg.model_type, default_type, defaults, cfg.config_overrides)
+    return config, pretrained, hub
 
 
 def _set_special_tokens(config, tokenizer) -> None:
@@ -246,25 +258,16 @@ def build_model(spec: ModelSpec, seed: int, device=None):
     """
     import torch
 
-    if spec.model_init is not None:  # a model of the user's own (raylm.models.custom)
-        from raylm.models.custom import build_custom
-
-        if device is not None and torch.device(device).type == "meta":
-            # Built on the CPU first (raylm cannot trace its construction), under a forked
-            # generator; ZeRO-3 then keeps each rank's shards only.
-            from raylm.models.materialize import params_to_meta
-
-            with torch.random.fork_rng(devices=[]):
-                model = build_custom(spec.model_init, spec.config, seed)
-            params_to_meta(model)
-            return model
-        return build_custom(spec.model_init, spec.config, seed)
     if device is not None and torch.device(device).type == "meta":
         from raylm.models.materialize import meta_skeleton
 
         model = meta_skeleton(without_lora(spec), seed)
         model.config.use_cache = False
         return add_lora(model, spec.lora, seed) if spec.lora is not None else model
+    if spec.model_init is not None:  # a model of the user's own (raylm.models.custom)
+        from raylm.models.custom import build_custom
+
+        return build_custom(spec.model_init, spec.config, seed)
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"build_model: device must be None, 'cpu' or 'meta' (got {device!r})")
     auto = model_class(spec.config)

@@ -443,9 +443,7 @@ def meta_skeleton(spec, seed: int):
     """The model ``build_model(spec, seed)`` builds, with every parameter on the meta
     device and every buffer real (see ``raylm.models.loading.build_model``)."""
     if _built_whole(spec):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
+        model = _whole_model(spec, seed)
         params_to_meta(model)
         if spec.pretrained_path:  # (its buffers: BatchNorm statistics, from the checkpoint)
             _load_buffers(model, spec.weights_dir)
@@ -477,11 +475,25 @@ def meta_skeleton(spec, seed: int):
 
 
 def _built_whole(spec) -> bool:
-    """Image classifiers are built whole on the CPU (under a forked generator) rather than
-    replayed from a meta-device trace: ViT's initialisation (``trunc_normal_`` on a
-    float32 copy assigned back through ``.data``) replays to other values, and these
-    models are small next to what ZeRO-3 is for."""
-    return getattr(spec, "objective", None) == "image_classification"
+    """Models built whole on the CPU (under a forked generator, ``_whole_model``) rather
+    than replayed from a meta-device trace: a model of the user's own (raylm cannot trace
+    an arbitrary factory), and image classifiers (ViT's initialisation, ``trunc_normal_``
+    on a float32 copy assigned back through ``.data``, replays to other values); both are
+    small next to what ZeRO-3 is for."""
+    return (getattr(spec, "model_init", None) is not None
+            or getattr(spec, "objective", None) == "image_classification")
+
+
+def _whole_model(spec, seed: int):
+    """``build_model(spec, seed)``'s model, built whole on the CPU; the caller's random
+    generator is neither read nor changed."""
+    with torch.random.fork_rng(devices=[]):
+        if getattr(spec, "model_init", None) is not None:
+            from raylm.models.custom import build_custom
+
+            return build_custom(spec.model_init, spec.config, seed)
+        torch.manual_seed(seed)
+        return from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
 
 
 class _NeedsRandom(Exception):
@@ -533,11 +545,6 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
     Tensors yielded for the same storage (tied weights) are the same tensor object;
     copy before writing into one.
     """
-    if getattr(spec, "model_init", None) is not None:  # a model of the user's own
-        from raylm.models.custom import initial_custom_state
-
-        yield from initial_custom_state(spec.model_init, spec.config, seed, names)
-        return
     if getattr(spec, "lora", None) is not None:
         yield from _with_adapters(spec, seed, names)
         return
@@ -545,10 +552,7 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
         yield from _pretrained_state(spec, seed, names)
         return
     if _built_whole(spec):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            state = from_config(spec.config, spec.trust_remote_code,
-                                dtype=torch.float32).state_dict()
+        state = _whole_model(spec, seed).state_dict()
         wanted = _check_names(state, names)
         for name, tensor in state.items():
             if name in wanted:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from raylm.errors import ConfigError
+from raylm.models.auto import head_class, is_head
 
 IGNORE_INDEX = -100
 
@@ -309,10 +310,7 @@ def has_masked_lm_head(config) -> bool:
     """An encoder with a masked-LM head in transformers (BERT, RoBERTa, DistilBERT,
     ALBERT, ...); encoder-decoders (BART) train as seq2seq, and a config built as a
     decoder (``is_decoder=True``, BERT's causal-LM use) attends causally."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    return (getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-            and not is_seq2seq(config))
+    return head_class(config, "mlm") is not None and not is_seq2seq(config)
 
 
 def _seq2seq(config, masking=None) -> Seq2Seq:
@@ -398,7 +396,7 @@ class UserLoss:
     loss of a micro-batch divided by ``num_items_in_batch``, as the Trainer passes it
     (``outputs.logits``: the model's logits). The inputs,
     labels and label count stay the objective's (``base``). raylm asks for a micro-batch's
-    sum, ``fn(logits, labels, n) * n`` with n its own label count: exact for a loss of
+    sum, ``fn(outputs, labels, n) * n`` with n its own label count: exact for a loss of
     the Trainer's form (a sum over labels divided by n) and for a mean over the n labels
     alike, so a step's loss is the global batch's mean as for raylm's own losses."""
 
@@ -425,13 +423,9 @@ class UserLoss:
 
 
 def is_image_classifier(config) -> bool:
-    from transformers.models.auto.modeling_auto import \
-        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as names
-
     if getattr(config, "is_image_classifier", False):  # a model of the user's own
         return True
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    return arch is not None and arch == names.get(getattr(config, "model_type", None))
+    return is_head(config, "image_classification")
 
 
 def _drawn(cls, kind):

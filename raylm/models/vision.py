@@ -12,21 +12,12 @@ the config's ``image_size`` and ``num_channels`` (raylm.data.images).
 
 from __future__ import annotations
 
-import os
-
 from raylm.errors import ConfigError
 
 DEFAULT_MODEL_TYPE = "vit"
 # A ViT that trains in minutes on two CPU cores: 32x32 images in 4x4 patches.
 DEFAULT_VIT = dict(image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=4,
                    num_attention_heads=4, intermediate_size=128)
-
-
-def image_names():
-    from transformers.models.auto.modeling_auto import \
-        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
-
-    return MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
 
 
 def image_size(config) -> int:
@@ -72,47 +63,30 @@ def check_image_flags(cfg) -> None:
                               "data is --train_dir / --validation_dir)")
 
 
-def resolve_image_model(cfg, classes: list) -> tuple:
-    """(config, pretrained path or None, Augment) of an image classifier with ``classes``
-    (the training folder's), for raylm.models.loading's ModelSpec:
-    one ConfigError for a model type with no image-classification head, flags that do
-    not apply to images, or a saved classifier with other classes."""
-    from transformers import AutoConfig
-
-    from raylm.models.auto import apply_overrides, config_of_type, set_head
-    from raylm.models.objectives import Augment
-
+def check_model_flags(cfg) -> None:
+    """One ConfigError for --image_size / --num_channels given with a transformers model
+    (its sizes come from its config)."""
     for flag, value in (("--image_size", cfg.image_size), ("--num_channels", cfg.num_channels)):
         if value:
             raise ConfigError(f"{flag} is for a model of your own (model_init); a transformers "
                               f"model's comes from its config (--config_overrides "
                               f"{flag[2:]}=...)")
-    pretrained = None
-    if cfg.model_name_or_path:
-        path = cfg.model_name_or_path
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"--model_name_or_path: {path} is not a model directory (no "
-                              "config.json)")
-        config = AutoConfig.from_pretrained(path)
-        pretrained = os.path.abspath(path)
-        if cfg.config_overrides:
-            raise ConfigError("--config_overrides applies to models trained from scratch, "
-                              "not to --model_name_or_path")
-    elif cfg.config_name:
-        if not os.path.exists(cfg.config_name):
-            raise ConfigError(f"--config_name: no such file or directory: {cfg.config_name}")
-        config = AutoConfig.from_pretrained(cfg.config_name)
-        apply_overrides(config, cfg.config_overrides)
-    else:
-        config = config_of_type(cfg.model_type, DEFAULT_MODEL_TYPE, DEFAULT_VIT,
-                                cfg.config_overrides)
-    if config.model_type not in image_names():
+
+
+def image_classifier(cfg, config, pretrained, classes: list) -> tuple:
+    """(config, Augment): the model config raylm.models.loading read (``pretrained``: the
+    saved model's directory or None) finished as an image classifier of ``classes`` (the
+    training folder's): one ConfigError for a model type with no image-classification
+    head, or a saved classifier with other classes."""
+    from raylm.models.auto import head_class, is_head, set_head, types_with_head
+    from raylm.models.objectives import Augment
+
+    if head_class(config, "image_classification") is None:
         raise ConfigError(f"model type '{config.model_type}' has no image-classification head "
                           f"in transformers (those that do: "
-                          f"{', '.join(sorted(image_names())[:12])}, ...)")
+                          f"{', '.join(types_with_head('image_classification')[:12])}, ...)")
     labels = {i: c for i, c in enumerate(classes)}
-    head = (getattr(config, "architectures", None) or [None])[0]
-    if pretrained and head == image_names().get(config.model_type):
+    if pretrained and is_head(config, "image_classification"):
         names = [str(config.id2label.get(i, "")) for i in range(config.num_labels)]
         if names != list(classes):
             raise ConfigError(f"--model_name_or_path {pretrained} classifies "
@@ -125,7 +99,7 @@ def resolve_image_model(cfg, classes: list) -> tuple:
     config.label2id = {c: i for i, c in labels.items()}
     image_size(config), channels(config)  # (checked now: one clear error)
     set_head(config, "image_classification")
-    return config, pretrained, Augment(seed=cfg.seed, flip=cfg.image_flip)
+    return config, Augment(seed=cfg.seed, flip=cfg.image_flip)
 
 
 def save_image_processor(spec, directory: str) -> None:

@@ -1469,8 +1469,8 @@ def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
     ``model_init``: a model of your own in place of the config's Hugging Face model, a
     callable with no arguments returning a ``torch.nn.Module`` whose ``forward(input_ids)``
     gives the logits (raylm.models.custom says what applies to it).
-    ``compute_loss_func(logits, labels, num_items_in_batch)``: your own loss, as the HF
-    Trainer's (raylm.models.objectives.UserLoss). ``faults``: injected rank failures, for
+    ``compute_loss_func(outputs, labels, num_items_in_batch)``: your own loss, as the HF
+    Trainer's (``outputs.logits``: the model's logits) (raylm.models.objectives.UserLoss). ``faults``: injected rank failures, for
     tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")

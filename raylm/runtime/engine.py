@@ -96,9 +96,9 @@ class Engine:
         self.loss_scale = 1.0
         self.overflow = False
         self.sync_s = 0.0  # the last step's exposed gradient sync (finish_sync)
-        # What the first pipeline stage is fed: token ids, or an image model's pixels.
-        self.model_input = ("pixel_values" if self.objective.name == "image_classification"
-                            else "input_ids")
+        # What the first pipeline stage is fed: the model's main_input_name (token ids,
+        # or an image model's pixels); set with the model (build_engine).
+        self.model_input = "input_ids"
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -534,6 +534,7 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     if model is None or on_meta != (e.zero_stage == 3):
         model = initial_model(spec, cfg["seed"], e.zero_stage == 3)
     e.model = model if e.zero_stage == 3 else model.to(device)
+    e.model_input = getattr(model, "main_input_name", None) or "input_ids"
     # Dropout per sample where the model is whole on the rank (data parallelism): a
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
     # (Under compile the masks are the compiled graph's, per rank.)

@@ -64,7 +64,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
     if compute_loss_func is not None:
         if not callable(compute_loss_func):
-            raise ConfigError("compute_loss_func must be a callable (logits, labels, "
+            raise ConfigError("compute_loss_func must be a callable (outputs, labels, "
                               f"num_items_in_batch) -> loss, not "
                               f"{type(compute_loss_func).__name__}")
         if cfg.tp and cfg.tp > 1:
@@ -72,6 +72,9 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
                               "on the vocabulary there; not available yet")
         if not cfg.tp:  # (the planner may not choose tensor parallelism for it either)
             cfg.tp = 1
+    if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
+        raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
+                          "--model_name_or_path")
     if cfg.task == "image-classification":
         inputs = _check_image_inputs(cfg, check_output_dir, model_init)
         inputs.spec.loss_fn = compute_loss_func
@@ -81,9 +84,6 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
                               "with it (text data is --train_file)")
     train_files, eval_files, eval_names = _data_files(cfg)
-    if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
-        raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
-                          "--model_name_or_path")
 
     spec = resolve_model(cfg, model_init)  # (and its objective: raylm.models.objectives)
     spec.loss_fn = compute_loss_func
@@ -109,9 +109,6 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init) ->
     if not cfg.train_dir:
         raise ConfigError("--task image-classification needs --train_dir: an image folder "
                           "(DIR/<class name>/<image>.png|jpg|...)")
-    if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
-        raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
-                          "--model_name_or_path")
     if not 0.0 <= cfg.train_val_split < 1.0:
         raise ConfigError(f"--train_val_split must be in [0, 1) (got {cfg.train_val_split})")
     train = scan_image_folder(cfg.train_dir, "--train_dir")
