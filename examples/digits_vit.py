@@ -6,13 +6,17 @@ image-classification``.
     pip install scikit-learn
     python examples/digits_vit.py                       # 2 workers, 1000 steps (~2 min)
     python examples/digits_vit.py --num_workers 1 --max_steps 100 --out /tmp/digits
+    pip install 'raylm[vision]'
+    python examples/digits_vit.py --model swin          # torchvision's Swin, tiny
 
 Writes ``OUT/images/{train,validation}/<digit>/<n>.png`` (a seeded, per-digit 80/20
 split), trains a 4-layer ViT (patch 4, width 64, grey images: num_channels=1, no flips: a
 mirrored digit is another picture) on the training folder, evaluates on the validation
 folder, and prints the held-out top-1 accuracy. The model is saved to ``OUT/model``
 (loads with ``AutoModelForImageClassification``; its preprocessing with
-``AutoImageProcessor``).
+``AutoImageProcessor``). ``--model swin``: torchvision's Swin (``--model_type swin_t``
+with a tiny width and depth, ``SWIN``) in its place, on the images as RGB, saved as its
+state dict (``OUT/model/model.safetensors``; ``raylm_model.json`` names its arguments).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ sys.path.insert(0, REPO)
 
 VIT = ("image_size=32,patch_size=4,num_channels=1,hidden_size=64,num_hidden_layers=4,"
        "num_attention_heads=4,intermediate_size=128")
+# swin_t's shape, smaller: 4x4 patches of 32x32 images, windows of 4x4 patches, three
+# stages (8x8, 4x4 and 2x2 patches) of widths 32, 64, 128.
+SWIN = ("embed_dim=32,depths=[2,2,2],num_heads=[2,4,8],window_size=[4,4],"
+        "stochastic_depth_prob=0.1")
 
 
 def write_digits(root: str, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> tuple:
@@ -62,7 +70,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max_steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32, help="per-device batch size")
     ap.add_argument("--learning_rate", type=float, default=2e-3)
+    ap.add_argument("--model", choices=("vit", "swin"), default="vit",
+                    help="transformers' ViT, or torchvision's Swin (raylm[vision])")
     args = ap.parse_args(argv)
+    model = (dict(model_type="vit", config_overrides=VIT) if args.model == "vit" else
+             dict(model_type="swin_t", config_overrides=SWIN, image_size=32))
 
     from raylm import TrainConfig, train
 
@@ -71,7 +83,7 @@ def main(argv=None) -> int:
         n_train, n_val = write_digits(images)
         print(f"wrote {n_train} training and {n_val} validation digits to {images}")
     result = train(TrainConfig(
-        task="image-classification", model_type="vit", config_overrides=VIT,
+        task="image-classification", **model,
         train_dir=os.path.join(images, "train"),
         validation_dir=os.path.join(images, "validation"), image_flip=False,
         output_dir=os.path.join(args.out, "model"), overwrite_output_dir=True,

@@ -510,10 +510,14 @@ class TrainConfig:
                            "train_val_split": 0.15, "image_flip": True,
                            "image_size": None, "num_channels": None}
 
-    def run_fingerprint(self) -> dict:
+    def run_fingerprint(self, code: Optional[dict] = None) -> dict:
+        """The settings that define the run, and their digest (an output dir holds one
+        run). ``code``: what the Python API was given besides the config (the factory's
+        and the loss's names: train(..., model_init=, compute_loss_func=))."""
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}
         d.update({k: getattr(self, k) for k, unset in self.RUN_DEFINING_IF_SET.items()
                   if getattr(self, k) != unset})
+        d.update({k: v for k, v in (code or {}).items() if v is not None})
         d["digest"] = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return d
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -126,6 +127,51 @@ def test_own_loss_matches_single_process(reference, ray_cluster, corpus_dir, cac
     assert abs(first - reference.grad_norms[0]) > 0.02 * reference.grad_norms[0]
 
 
+def test_own_model_under_bf16_and_recomputation_matches_single_process_bf16(
+        ray_cluster, corpus_dir, cache_root, tmp_path, tmp_path_factory):
+    """--bf16 and full activation checkpointing (of the ModuleList's blocks) with a model
+    of your own on dp=2, against the same module trained in one process under autocast
+    (tolerances of tests/test_precision.py). (The export split's stages have no blocks
+    to checkpoint: recomputation under --pp is one error for such a model.)"""
+    from tests.test_precision import LOSS_REL, NORM_REL
+
+    flags = dict(bf16=True, gradient_checkpointing=True)
+    ref = reference_of(config(tmp_path_factory.mktemp("ref-bf16"), corpus_dir, cache_root,
+                              gradient_accumulation_steps=4, **flags),
+                       GLOBAL_BATCH, STEPS, model_init=toy_lm)
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, dp=2,
+                 gradient_accumulation_steps=2, **flags)
+    result = train(cfg, model_init=toy_lm)
+    np.testing.assert_allclose([h["loss"] for h in result.history], ref.losses[:STEPS],
+                               rtol=LOSS_REL, atol=0)
+    np.testing.assert_allclose([h["grad_norm"] for h in result.history],
+                               ref.grad_norms[:STEPS], rtol=NORM_REL, atol=0)
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        report = json.load(f)
+    assert report["precision"] == "bf16" and report["layout"]["recompute"] == "full", report
+
+
+def test_own_model_loses_a_rank_and_goes_on_in_memory(reference, ray_cluster, corpus_dir,
+                                                      cache_root, tmp_path, caplog):
+    """Rank 1 dies after its gradient sync at step 3 (the step commits nowhere): the run
+    goes on in memory on the survivor with the single-process run's losses; the output
+    directory then belongs to this factory (another one is a different run)."""
+    caplog.set_level("INFO", logger="raylm")
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, dp=2,
+                 gradient_accumulation_steps=2, save_steps=2)
+    result = train(cfg, model_init=toy_lm, faults=({"rank": 1, "step": 2, "phase": "update"},))
+    assert result.failures == 1
+    assert "shrank in memory to 1 rank(s)" in caplog.text, caplog.text[-2000:]
+    assert [h["world_size"] for h in result.history] == [2, 2, 1, 1, 1]
+    assert_steps_match(result.history, reference, STEPS, label="own model, rank lost")
+
+    def other_lm():
+        return ToyLM(layers=2)
+
+    with pytest.raises(ConfigError, match=r"holds a different run \(differs in: model_init\)"):
+        Driver(cfg, model_init=other_lm).run()
+
+
 class NotAModel:
     pass
 
@@ -157,7 +203,7 @@ class NoBlocks(nn.Module):
     (toy_lm, {"tp": 2}, "--tp 2: the model_init model .* has no tensor-parallel plan"),
     (toy_lm, {"use_peft": True}, "--use_peft: LoRA is not available for a model_init"),
     (NoBlocks, {"pp": 2, "gradient_accumulation_steps": 2},
-     "NoBlocks has no nn.ModuleList of identical blocks"),
+     "NoBlocks has no repeated blocks"),
 ], ids=["not-a-module", "wrong-shape", "small-vocab", "with-model-type", "tp", "peft",
         "pp-without-blocks"])
 def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_cluster,

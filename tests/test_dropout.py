@@ -230,3 +230,47 @@ def test_sdpa_attention_dropout_is_counted():
     with SampleDropout(0, 0, IDS) as sd:
         model(input_ids=x)
     assert sd.calls == 5 and sd.fallbacks == 2  # attention dropout inside the sdpa kernel
+
+
+def test_stochastic_depth_is_per_sample():
+    """torchvision's Swin drops whole residual branches per sample (stochastic depth, one
+    Bernoulli draw per row): drawn per sample, a sample's loss and the gradients do not
+    depend on how the batch is composed; the draws really drop branches."""
+    import raylm.models  # noqa: F401  (torchvision importable: raylm.models.torchvision_models)
+    from torchvision.models import SwinTransformer
+
+    from raylm.models.dropout import per_sample_dropout
+
+    torch.manual_seed(0)
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2],
+                            window_size=[2, 2], stochastic_depth_prob=0.5,
+                            num_classes=3).train().double()
+    assert per_sample_dropout(model)
+    g = torch.Generator().manual_seed(2)
+    images = {sid: torch.randn(3, 16, 16, generator=g, dtype=torch.float64) for sid in IDS}
+    labels = {sid: sid % 3 for sid in IDS}
+
+    def run(micro_batches, train=True):
+        model.train(train)
+        model.zero_grad(set_to_none=True)
+        losses, calls, fallbacks = {}, set(), 0
+        for ids in micro_batches:
+            with SampleDropout(7, 3, ids) as sd:
+                logits = model(torch.stack([images[i] for i in ids]))
+            per = F.cross_entropy(logits, torch.tensor([labels[i] for i in ids]),
+                                  reduction="none")
+            per.sum().backward()
+            losses.update({i: v.detach() for i, v in zip(ids, per)})
+            calls.add(sd.calls)
+            fallbacks += sd.fallbacks
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return losses, grads, calls, fallbacks
+
+    whole = run([IDS])
+    for other in (run([[10, 11], [12, 13]]), run([[13], [11, 10, 12]])):
+        _assert_same(whole, other)
+    # two draws per block (the attention and the MLP branch), but none in the first: its
+    # rate is 0 (torchvision ramps the rate from 0 to stochastic_depth_prob over blocks)
+    assert whole[2] == {6} and whole[3] == 0
+    plain = run([IDS], train=False)
+    assert any((plain[0][k] - whole[0][k]).abs() > DIFFERENT for k in IDS)

@@ -15,7 +15,8 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from raylm.errors import ConfigError
-from raylm.models.export_split import export_stage_modules, layer_units
+from raylm.models.export_split import export_stage_modules
+from raylm.models.units import layer_units
 
 VOCAB, SEQ, LAYERS = 128, 16, 4
 BOUNDS = {2: [(0, 2), (2, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}
@@ -70,12 +71,25 @@ def test_layer_units_picks_the_largest_list_of_identical_blocks():
     assert layer_units(Model()) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
+def test_layer_units_without_a_list_takes_runs_of_one_type():
+    # Swin's shape: stages of blocks that widen, with a merging layer between them
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(1, 4, 1), nn.ReLU()),
+                          nn.Sequential(Block(4), Block(4)), nn.Linear(4, 8),
+                          nn.Sequential(Block(8), Block(8), Block(8)), nn.Linear(8, 2))
+    assert layer_units(model) == ["1.0", "1.1", "3.0", "3.1", "3.2"]
+
+
 @pytest.mark.parametrize("model", [
     nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)),
-    nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 3)])}),
+    nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(2, 2), nn.Conv1d(2, 3, 1)])}),
 ], ids=["no-module-list", "different-children"])
-def test_layer_units_without_identical_blocks_is_a_config_error(model):
-    with pytest.raises(ConfigError, match="no nn.ModuleList of identical blocks"):
+def test_layer_units_without_repeated_blocks_is_a_config_error(model):
+    with pytest.raises(ConfigError, match="no repeated blocks"):
         layer_units(model)
 
 

@@ -73,11 +73,17 @@ def config(out, image_dir, cache_root, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def one_process(make, image_dir, cache_root, tmp_path_factory, model_init=None):
+    """The single-process reference of the runs ``make`` configures (a global batch of
+    GLOBAL_BATCH in 4 micro-batches)."""
+    cfg = make(tmp_path_factory.mktemp("ref"), image_dir, cache_root,
+               gradient_accumulation_steps=4)
+    return reference_of(cfg, GLOBAL_BATCH, STEPS, model_init=model_init)
+
+
 @pytest.fixture(scope="module")
 def reference(ray_cluster, image_dir, cache_root, tmp_path_factory):
-    cfg = config(tmp_path_factory.mktemp("ref"), image_dir, cache_root,
-                 gradient_accumulation_steps=4)
-    return reference_of(cfg, GLOBAL_BATCH, STEPS)
+    return one_process(config, image_dir, cache_root, tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", THREE_LAYOUTS[0], ids=THREE_LAYOUTS[1])
@@ -101,7 +107,11 @@ def test_vit_matches_single_process(layout, reference, ray_cluster, image_dir, c
     processor = AutoImageProcessor.from_pretrained(result.output_dir)
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         evals = [r for r in map(json.loads, f) if "eval_loss" in r]
-    assert evals and "eval_accuracy" in evals[-1], evals
+    assert evals and "eval_accuracy" in evals[-1] and "perplexity" not in evals[-1], evals
+    if layout.get("pp"):  # (once) the run's plot draws accuracy where text runs' perplexity
+        from raylm import plot_run
+
+        assert os.path.getsize(plot_run(result.output_dir)) > 0
     inputs = check_inputs(cfg, check_output_dir=False)
     data = prepare_data(cfg, inputs)
     folder = inputs.images[0]
@@ -151,9 +161,7 @@ def cnn_config(out, image_dir, cache_root, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def cnn_reference(ray_cluster, image_dir, cache_root, tmp_path_factory):
-    cfg = cnn_config(tmp_path_factory.mktemp("ref-cnn"), image_dir, cache_root,
-                     gradient_accumulation_steps=4)
-    return reference_of(cfg, GLOBAL_BATCH, STEPS, model_init=SmallCNN)
+    return one_process(cnn_config, image_dir, cache_root, tmp_path_factory, SmallCNN)
 
 
 @pytest.mark.parametrize("layout", THREE_LAYOUTS[0], ids=THREE_LAYOUTS[1])
@@ -174,6 +182,75 @@ def test_own_cnn_matches_single_process(layout, cnn_reference, ray_cluster, imag
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         evals = [r for r in map(json.loads, f) if "eval_loss" in r]
     assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0
+
+
+# torchvision's Swin (--model_type swin_t), tiny: 4x4 patches of the 16x16 images, windows
+# of 2x2 patches (the first stage's blocks shift them), two stages with a patch merging
+# between them; stochastic depth off, as dropout is off in the other parity tests.
+TINY_SWIN = ("embed_dim=16,depths=[2,2],num_heads=[2,4],window_size=[2,2],"
+             "stochastic_depth_prob=0.0")
+
+
+def swin_config(out, image_dir, cache_root, **kw) -> TrainConfig:
+    return config(out, image_dir, cache_root, model_type="swin_t", config_overrides=TINY_SWIN,
+                  image_size=SIZE, **kw)
+
+
+@pytest.fixture(scope="module")
+def swin_reference(ray_cluster, image_dir, cache_root, tmp_path_factory):
+    return one_process(swin_config, image_dir, cache_root, tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout", THREE_LAYOUTS[0], ids=THREE_LAYOUTS[1])
+def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_dir,
+                                     cache_root, tmp_path):
+    """torchvision's Swin by name: the pipeline cuts between its blocks across the patch
+    merging; the saved state dict loads into torchvision's model and predicts as raylm
+    evaluated."""
+    import torchvision
+    from safetensors.torch import load_file
+
+    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=2,
+                      metric_for_best_model="accuracy", **layout)
+    result = train(cfg)
+    label = "swin-" + "-".join(f"{k}{v}" for k, v in layout.items())
+    assert_steps_match(result.history, swin_reference, STEPS, label=label)
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert_weights_match(saved, swin_reference.state, swin_reference.exact,
+                         swin_reference.lr_sum, label=label)
+    with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
+        build = json.load(f)["build_args"]
+    assert build == {"torchvision": "swin_t", "num_classes": len(CLASSES), "embed_dim": 16,
+                     "depths": [2, 2], "num_heads": [2, 4], "window_size": [2, 2],
+                     "stochastic_depth_prob": 0.0}
+    if layout.get("pp"):
+        return
+    # torchvision's own class, with the builder's other arguments (swin_t's patch size)
+    model = torchvision.models.SwinTransformer(patch_size=[4, 4], num_classes=len(CLASSES),
+                                               **{k: v for k, v in build.items()
+                                                  if k not in ("torchvision", "num_classes")})
+    model.load_state_dict(saved, strict=True)
+    model.eval()
+    inputs = check_inputs(cfg, check_output_dir=False)
+    data = prepare_data(cfg, inputs)
+    folder = inputs.images[0]
+    augment = inputs.spec.masking
+    from PIL import Image
+
+    hits = 0
+    with torch.no_grad():
+        for i in data.eval_ids:
+            image = Image.open(folder.files[i]).convert("RGB").resize((SIZE, SIZE),
+                                                                      Image.BILINEAR)
+            x = torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255
+            x = (x - torch.tensor(augment.mean).view(3, 1, 1)) / \
+                torch.tensor(augment.std).view(3, 1, 1)
+            hits += int(model(x[None]).argmax(-1)) == folder.labels[i]
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+    assert evals[-1]["eval_accuracy"] == pytest.approx(hits / len(data.eval_ids))
+    # --metric_for_best_model accuracy: the Trainer's name; higher is better
+    assert result.metrics["best_metric"] == max(r["eval_accuracy"] for r in evals)
 
 
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,
@@ -218,8 +295,15 @@ def test_corrupt_image_is_one_error_naming_it(ray_cluster, image_dir, cache_root
     (dict(train_file=["x.txt"]), "--train_file does not apply to --task image-classification"),
     (dict(image_size=32), "--image_size is for a model of your own"),
     (dict(do_train=False, do_eval=True), "--do_eval without --do_train evaluates a trained"),
+    (dict(model_type="swin_t", config_overrides="embed_dim=16,bogus=1"),
+     r"--model_type swin_t with --config_overrides .*: torchvision refused it \(.*bogus"),
+    (dict(model_type="swin_t", config_overrides=None, num_channels=1),
+     "--num_channels 1: torchvision's swin_t takes RGB images"),
+    (dict(model_type="swin_t", config_overrides=None, model_name_or_path="/tmp"),
+     "torchvision's swin_t built from scratch: drop --model_name_or_path"),
 ], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag", "image-size-hf",
-        "eval-only-without-a-model"])
+        "eval-only-without-a-model", "torchvision-bad-override", "torchvision-grey",
+        "torchvision-pretrained"])
 def test_image_bad_input(flags, message, image_dir, cache_root, tmp_path):
     cfg = config(tmp_path / "out", image_dir, cache_root)
     for k, v in flags.items():
@@ -245,3 +329,19 @@ def test_a_sample_cap_takes_images_of_every_class(ray_cluster, image_dir, cache_
     assert len(data.train_ids) == 9 and len(data.eval_ids) == 6
     assert len({labels[i] for i in data.train_ids}) == len(CLASSES)
     assert len({labels[i] for i in data.eval_ids}) > 1
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_plan_of_an_image_model(kind, image_dir, cache_root, tmp_path):
+    """`raylm plan` for ViT and Swin: the head sized to the folder's classes (the count
+    is the built model's), and a two-stage pipeline cut between the blocks."""
+    from raylm.models.loading import build_model
+    from raylm.report.plan_report import build_plan_report
+
+    make = config if kind == "vit" else swin_config
+    cfg = make(tmp_path / "out", image_dir, cache_root, num_workers=2, pp=2,
+               gradient_accumulation_steps=2)
+    report = build_plan_report(cfg)
+    model = build_model(check_inputs(cfg, check_output_dir=False).spec, 0)
+    assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert report["plan"]["pp"] == 2 and len(report["plan"]["stage_bounds"]) == 2

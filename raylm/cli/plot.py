@@ -43,16 +43,20 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     (ax_loss, ax_lr), (ax_ppl, ax_tps) = axes
     ax_loss.plot(*_series(train, "loss"), label="train", color="tab:blue")
+    # an image classifier's evaluation reports top-1 accuracy where a language model's
+    # reports perplexity
+    accuracy = any("eval_accuracy" in r for r in records)
     for i, key in enumerate(eval_sets(records)):
         name = "eval" if key == "eval_loss" else key[len("eval_"):-len("_loss")]
         ax_loss.plot(*_series(records, key), "o-", label=name, color=f"C{i + 1}")
-        ppl = "perplexity" if key == "eval_loss" else f"eval_{name}_perplexity"
+        ppl = ("eval_accuracy" if accuracy else "perplexity") if key == "eval_loss" \
+            else f"eval_{name}_perplexity"
         ax_ppl.plot(*_series(records, ppl), "o-", label=name, color=f"C{i + 1}")
     ax_loss.set_title("loss")
     ax_lr.plot(*_series(train, "learning_rate"), color="tab:purple")
     ax_lr.set_title("learning rate")
-    ax_ppl.set_title("perplexity")
-    if ax_ppl.lines:
+    ax_ppl.set_title("top-1 accuracy" if accuracy else "perplexity")
+    if ax_ppl.lines and not accuracy:
         ax_ppl.set_yscale("log")
     else:
         ax_ppl.text(0.5, 0.5, "no evaluation logged", ha="center",

@@ -61,6 +61,10 @@ class CustomConfig:
     image_size = num_channels = num_labels = None
     id2label: dict = {}
 
+    # How to build the model again, for a factory that says (its ``build_args``: a
+    # torchvision classifier's name and arguments); saved in raylm_model.json.
+    build_args = None
+
     def __init__(self, name: str, vocab_size: int, hidden_size=None, num_hidden_layers=None):
         self.name = name  # the factory's qualified name (for messages and the saved file)
         self.vocab_size = vocab_size  # the logits' last dimension
@@ -70,12 +74,13 @@ class CustomConfig:
         self.num_hidden_layers = num_hidden_layers
 
     def to_dict(self) -> dict:
+        out = {"model_type": self.model_type, "model_init": self.name}
+        if self.build_args:
+            out["build_args"] = self.build_args
         if self.is_image_classifier:
-            return {"model_type": self.model_type, "model_init": self.name,
-                    "task": "image-classification", "image_size": self.image_size,
+            return {**out, "task": "image-classification", "image_size": self.image_size,
                     "num_channels": self.num_channels, "id2label": self.id2label}
-        return {"model_type": self.model_type, "model_init": self.name,
-                "vocab_size": self.vocab_size}
+        return {**out, "vocab_size": self.vocab_size}
 
 
 def is_custom(config) -> bool:
@@ -241,6 +246,7 @@ def check_custom_images(cfg, model_init: Callable, classes: list,
                           f"gave {list(logits.shape)}; the image folder has {len(classes)} "
                           f"classes, so raylm needs logits [2, {len(classes)}]")
     config = CustomConfig(name, len(classes), hidden, n_blocks)
+    config.build_args = getattr(model_init, "build_args", None)
     config.is_image_classifier = True
     config.image_size, config.num_channels = cfg.image_size, channels
     config.num_labels, config.id2label = len(classes), dict(enumerate(classes))

@@ -16,7 +16,9 @@ Rows with negative ids are filler; their masks are arbitrary but deterministic.
 
 Intercepted (via ``torch.overrides.TorchFunctionMode``): ``torch.nn.functional.dropout``
 (what ``nn.Dropout`` and Hugging Face eager attention call), ``torch.dropout`` and
-``torch.dropout_``. Dropouts that cannot be made per-sample run as torch's own and are
+``torch.dropout_``; and stochastic depth's draw, ``Tensor.bernoulli_`` on one value per
+row (torchvision's Swin, timm's ``DropPath``): row ``b`` keeps its branch when a draw
+from the same per-sample generator is below the survival rate. Dropouts that cannot be made per-sample run as torch's own and are
 counted in ``fallbacks``: a tensor whose dim 0 is not the batch, a tensor subclass (e.g.
 DTensor), the other random dropouts (``dropout1d/2d/3d``, ``alpha_dropout``,
 ``feature_alpha_dropout``) and ``scaled_dot_product_attention`` with ``dropout_p > 0``
@@ -134,6 +136,9 @@ class SampleDropout(TorchFunctionMode):
             train_name, train_default = _UNHANDLED[func]
             if _arg(args, kwargs, 2, train_name, train_default) and _arg(args, kwargs, 1, "p", 0.5) > 0:
                 self.fallbacks += 1
+        elif func is torch.Tensor.bernoulli_:
+            p = _arg(args, kwargs, 1, "p", 0.5)
+            return self._row_draw(func, args, kwargs, args[0], p)
         elif func is F.scaled_dot_product_attention:
             if _arg(args, kwargs, 4, "dropout_p", 0.0) > 0:
                 self.fallbacks += 1
@@ -157,6 +162,28 @@ class SampleDropout(TorchFunctionMode):
         return x.mul_(mask) if inplace else x * mask
 
 
+    def _row_draw(self, func, args, kwargs, x, p):
+        """``x.bernoulli_(p)`` on one value per row ([B, 1, ...]): stochastic depth's
+        draw (torchvision's ``stochastic_depth`` in row mode, timm's ``drop_path``), each
+        row's from its sample's generator as for a dropout mask."""
+        index = self.calls
+        self.calls += 1
+        if (type(x) is not torch.Tensor or x.dim() == 0 or x.shape[0] != len(self.sample_ids)
+                or x.numel() != x.shape[0] or not isinstance(p, (float, int))
+                or kwargs.get("generator") is not None):
+            self.fallbacks += 1
+            return func(*args, **kwargs)
+        g = torch.Generator(device="cpu")
+        keep = torch.empty(len(self.sample_ids), dtype=torch.float64)
+        for b, sid in enumerate(self.sample_ids):
+            g.manual_seed(mix_seed(self.seed, self.step, sid, index))
+            keep[b] = float(torch.rand((), generator=g, dtype=torch.float64) < p)
+        return x.copy_(keep.view(x.shape))
+
+
+# Modules that drop a whole sample's residual branch (stochastic depth) by a row draw.
+_ROW_DROPS = ("StochasticDepth", "DropPath")
+
 # Config fields of the attention-probability dropout, by family (GPT-2, Llama-like, BERT).
 _ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 
@@ -172,4 +199,7 @@ def per_sample_dropout(model: torch.nn.Module) -> bool:
     if attention and getattr(config, "_attn_implementation", None) != "eager":
         model.set_attn_implementation("eager")
     modules = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-    return attention or modules
+    rows = any(type(m).__name__ in _ROW_DROPS
+               and float(getattr(m, "p", getattr(m, "drop_prob", 0)) or 0) > 0
+               for m in model.modules())
+    return attention or modules or rows

@@ -42,51 +42,11 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from raylm.errors import ConfigError
+from raylm.models.units import layer_units, model_name
 
 # The exported wrapper holds the model under this attribute, so every FQN the exported
 # program reports starts with it.
 _PREFIX = "model."
-
-
-def layer_units(model: nn.Module) -> list[str]:
-    """The FQNs of the model's repeated blocks, in order (e.g. ``['gpt_neox.layers.0', ...]``).
-
-    The blocks are the ``nn.ModuleList`` whose children are structurally identical (same
-    class, same parameter names and shapes) and that holds the most parameters (then the
-    most children). Lists nested inside another list's children, such as the experts of
-    a mixture-of-experts block, are not candidates: a block's insides are not blocks.
-    Raises ConfigError if the model has no such list.
-    """
-    lists = {name: mod for name, mod in model.named_modules()
-             if isinstance(mod, nn.ModuleList) and len(mod) > 0}
-    best, best_score = None, None
-    for name, mod in lists.items():
-        if any(name.startswith(other + ".") for other in lists if other != name):
-            continue
-        signatures = {_signature(child) for child in mod}
-        if len(signatures) != 1:
-            continue
-        score = (sum(p.numel() for p in mod.parameters()), len(mod))
-        if best_score is None or score > best_score:
-            best, best_score = name, score
-    if best is None:
-        raise ConfigError(
-            f"{model_name(model)} has no nn.ModuleList of identical blocks, so raylm "
-            "cannot cut it into pipeline stages; train it without pipeline parallelism")
-    return [f"{best}.{i}" for i in range(len(lists[best]))]
-
-
-def model_name(model: nn.Module) -> str:
-    """The model's class, or for a model of the user's own its factory's name."""
-    from raylm.models.custom import is_custom
-
-    config = getattr(model, "config", None)
-    return config.name if is_custom(config) else type(model).__name__
-
-
-def _signature(module: nn.Module) -> tuple:
-    return type(module), tuple((n, tuple(p.shape), p.dtype)
-                               for n, p in module.named_parameters())
 
 
 def export_stage_modules(model: nn.Module, example_input_ids: torch.Tensor,

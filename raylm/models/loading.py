@@ -74,7 +74,17 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
 
     if getattr(cfg, "task", None) == "image-classification":
         from raylm.models import vision
+        from raylm.models.torchvision_models import is_torchvision_type
 
+        if model_init is None and is_torchvision_type(cfg.model_type):
+            # torchvision's classifier of that name: a model of your own that raylm names
+            import dataclasses
+
+            from raylm.models.torchvision_models import torchvision_classifier
+
+            model_init, size = torchvision_classifier(cfg, classes or [])
+            cfg = dataclasses.replace(cfg, model_type=None, config_overrides=None,
+                                      image_size=size, num_channels=3)
         if model_init is not None:  # a model of the user's own, on images
             from raylm.models.custom import check_custom_images
             from raylm.models.objectives import Augment

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from raylm.errors import ConfigError
 from raylm.models.families import Family, family_of
 from raylm.models.lora import add_lora, meta_base
 
@@ -102,8 +103,6 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
 
         names = t5_units(model)
     else:
-        from raylm.models.export_split import layer_units
-
         names = layer_units(model)
     cfg = model.config
     hidden = next((getattr(cfg, a) for a in ("hidden_size", "d_model", "n_embd")
@@ -122,17 +121,75 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
             _unit("output head", head.values(), matmul_flops(head.values())))
 
 
+def layer_units(model: nn.Module) -> list[str]:
+    """The FQNs of the model's repeated blocks, in order (e.g. ``['gpt_neox.layers.0', ...]``):
+    the units the pipeline cuts between (raylm.models.export_split).
+
+    The blocks are the ``nn.ModuleList`` whose children are structurally identical (same
+    class, same parameter names and shapes) and that holds the most parameters (then the
+    most children). Lists nested inside another list's children, such as the experts of
+    a mixture-of-experts block, are not candidates: a block's insides are not blocks.
+    A model without such a list (a CNN, or Swin, whose stages are ``nn.Sequential``s of
+    blocks that widen from stage to stage) has the same-type blocks of ``_runs``.
+    Raises ConfigError if the model has neither.
+    """
+    from torch import nn
+
+    lists = {name: mod for name, mod in model.named_modules()
+             if isinstance(mod, nn.ModuleList) and len(mod) > 0}
+    best, best_score = None, None
+    for name, mod in lists.items():
+        if any(name.startswith(other + ".") for other in lists if other != name):
+            continue
+        signatures = {_signature(child) for child in mod}
+        if len(signatures) != 1:
+            continue
+        score = (sum(p.numel() for p in mod.parameters()), len(mod))
+        if best_score is None or score > best_score:
+            best, best_score = name, score
+    if best is not None:
+        return [f"{best}.{i}" for i in range(len(lists[best]))]
+    names = {id(m): n for n, m in model.named_modules()}
+    runs = [names[id(m)] for m in _runs(model)]
+    if len(runs) < 2:
+        raise ConfigError(
+            f"{model_name(model)} has no repeated blocks (an nn.ModuleList of identical "
+            "modules, or nn.Sequential / nn.ModuleList runs of one module type), so raylm "
+            "cannot cut it into pipeline stages; train it without pipeline parallelism")
+    return runs
+
+
+def model_name(model: nn.Module) -> str:
+    """The model's class, or for a model of the user's own its factory's name."""
+    from raylm.models.custom import is_custom
+
+    config = getattr(model, "config", None)
+    return config.name if is_custom(config) else type(model).__name__
+
+
+def _signature(module: nn.Module) -> tuple:
+    return type(module), tuple((n, tuple(p.shape), p.dtype)
+                               for n, p in module.named_parameters())
+
+
 def transformer_blocks(model: nn.Module) -> list:
     """The repeated blocks of a model: the elements of its outermost ModuleLists of
     same-type modules that hold parameters (GPT-2's h, Llama's layers, T5's encoder and
-    decoder blocks, BERT's layers)."""
+    decoder blocks, BERT's layers); for a model with none, those of ``_runs`` (Swin's
+    blocks, a CNN's residual blocks)."""
     from torch import nn
 
+    return _same_type_children(model, (nn.ModuleList,)) or _runs(model)
+
+
+def _same_type_children(model: nn.Module, kinds: tuple) -> list:
+    """The children of the outermost containers of type ``kinds`` whose children are
+    all of one type and hold parameters, in module order."""
     blocks, seen = [], set()
 
     def visit(module):
         for child in module.children():
-            if isinstance(child, nn.ModuleList) and len(child) > 0 and \
+            if isinstance(child, kinds) and len(child) > 0 and \
                     len({type(m) for m in child}) == 1 and \
                     any(True for _ in child[0].parameters()):
                 for m in child:
@@ -144,6 +201,25 @@ def transformer_blocks(model: nn.Module) -> list:
 
     visit(model)
     return blocks
+
+
+def _runs(model: nn.Module) -> list:
+    """Blocks of a model with no ModuleList of them: the children of its outermost
+    ``nn.Sequential`` / ``nn.ModuleList`` containers that hold modules of one type, of
+    the type with the most parameters there (at least two blocks), in module order.
+    Swin's stages hold its blocks this way (torchvision's ``features.1``, ``features.3``,
+    ...: the blocks widen from stage to stage, the patch merging between them sits
+    outside), as a ResNet's ``layer1`` ... ``layer4`` hold its residual blocks."""
+    from torch import nn
+
+    by_type: dict = {}
+    for m in _same_type_children(model, (nn.Sequential, nn.ModuleList)):
+        by_type.setdefault(type(m), []).append(m)
+    if not by_type:
+        return []
+    best = max(by_type.values(),
+               key=lambda ms: sum(p.numel() for p in distinct_params(ms).values()))
+    return best if len(best) >= 2 else []
 
 
 def is_t5(config) -> bool:

@@ -56,7 +56,13 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
     requested = requested_zero_stage(cfg)  # the flags' own errors first
-    spec = resolve_model(cfg)
+    classes = None
+    if getattr(cfg, "task", None) == "image-classification" and cfg.train_dir:
+        from raylm.data.images import scan_image_folder
+
+        # (the head is sized to the folder's classes, as raylm train sizes it)
+        classes = scan_image_folder(cfg.train_dir, "--train_dir").classes
+    spec = resolve_model(cfg, classes=classes)
     seq_len = resolve_block_size(cfg, spec)
     searched = not (cfg.dp or cfg.tp or cfg.pp)
     workers = cfg.num_workers or capacity or (

@@ -465,7 +465,7 @@ class Driver:
         self.scale_start = (LossScale(**state["loss_scale"]) if state.get("loss_scale")
                             else LossScale(float(cfg.initial_loss_scale)))
         self.stopped_early = False
-        fingerprint = start_output_dir(cfg, plan.global_batch_size)
+        fingerprint = start_output_dir(cfg, plan.global_batch_size, inputs.spec)
         self.ckpt.clear_partial()
         self.metrics = open_metrics(cfg, start_step)
         self.metrics.truncate_after(start_step)
@@ -1090,10 +1090,11 @@ class Driver:
                 results[f"eval_{name}_loss"] = out["eval_loss"]
                 results[f"eval_{name}_perplexity"] = out["perplexity"]
         loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out["eval_loss"]
-        results = {"eval_loss": loss, "perplexity": perplexity(loss),
-                   "eval_samples": len(data.eval_ids), **results}
-        if "eval_correct" in out:  # image classification: top-1 accuracy
+        results = {"eval_loss": loss, "eval_samples": len(data.eval_ids), **results}
+        if "eval_correct" in out:  # image classification: top-1 accuracy (no perplexity)
             results["eval_accuracy"] = out["eval_correct"] / max(out["eval_tokens"], 1)
+        else:
+            results["perplexity"] = perplexity(loss)
         self.metrics.append({"step": step, **results})
         self.progress.write(f"eval at step {step}: loss {loss:.4f}  " + (
                             f"accuracy {results['eval_accuracy']:.4f}"
@@ -1361,8 +1362,9 @@ class Driver:
         with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
             json.dump(out, f, indent=2)
         self.metrics.close()
-        self._enter("finished", f"eval_loss {out['eval_loss']:.4f}, perplexity "
-                    f"{out['perplexity']:.2f}")
+        self._enter("finished", f"eval_loss {out['eval_loss']:.4f}, " + (
+            f"accuracy {out['eval_accuracy']:.4f}" if "eval_accuracy" in out else
+            f"perplexity {out['perplexity']:.2f}"))
         self.finished = True
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
 

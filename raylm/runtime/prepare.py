@@ -296,10 +296,12 @@ def _check_best_model(cfg: TrainConfig) -> None:
         from raylm.runtime.best import metric_key
 
         sets = eval_set_names(cfg.validation_file) if len(cfg.validation_file) > 1 else []
-        known = ["eval_loss", "perplexity"] + [f"eval_{n}_{m}" for n in sets
-                                               for m in ("loss", "perplexity")]
+        second = "eval_accuracy" if cfg.task == "image-classification" else "perplexity"
+        known = ["eval_loss", second] + [f"eval_{n}_{m}" for n in sets
+                                         for m in ("loss", "perplexity")]
         if metric_key(cfg.metric_for_best_model) not in known:
-            names = ["loss", "perplexity"] + [k[len("eval_"):] for k in known[2:]]
+            names = ["loss", second.removeprefix("eval_")] + [k[len("eval_"):]
+                                                             for k in known[2:]]
             raise ConfigError(f"--metric_for_best_model {cfg.metric_for_best_model}: the "
                               f"evaluation reports {', '.join(names)}")
     if not cfg.load_best_model_at_end:
@@ -381,7 +383,7 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                           "--overwrite_output_dir to train over it")
     with open(record_path) as f:
         record = json.load(f)
-    mine = cfg.run_fingerprint()
+    mine = cfg.run_fingerprint(code_of(inputs.spec))
     if record.get("digest") != mine["digest"]:
         differs = sorted(k for k in mine if k != "digest" and record.get(k) != mine[k])
         raise ConfigError(f"--output_dir {out} holds a different run (differs in: "
@@ -398,8 +400,19 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                         "the run starts from the beginning", out)
 
 
-def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
-    """Create (or clear, with --overwrite_output_dir) output_dir and write the run record."""
+def code_of(spec) -> dict:
+    """The run's code besides its config, for its fingerprint: the names of a model of
+    the user's own (its factory) and of their loss."""
+    from raylm.models.custom import factory_name
+
+    config = spec.config
+    return {"model_init": config.name if spec.model_init is not None else None,
+            "compute_loss_func": factory_name(spec.loss_fn) if spec.loss_fn else None}
+
+
+def start_output_dir(cfg: TrainConfig, global_batch_size: int, spec=None) -> dict:
+    """Create (or clear, with --overwrite_output_dir) output_dir and write the run record
+    (``spec``: the run's model, whose code is part of it: code_of)."""
     out = cfg.output_dir
     if cfg.overwrite_output_dir and os.path.isdir(out):
         for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", RUN_RECORD,
@@ -410,7 +423,7 @@ def start_output_dir(cfg: TrainConfig, global_batch_size: int) -> dict:
             elif os.path.exists(p):
                 os.remove(p)
     os.makedirs(out, exist_ok=True)
-    record = cfg.run_fingerprint()
+    record = cfg.run_fingerprint(code_of(spec) if spec is not None else None)
     record["global_batch_size"] = global_batch_size
     tmp = os.path.join(out, RUN_RECORD + ".tmp")
     with open(tmp, "w") as f:
