@@ -6,8 +6,11 @@
     plot_run(result.output_dir)  # output_dir/metrics.png
 """
 
+from raylm.compat import watch_torchvision
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError, TrainingFailed
+
+watch_torchvision()  # (before anything imports transformers: see raylm.compat)
 
 __version__ = "0.1.0"
 __all__ = ["TrainConfig", "train", "TrainResult", "keep_ranks", "plot_run", "ConfigError",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# (first: where torchvision's PyPI wheel meets a CPU-only torch, raylm.models makes it
-# importable before a test imports transformers; raylm.models.torchvision_models)
-import raylm.models  # noqa: F401
+# (first: where torchvision's PyPI wheel meets a CPU-only torch, importing raylm makes it
+# importable before a test imports transformers; raylm.compat)
+import raylm  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare"

@@ -216,6 +216,54 @@ def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_
     assert driver.workers == [] and driver.state == "planning"  # no rank actor started
 
 
+# Megatron's MLP split: each block's up projection column-parallel, its down projection
+# row-parallel (its output summed over tp: whole again for the residual stream).
+TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+def test_own_model_with_a_tensor_parallel_plan_matches_single_process(
+        reference, ray_cluster, corpus_dir, cache_root, tmp_path):
+    """train(..., tp_plan=): the user's plan applied with torch's styles under tp=2; the
+    losses, gradient norms and saved weights (whole again, under the module's names) are
+    the single process's."""
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, tp=2,
+                 gradient_accumulation_steps=4)
+    result = train(cfg, model_init=toy_lm, tp_plan=TP_PLAN)
+    assert_steps_match(result.history, reference, STEPS, label="tp2 own plan")
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in saved.items()} == \
+        {k: tuple(v.shape) for k, v in ToyLM().state_dict().items()}
+    assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
+                         label="tp2 own plan")
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        assert json.load(f)["layout"]["tp"] == 2
+
+
+@pytest.mark.parametrize("plan,tp,message", [
+    ({"blocks.*.norm": "colwise"}, 2, "blocks.0.norm is LayerNorm; torch shards nn.Linear"),
+    ({"block.*.up": "colwise"}, 2, r"'block.\*.up' matches no module of model_init"),
+    ({"head": "colwise"}, 2, "the logits come out of head as 'colwise'"),
+    ({"blocks.*.up": "sideways"}, 2, r"= 'sideways': choose one of colwise, rowwise"),
+    (TP_PLAN, 3, r"--tp 3 must divide the output features of blocks.0.up \(32\)"),
+], ids=["not-a-linear", "no-match", "sharded-logits", "unknown-style", "indivisible"])
+def test_a_bad_tensor_parallel_plan_is_one_error(plan, tp, message, ray_cluster, corpus_dir,
+                                                 cache_root, tmp_path):
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=tp, tp=tp,
+                 cpus_per_worker=1.0)
+    driver = Driver(cfg, model_init=toy_lm, tp_plan=plan)
+    with pytest.raises(ConfigError, match=message) as err:
+        driver.run()
+    assert "\n" not in str(err.value) and driver.workers == []
+
+
+def test_a_tensor_parallel_plan_needs_a_model_of_your_own(corpus_dir, cache_root, tmp_path):
+    from raylm.runtime.prepare import check_inputs
+
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, model_type="gpt2")
+    with pytest.raises(ConfigError, match="tp_plan is a model of your own's tensor-parallel"):
+        check_inputs(cfg, tp_plan=TP_PLAN)
+
+
 def test_own_loss_under_tensor_parallelism_is_one_error(corpus_dir, cache_root, tmp_path):
     from raylm.runtime.prepare import check_inputs
 

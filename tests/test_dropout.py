@@ -236,7 +236,6 @@ def test_stochastic_depth_is_per_sample():
     """torchvision's Swin drops whole residual branches per sample (stochastic depth, one
     Bernoulli draw per row): drawn per sample, a sample's loss and the gradients do not
     depend on how the batch is composed; the draws really drop branches."""
-    import raylm.models  # noqa: F401  (torchvision importable: raylm.models.torchvision_models)
     from torchvision.models import SwinTransformer
 
     from raylm.models.dropout import per_sample_dropout

@@ -20,6 +20,9 @@ and recovery as a Hugging Face model:
   ``output_dir/model.safetensors``, loadable with ``safetensors.torch.load_file`` and
   ``module.load_state_dict``.
 
+Tensor parallelism follows the plan the user passes (``train(..., tp_plan=)``, checked
+by ``check_tp_plan``; raylm.parallel.tensor.apply applies it with torch's styles).
+
 With ``--task image-classification`` the forward takes ``pixel_values`` ``[batch,
 channels, size, size]`` and returns ``[batch, classes]`` (``check_custom_images``), and
 ``compute_loss_func`` replaces either objective's loss (raylm.models.objectives.UserLoss).
@@ -64,6 +67,10 @@ class CustomConfig:
     # How to build the model again, for a factory that says (its ``build_args``: a
     # torchvision classifier's name and arguments); saved in raylm_model.json.
     build_args = None
+    # The user's tensor-parallel plan (train(..., tp_plan=)): {module pattern relative to
+    # their module: style}, and {module fqn: (size tp must divide, what it is)}.
+    tp_plan: dict = None
+    tp_sizes: dict = None
 
     def __init__(self, name: str, vocab_size: int, hidden_size=None, num_hidden_layers=None):
         self.name = name  # the factory's qualified name (for messages and the saved file)
@@ -223,8 +230,76 @@ def _meta_forward(module, example, blocks_of: Callable, what: str, name: str) ->
     return logits, next((int(w) for w in widths if w), None), len(blocks) or None
 
 
+# The tensor-parallel styles a plan of the user's may name (raylm.models.tensor_plans'
+# names, as transformers' base_model_tp_plan spells them).
+USER_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep",
+                  "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
+                  "embedding_colwise", "replicate")
+
+
+def check_tp_plan(module, tp_plan, example, name: str) -> dict:
+    """Check the user's tensor-parallel plan against their module (on the meta device):
+    each pattern (``*`` one name, as transformers' ``base_model_tp_plan``) matches
+    modules, each an ``nn.Linear`` or ``nn.Embedding`` (what torch's styles shard), in a
+    style raylm translates, and the logits do not come out of a column-parallel layer
+    as a local shard (the loss needs them whole: ``colwise_gather_output`` gathers
+    them). Returns ``{module fqn: (size tp must divide, what it is)}``."""
+    import fnmatch
+
+    import torch
+    from torch import nn
+
+    if not isinstance(tp_plan, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in tp_plan.items()):
+        raise ConfigError(f"tp_plan must be a dict of module pattern -> style name (e.g. "
+                          f"{{'blocks.*.up': 'colwise', 'blocks.*.down': 'rowwise'}}), not "
+                          f"{type(tp_plan).__name__}")
+    modules = dict(module.named_modules())
+    sizes, styles = {}, {}
+    for pattern, style in tp_plan.items():
+        if style not in USER_TP_STYLES:
+            raise ConfigError(f"tp_plan['{pattern}'] = '{style}': choose one of "
+                              f"{', '.join(USER_TP_STYLES)}")
+        atoms = pattern.split(".")
+        found = [n for n in modules if n and len(n.split(".")) == len(atoms) and all(
+            fnmatch.fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
+        if not found:
+            raise ConfigError(f"tp_plan: '{pattern}' matches no module of model_init {name}")
+        for fqn in found:
+            m = modules[fqn]
+            if style == "replicate":
+                continue
+            if isinstance(m, nn.Linear) and not style.startswith("embedding"):
+                size = (m.out_features, "output features") if style.startswith("colwise") \
+                    else (m.in_features, "input features")
+            elif isinstance(m, nn.Embedding) and style.startswith("embedding"):
+                size = (m.embedding_dim, "embedding width") if style == "embedding_colwise" \
+                    else (m.num_embeddings, "rows")
+            else:
+                raise ConfigError(f"tp_plan['{pattern}'] = '{style}': {fqn} is "
+                                  f"{type(m).__name__}; torch shards nn.Linear (colwise / "
+                                  "rowwise styles) and nn.Embedding (embedding_* styles)")
+            sizes[fqn], styles[fqn] = size, style
+    outputs = []  # (output, fqn) of the column-parallel layers (kept: ids are reused)
+    hooks = [modules[f].register_forward_hook(
+        lambda m, args, out, f=f: outputs.append((out, f)))
+        for f, st in styles.items() if st == "colwise"]
+    try:
+        with torch.no_grad():
+            logits = logits_of(module(example))
+    finally:
+        for h in hooks:
+            h.remove()
+    last = next((f for out, f in outputs if out is logits), None)
+    if last is not None:
+        raise ConfigError(f"tp_plan: the logits come out of {last} as 'colwise' (each rank "
+                          "would hold a slice of them); make it 'colwise_gather_output', or "
+                          "leave it whole")
+    return sizes
+
+
 def check_custom_images(cfg, model_init: Callable, classes: list,
-                        blocks_of: Callable) -> CustomConfig:
+                        blocks_of: Callable, tp_plan=None) -> CustomConfig:
     """As ``check_custom``, for --task image-classification: ``forward(pixel_values)``
     on [2, --num_channels, --image_size, --image_size] must give logits [2, classes]."""
     import torch
@@ -246,6 +321,9 @@ def check_custom_images(cfg, model_init: Callable, classes: list,
                           f"gave {list(logits.shape)}; the image folder has {len(classes)} "
                           f"classes, so raylm needs logits [2, {len(classes)}]")
     config = CustomConfig(name, len(classes), hidden, n_blocks)
+    if tp_plan is not None:
+        config.tp_sizes = check_tp_plan(module, tp_plan, example, name)
+        config.tp_plan = dict(tp_plan)
     config.build_args = getattr(model_init, "build_args", None)
     config.is_image_classifier = True
     config.image_size, config.num_channels = cfg.image_size, channels
@@ -254,7 +332,7 @@ def check_custom_images(cfg, model_init: Callable, classes: list,
 
 
 def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
-                 blocks_of: Callable) -> CustomConfig:
+                 blocks_of: Callable, tp_plan=None) -> CustomConfig:
     """Check a model_init and the flags that go with it on the driver (one clear error
     before any actor starts); returns its CustomConfig. ``blocks_of(module)``: the
     module's repeated blocks (raylm.models.units.transformer_blocks)."""
@@ -284,7 +362,11 @@ def check_custom(cfg, model_init: Callable, tokenizer_dir: str, vocab: int,
                           "model's vocabulary to at least that")
     embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
     hidden = hidden or (embedding.embedding_dim if embedding is not None else None)
-    return CustomConfig(name, int(logits.shape[2]), hidden, n_blocks)
+    config = CustomConfig(name, int(logits.shape[2]), hidden, n_blocks)
+    if tp_plan is not None:
+        config.tp_sizes = check_tp_plan(module, tp_plan, example, name)
+        config.tp_plan = dict(tp_plan)
+    return config
 
 
 def save_custom(model, output_dir: str, dtype) -> None:

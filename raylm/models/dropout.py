@@ -158,7 +158,7 @@ class SampleDropout(TorchFunctionMode):
         for b, sid in enumerate(self.sample_ids):
             g.manual_seed(mix_seed(self.seed, self.step, sid, index))
             keep[b] = torch.rand(x.shape[1:], generator=g) >= p
-        mask = keep.to(device=x.device, dtype=x.dtype).div_(1.0 - p)
+        mask = _on(x.device, keep).to(dtype=x.dtype).div_(1.0 - p)
         return x.mul_(mask) if inplace else x * mask
 
 
@@ -173,12 +173,22 @@ class SampleDropout(TorchFunctionMode):
                 or kwargs.get("generator") is not None):
             self.fallbacks += 1
             return func(*args, **kwargs)
-        g = torch.Generator(device="cpu")
-        keep = torch.empty(len(self.sample_ids), dtype=torch.float64)
-        for b, sid in enumerate(self.sample_ids):
-            g.manual_seed(mix_seed(self.seed, self.step, sid, index))
-            keep[b] = float(torch.rand((), generator=g, dtype=torch.float64) < p)
-        return x.copy_(keep.view(x.shape))
+        # One uniform per row: the top 53 bits of the row's mixed seed (no generator per
+        # row: a torch.Generator seeded 64 times per call doubled the step time of a
+        # small Swin on a GPU, whose step is bound by the host's launches).
+        keep = [float((mix_seed(self.seed, self.step, sid, index) >> 11) * 2.0 ** -53 < p)
+                for sid in self.sample_ids]
+        return x.copy_(_on(x.device, torch.tensor(keep, dtype=x.dtype)).view(x.shape))
+
+
+def _on(device, t: torch.Tensor) -> torch.Tensor:
+    """A mask drawn on the CPU, on ``device``: to a GPU through pinned memory without
+    waiting (a pageable copy makes the host wait for the GPU's queue to drain at every
+    dropout, and a model whose step is bound by its launches then runs at its copies'
+    pace)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # Modules that drop a whole sample's residual branch (stochastic depth) by a row draw.

@@ -65,10 +65,14 @@ def max_positions(config) -> Optional[int]:
 
 
 def resolve_model(cfg, model_init: Optional[Callable] = None,
-                  classes: Optional[list] = None) -> ModelSpec:
+                  classes: Optional[list] = None, tp_plan: Optional[dict] = None) -> ModelSpec:
     """Validate the model flags of a TrainConfig and return a ModelSpec (driver side);
-    ``model_init``: a model of the user's own (raylm.models.custom); ``classes``: an
-    image classifier's (--task image-classification: raylm.models.vision)."""
+    ``model_init``: a model of the user's own (raylm.models.custom), ``tp_plan`` its
+    tensor-parallel plan; ``classes``: an image classifier's (--task
+    image-classification: raylm.models.vision)."""
+    if tp_plan is not None and model_init is None:
+        raise ConfigError("tp_plan is a model of your own's tensor-parallel plan: give "
+                          "model_init with it (a transformers model brings its own)")
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
 
@@ -90,7 +94,8 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
             from raylm.models.objectives import Augment
             from raylm.models.units import transformer_blocks
 
-            config = check_custom_images(cfg, model_init, classes or [], transformer_blocks)
+            config = check_custom_images(cfg, model_init, classes or [], transformer_blocks,
+                                         tp_plan)
             return ModelSpec(config=config, pretrained_path=None, tokenizer_dir="",
                              vocab_size=0, objective="image_classification",
                              masking=Augment(seed=cfg.seed, flip=cfg.image_flip),
@@ -111,7 +116,8 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
             raise ConfigError(f"--tokenizer_name: no such directory: {tokenizer_dir}")
         tokenizer_dir = os.path.abspath(tokenizer_dir)
         vocab = len(load_tokenizer(tokenizer_dir))
-        config = check_custom(cfg, model_init, tokenizer_dir, vocab, transformer_blocks)
+        config = check_custom(cfg, model_init, tokenizer_dir, vocab, transformer_blocks,
+                              tp_plan)
         return ModelSpec(config=config, pretrained_path=None, tokenizer_dir=tokenizer_dir,
                          vocab_size=vocab, objective="causal", model_init=model_init)
 

@@ -187,9 +187,14 @@ HF_SEQUENCE_PARALLEL = {"llama": _LLAMA_SP, "mistral": _LLAMA_SP, "qwen2": _LLAM
 
 
 def plan_for(config) -> tuple[Optional[Plan], str]:
-    """(plan, source) for a model config; source is "raylm" or "transformers". The plan is
-    None when the model type has neither."""
+    """(plan, source) for a model config; source is "raylm", "transformers", or "user" (a
+    model of the user's own with the plan they gave). The plan is None when there is
+    none."""
     model_type = getattr(config, "model_type", None)
+    if model_type == "custom":  # a model of the user's own: the plan they passed, if any
+        user = getattr(config, "tp_plan", None)
+        return (Plan(layers={f"module.{k}": v for k, v in user.items()}), "user") if user \
+            else (None, "")
     if model_type in RAYLM_PLANS:
         return RAYLM_PLANS[model_type], "raylm"
     hf = getattr(config, "base_model_tp_plan", None)
@@ -211,9 +216,19 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False) -> N
         return
     model_type = getattr(config, "model_type", None) or type(config).__name__
     if model_type == "custom":  # (raylm.models.custom)
-        raise ConfigError(f"--tp {tp}: the model_init model {config.name} has no "
-                          "tensor-parallel plan (not available for a model of your own yet); "
-                          "leave --tp unset: data and pipeline parallelism and ZeRO apply")
+        if not getattr(config, "tp_plan", None):
+            raise ConfigError(f"--tp {tp}: the model_init model {config.name} has no "
+                              "tensor-parallel plan: pass one, train(..., tp_plan={'blocks.*."
+                              "up': 'colwise', 'blocks.*.down': 'rowwise'}), or leave --tp "
+                              "unset: data and pipeline parallelism and ZeRO apply")
+        if sequence_parallel:
+            raise ConfigError("--sequence_parallel is not available for a model of your own "
+                              "(tp_plan shards its layers only)")
+        for fqn, (size, what) in (config.tp_sizes or {}).items():
+            if size % tp:
+                raise ConfigError(f"--tp {tp} must divide the {what} of {fqn} ({size}), "
+                                  "which tp_plan shards")
+        return
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not heads:
@@ -345,7 +360,10 @@ def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
     from transformers.pytorch_utils import Conv1D
 
     shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    # (a model of the user's own: its plan's layers only; no vocabulary-parallel pair)
+    user = getattr(model.config, "model_type", None) == "custom" and tp > 1
+    emb, head = (None, None) if user else (model.get_input_embeddings(),
+                                           model.get_output_embeddings())
     # (an image model's input embedding is a patch projection: no vocabulary)
     weight = getattr(emb, "weight", None)
     vocab = int(weight.shape[0]) if isinstance(weight, nn.Parameter) else 0

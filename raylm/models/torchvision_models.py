@@ -14,10 +14,7 @@ torchvision 0.28's ``swin_t`` ... ``swin_v2_b``) and the overrides on top.
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.metadata
 import importlib.util
-import sys
 
 from raylm.errors import ConfigError
 
@@ -38,54 +35,10 @@ SWIN = {
 }
 DEFAULT_IMAGE_SIZE = 224  # (the ImageNet size these builders are made for)
 
-_OPS = None  # the torchvision operator schemas ensure_importable defined (kept alive)
-
-
-def ensure_importable() -> None:
-    """Make ``import torchvision`` work with a CPU-only torch and torchvision's PyPI wheel.
-
-    torchvision's Linux wheels on PyPI are CUDA builds. With a CPU-only torch (the
-    ``+cpu`` build) their C++ operators cannot load, and torchvision 0.28 then fails on
-    import with "operator torchvision::nms does not exist": it registers fake kernels for
-    ``nms`` and ``qnms`` without checking that the operators exist (pytorch/vision#9085;
-    the guard is proposed in #9649). transformers imports torchvision whenever it is
-    installed, so on such a machine every transformers model fails to import too. When
-    that is the case, and only then, raylm declares the two operators' schemas (no
-    kernels: calling ``nms`` still fails) and imports torchvision again; the models and
-    transforms raylm uses are pure Python. Cheap when torchvision is absent or matches.
-    """
-    global _OPS
-    if _OPS is not None or "torchvision" in sys.modules or \
-            importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        torch_cpu = importlib.metadata.version("torch").endswith("+cpu")
-        vision_cpu = importlib.metadata.version("torchvision").endswith("+cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    if not torch_cpu or vision_cpu:
-        return
-    import torch
-
-    try:
-        import torchvision  # noqa: F401
-        return
-    except RuntimeError as e:
-        if "torchvision::nms" not in str(e):
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
-    _OPS = torch.library.Library("torchvision", "FRAGMENT")
-    for op in ("nms", "qnms"):
-        _OPS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    importlib.import_module("torchvision")
-
-
 def classifier_names() -> list:
     """torchvision's image-classification builders (empty without torchvision)."""
     if importlib.util.find_spec("torchvision") is None:
         return []
-    ensure_importable()
     import torchvision.models as models
 
     return sorted(models.list_models(module=models))
@@ -145,7 +98,6 @@ class TorchvisionClassifier:
         self.build_args = {"torchvision": name, "num_classes": num_classes, **self.kwargs}
 
     def __call__(self):
-        ensure_importable()
         import torchvision.models as models
 
         if self.name in SWIN:

@@ -104,7 +104,7 @@ def startup_line(startup: dict) -> str:
 
 class Driver:
     def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-                 model_init=None, compute_loss_func=None):
+                 model_init=None, compute_loss_func=None, tp_plan=None):
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
         # ("step": before its forward, "sync": during its gradient sync, "update": after
@@ -117,6 +117,7 @@ class Driver:
         self.callbacks = list(callbacks)
         self.model_init = model_init  # a model of the user's own (raylm.models.custom)
         self.compute_loss_func = compute_loss_func  # the user's loss (objectives.UserLoss)
+        self.tp_plan = tp_plan  # model_init's tensor-parallel plan (raylm.models.custom)
         self.state = None
         self.steps_per_epoch = None  # the sampler's, once training starts
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
@@ -176,7 +177,8 @@ class Driver:
         with _timed(self.startup, "inputs"):
             # (no cluster needed: fails fast on bad input)
             inputs = check_inputs(cfg, model_init=self.model_init,
-                                  compute_loss_func=self.compute_loss_func)
+                                  compute_loss_func=self.compute_loss_func,
+                                  tp_plan=self.tp_plan)
         with _timed(self.startup, "ray"):
             owns_ray = cluster.connect(cfg.address)
         asked = False
@@ -1466,15 +1468,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-          model_init=None, compute_loss_func=None) -> TrainResult:
+          model_init=None, compute_loss_func=None, tp_plan=None) -> TrainResult:
     """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
     ``model_init``: a model of your own in place of the config's Hugging Face model, a
     callable with no arguments returning a ``torch.nn.Module`` whose ``forward(input_ids)``
     gives the logits (raylm.models.custom says what applies to it).
     ``compute_loss_func(outputs, labels, num_items_in_batch)``: your own loss, as the HF
-    Trainer's (``outputs.logits``: the model's logits) (raylm.models.objectives.UserLoss). ``faults``: injected rank failures, for
-    tests (see Driver)."""
+    Trainer's (``outputs.logits``: the model's logits) (raylm.models.objectives.UserLoss).
+    ``tp_plan``: model_init's tensor-parallel plan, ``{module pattern: style}`` as
+    transformers' ``base_model_tp_plan`` (``{"blocks.*.up": "colwise", "blocks.*.down":
+    "rowwise"}``; raylm.models.custom.check_tp_plan). ``faults``: injected rank failures,
+    for tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
     return Driver(config, callbacks, faults, model_init=model_init,
-                  compute_loss_func=compute_loss_func).run()
+                  compute_loss_func=compute_loss_func, tp_plan=tp_plan).run()

@@ -55,7 +55,7 @@ class Data:
 
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None,
-                 compute_loss_func=None) -> Inputs:
+                 compute_loss_func=None, tp_plan=None) -> Inputs:
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
@@ -67,16 +67,17 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
             raise ConfigError("compute_loss_func must be a callable (outputs, labels, "
                               f"num_items_in_batch) -> loss, not "
                               f"{type(compute_loss_func).__name__}")
-        if cfg.tp and cfg.tp > 1:
+        # (a plan of the user's own leaves the logits whole: their loss takes them)
+        if cfg.tp and cfg.tp > 1 and tp_plan is None:
             raise ConfigError(f"compute_loss_func with --tp {cfg.tp}: the logits are sharded "
                               "on the vocabulary there; not available yet")
-        if not cfg.tp:  # (the planner may not choose tensor parallelism for it either)
+        if not cfg.tp and tp_plan is None:  # (nor may the planner choose it)
             cfg.tp = 1
     if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
     if cfg.task == "image-classification":
-        inputs = _check_image_inputs(cfg, check_output_dir, model_init)
+        inputs = _check_image_inputs(cfg, check_output_dir, model_init, tp_plan)
         inputs.spec.loss_fn = compute_loss_func
         return inputs
     for flag in ("train_dir", "validation_dir", "image_size", "num_channels"):
@@ -85,7 +86,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
                               "with it (text data is --train_file)")
     train_files, eval_files, eval_names = _data_files(cfg)
 
-    spec = resolve_model(cfg, model_init)  # (and its objective: raylm.models.objectives)
+    spec = resolve_model(cfg, model_init, tp_plan=tp_plan)  # (and its objective)
     spec.loss_fn = compute_loss_func
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
@@ -97,7 +98,8 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     return inputs
 
 
-def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init) -> Inputs:
+def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
+                        tp_plan=None) -> Inputs:
     """check_inputs for --task image-classification: the image folders scanned (classes,
     files), the classifier resolved with their classes."""
     from raylm.data.images import scan_image_folder
@@ -117,7 +119,7 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init) ->
                           "classifier needs at least two class directories")
     val = (scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
            if cfg.validation_dir else None)
-    spec = resolve_model(cfg, model_init, classes=train.classes)
+    spec = resolve_model(cfg, model_init, classes=train.classes, tp_plan=tp_plan)
     inputs = Inputs(spec=spec, block_size=resolve_block_size(cfg, spec), train_files=[],
                     eval_files=[], images=(train, val))
     if cfg.should_train and check_output_dir:

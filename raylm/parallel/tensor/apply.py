@@ -27,6 +27,7 @@ and fills in what torch has no notion of:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ class TPState:
     sequence_parallel: bool
     vocab_size: int  # the model's own vocabulary
     padded_vocab_size: int  # a multiple of tp; rows past vocab_size are zero
-    source: str  # "raylm" or "transformers": where the layer plan came from
+    source: str  # "raylm", "transformers" or "user": where the layer plan came from
     plan: dict = field(default_factory=dict)  # module fqn -> the torch style applied
     converted: tuple = ()  # Conv1D modules turned into nn.Linear (fqns)
     fused: dict = field(default_factory=dict)  # fused module fqn -> number of parts
@@ -70,7 +71,10 @@ class TPState:
 
     def loss_context(self):
         """Forward, loss and backward of a step run inside this: logits are sharded on the
-        vocabulary, and cross-entropy over them is torch's parallel one."""
+        vocabulary, and cross-entropy over them is torch's parallel one. (A user's plan
+        leaves the logits whole: nothing to do.)"""
+        if self.source == "user":
+            return contextlib.nullcontext()
         return loss_parallel()
 
     def describe(self) -> str:
@@ -81,6 +85,34 @@ class TPState:
 
 
 # -- helpers -------------------------------------------------------------------------------
+def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
+                     src_data_rank) -> TPState:
+    """A model of the user's own (train(..., tp_plan=)): exactly the styles its plan
+    names (raylm.models.custom.check_tp_plan checked them), tied parameters re-tied; the
+    logits come out whole (the plan may not leave them column-sharded), so the loss is
+    the plain one (TPState.loss_context: none)."""
+    styles = {}
+    for pattern, name in plan.layers.items():
+        for fqn in match(model, prefix, pattern):
+            style = torch_style(name)
+            if style is not None:
+                styles[fqn] = style
+    holders = _holders(model)
+    ties = [hs for _, hs in holders.values() if len(hs) > 1]
+    parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
+    for hs in ties:  # (as step 5 below)
+        dts = [module._parameters[attr] for module, attr, _ in hs
+               if isinstance(module._parameters[attr], DTensor)]
+        for module, attr, _ in hs:
+            if dts:
+                setattr(module, attr, dts[0])
+    _check_shapes(model, expected)
+    vocab = getattr(model.config, "vocab_size", 0) or 0
+    return TPState(mesh=tp_mesh, sequence_parallel=False, vocab_size=vocab,
+                   padded_vocab_size=vocab, source="user",
+                   plan={k: repr(v) for k, v in styles.items()})
+
+
 def _holders(model: nn.Module) -> dict:
     """id(param) -> (param, [(module, attribute, fqn)]) over every path to every module."""
     out: dict = {}
@@ -290,6 +322,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
                 if value % tp:
                     raise ConfigError(f"--tp {tp} must divide {fqn}.{attr} ({value})")
                 setattr(module, attr, value // tp)
+
+    if source == "user":  # a model of the user's own: its plan's layers, nothing else
+        return _apply_user_plan(model, tp_mesh, plan, prefix, expected, src_data_rank)
 
     # 3. The vocabulary, padded to a multiple of tp (ties kept: every holder is swapped).
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

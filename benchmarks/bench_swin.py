@@ -1,0 +1,127 @@
+"""The digits Swin (``examples/digits_vit.py --model swin``, torchvision's Swin, 568k
+parameters) on one device: raylm's step time against a plain PyTorch loop of the same
+model and batch on the same device, with and without raylm's per-sample draws (stochastic
+depth drawn per sample: raylm.models.dropout.SampleDropout), and the ratios.
+
+    python benchmarks/bench_swin.py --device cuda              # one GPU (use_gpu=True)
+    python benchmarks/bench_swin.py --device cpu --steps 30    # a dry run on the CPU
+
+A model this small is bound by the host launching its kernels, so it shows what raylm
+does per operation on the host. Needs scikit-learn (the digits) and torchvision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+
+def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> float:
+    """ms per step of a plain loop: forward, loss, backward, clip, fused AdamW."""
+    import torch
+
+    from digits_vit import SWIN
+    from raylm.models.dropout import SampleDropout
+    from raylm.models.torchvision_models import TorchvisionClassifier, parse_overrides
+
+    torch.manual_seed(0)
+    model = TorchvisionClassifier("swin_t", 10, parse_overrides(SWIN))().to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step(i):
+        ctx = SampleDropout(0, i, list(range(batch))) if draws else contextlib.nullcontext()
+        with ctx, torch.autocast(device, torch.bfloat16, enabled=bf16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    warm = max(3, steps // 10)
+    for i in range(warm):
+        step(i)
+    sync()
+    t = time.perf_counter()
+    for i in range(steps):
+        loss = step(warm + i)
+    float(loss.detach())
+    sync()
+    return 1000 * (time.perf_counter() - t) / steps
+
+
+def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str) -> tuple:
+    """(median ms per step over the second half of the steps, forward+backward ms) of
+    raylm on one rank."""
+    from digits_vit import SWIN
+    from raylm import TrainConfig, train
+
+    out = tempfile.mkdtemp(prefix="bench-swin-")
+    result = train(TrainConfig(
+        task="image-classification", model_type="swin_t", config_overrides=SWIN,
+        image_size=32, train_dir=os.path.join(images, "train"), image_flip=False,
+        output_dir=out, use_gpu=device == "cuda", num_workers=1,
+        per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
+        logging_steps=1, save_steps=10 ** 6, do_eval=False, report_to=["none"],
+        disable_tqdm=True, bf16=bf16))
+    late = result.history[len(result.history) // 2:]
+    step = statistics.median(h["step_time_s"] for h in late)
+    fwd = statistics.median(h["breakdown"]["forward_backward_s"] for h in late
+                            if h.get("breakdown"))
+    return 1000 * step, 1000 * fwd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--images", help="the digits folder written already (its train/), "
+                    "where scikit-learn is not installed")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from digits_vit import write_digits
+
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+    images = args.images
+    if images is None:
+        images = tempfile.mkdtemp(prefix="digits-")
+        write_digits(images)
+    rows = {"plain": plain_ms(args.device, args.steps, args.batch, False, args.bf16),
+            "plain + per-sample draws": plain_ms(args.device, args.steps, args.batch, True,
+                                                 args.bf16)}
+    ray.init(num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
+             logging_level="WARNING", log_to_driver=False)
+    rows["raylm"], fwd = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
+    ray.shutdown()
+    base = rows["plain"]
+    print(f"digits Swin, batch {args.batch}, {args.device}, "
+          f"{'bf16' if args.bf16 else 'fp32'}, {args.steps} steps")
+    for name, ms in rows.items():
+        print(f"  {name:<26} {ms:8.2f} ms/step   {base / ms:5.2f} of the plain loop")
+    print(f"  raylm's forward+backward   {fwd:8.2f} ms")
+    print(json.dumps({k: round(v, 3) for k, v in rows.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
