@@ -16,10 +16,13 @@ class _TorchvisionOps(importlib.abc.MetaPathFinder):
     """Runs ``declare_torchvision_ops`` just before torchvision is first imported, then
     steps aside (the import itself is Python's)."""
 
+    done = False
+
     def find_spec(self, name, path=None, target=None):
-        if name == "torchvision":
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
+        # (it stays on sys.meta_path, done: removing it while Python walks the list
+        # would skip the next finder)
+        if name == "torchvision" and not self.done:
+            self.done = True
             try:
                 declare_torchvision_ops()
             except Exception:  # never break an import: torchvision then fails as it would

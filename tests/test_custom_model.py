@@ -256,6 +256,21 @@ def test_a_bad_tensor_parallel_plan_is_one_error(plan, tp, message, ray_cluster,
     assert "\n" not in str(err.value) and driver.workers == []
 
 
+def test_a_plan_that_shards_a_tied_weight_is_one_error():
+    """An embedding tied to the head: sharding either would hand the other a shard."""
+    from raylm.models.custom import check_tp_plan
+
+    with torch.device("meta"):
+        model = ToyLM()
+    model.head.weight = model.embed.weight
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    assert check_tp_plan(model, TP_PLAN, ids, "tied") == {
+        **{f"blocks.{i}.up": (32, "output features") for i in range(4)},
+        **{f"blocks.{i}.down": (32, "input features") for i in range(4)}}
+    with pytest.raises(ConfigError, match="embed's weight is tied to head's"):
+        check_tp_plan(model, {"embed": "embedding_rowwise"}, ids, "tied")
+
+
 def test_a_tensor_parallel_plan_needs_a_model_of_your_own(corpus_dir, cache_root, tmp_path):
     from raylm.runtime.prepare import check_inputs
 

@@ -82,6 +82,9 @@ def test_layer_units_without_a_list_takes_runs_of_one_type():
                           nn.Sequential(Block(4), Block(4)), nn.Linear(4, 8),
                           nn.Sequential(Block(8), Block(8), Block(8)), nn.Linear(8, 2))
     assert layer_units(model) == ["1.0", "1.1", "3.0", "3.1", "3.2"]
+    # a heavier module alone in its container is no run of blocks
+    model.append(nn.Sequential(nn.Linear(8, 1000)))
+    assert layer_units(model) == ["1.0", "1.1", "3.0", "3.1", "3.2"]
 
 
 @pytest.mark.parametrize("model", [

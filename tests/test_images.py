@@ -301,9 +301,12 @@ def test_corrupt_image_is_one_error_naming_it(ray_cluster, image_dir, cache_root
      "--num_channels 1: torchvision's swin_t takes RGB images"),
     (dict(model_type="swin_t", config_overrides=None, model_name_or_path="/tmp"),
      "torchvision's swin_t built from scratch: drop --model_name_or_path"),
+    (dict(model_type="swin_t", config_overrides="depths=[2,2"), "an unclosed bracket"),
+    (dict(model_type="swin_t", config_overrides="depths=[2,2,2,2,2]"),
+     r"torchvision refused it \(IndexError"),
 ], ids=["not-an-image-model", "no-train-dir", "missing-dir", "text-flag", "image-size-hf",
         "eval-only-without-a-model", "torchvision-bad-override", "torchvision-grey",
-        "torchvision-pretrained"])
+        "torchvision-pretrained", "torchvision-unclosed", "torchvision-builder-fails"])
 def test_image_bad_input(flags, message, image_dir, cache_root, tmp_path):
     cfg = config(tmp_path / "out", image_dir, cache_root)
     for k, v in flags.items():
@@ -345,3 +348,24 @@ def test_plan_of_an_image_model(kind, image_dir, cache_root, tmp_path):
     model = build_model(check_inputs(cfg, check_output_dir=False).spec, 0)
     assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
     assert report["plan"]["pp"] == 2 and len(report["plan"]["stage_bounds"]) == 2
+
+
+def test_an_output_dir_knows_its_run_s_loss(image_dir, cache_root, tmp_path):
+    """The run record names a model of your own and its loss: the same run finds its
+    output directory again (a resume), another loss is another run."""
+    from raylm.runtime.prepare import start_output_dir
+
+    def ce(outputs, labels, n):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / n
+
+    def smoothed(outputs, labels, n):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum",
+                                                 label_smoothing=0.1) / n
+
+    cfg = cnn_config(tmp_path / "out", image_dir, cache_root)
+    inputs = check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)
+    start_output_dir(cfg, GLOBAL_BATCH, inputs.spec)
+    (tmp_path / "out" / "metrics.jsonl").write_text("")
+    check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)  # the same run
+    with pytest.raises(ConfigError, match=r"differs in: compute_loss_func\)"):
+        check_inputs(cfg, model_init=SmallCNN, compute_loss_func=smoothed)

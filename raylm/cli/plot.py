@@ -56,11 +56,11 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
     ax_lr.plot(*_series(train, "learning_rate"), color="tab:purple")
     ax_lr.set_title("learning rate")
     ax_ppl.set_title("top-1 accuracy" if accuracy else "perplexity")
-    if ax_ppl.lines and not accuracy:
-        ax_ppl.set_yscale("log")
-    else:
+    if not ax_ppl.lines:
         ax_ppl.text(0.5, 0.5, "no evaluation logged", ha="center",
                     transform=ax_ppl.transAxes, color="grey")
+    elif not accuracy:
+        ax_ppl.set_yscale("log")
     ax_tps.plot(*_series(train, "tokens_per_second"), color="tab:green")
     ax_tps.set_title("throughput (tokens/s)")
     if any("mfu" in r for r in train):

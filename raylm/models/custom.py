@@ -280,6 +280,19 @@ def check_tp_plan(module, tp_plan, example, name: str) -> dict:
                                   f"{type(m).__name__}; torch shards nn.Linear (colwise / "
                                   "rowwise styles) and nn.Embedding (embedding_* styles)")
             sizes[fqn], styles[fqn] = size, style
+    # A parameter shared by a module the plan shards and another (an embedding tied to
+    # the head) would reach the other as a shard.
+    owners: dict = {}
+    for fqn, m in modules.items():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(fqn)
+    for fqns in owners.values():
+        sharded = [f for f in fqns if f in styles]
+        if sharded and len(fqns) > 1:
+            other = next(f for f in fqns if f != sharded[0])
+            raise ConfigError(f"tp_plan: {sharded[0]}'s weight is tied to {other}'s; a tied "
+                              "weight is not sharded by a plan of your own yet: leave both "
+                              "whole")
     outputs = []  # (output, fqn) of the column-parallel layers (kept: ids are reused)
     hooks = [modules[f].register_forward_hook(
         lambda m, args, out, f=f: outputs.append((out, f)))
@@ -290,7 +303,9 @@ def check_tp_plan(module, tp_plan, example, name: str) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    last = next((f for out, f in outputs if out is logits), None)
+    # the logits themselves, or a view of them (same last width: a head's output reshaped)
+    last = next((f for out, f in outputs if out is logits or (
+        isinstance(out, torch.Tensor) and out.shape[-1:] == logits.shape[-1:])), None)
     if last is not None:
         raise ConfigError(f"tp_plan: the logits come out of {last} as 'colwise' (each rank "
                           "would hold a slice of them); make it 'colwise_gather_output', or "

@@ -170,7 +170,7 @@ class SampleDropout(TorchFunctionMode):
         self.calls += 1
         if (type(x) is not torch.Tensor or x.dim() == 0 or x.shape[0] != len(self.sample_ids)
                 or x.numel() != x.shape[0] or not isinstance(p, (float, int))
-                or kwargs.get("generator") is not None):
+                or not 0 <= p <= 1 or kwargs.get("generator") is not None):
             self.fallbacks += 1
             return func(*args, **kwargs)
         # One uniform per row: the top 53 bits of the row's mixed seed (no generator per
@@ -187,7 +187,7 @@ def _on(device, t: torch.Tensor) -> torch.Tensor:
     dropout, and a model whose step is bound by its launches then runs at its copies'
     pace)."""
     if device.type != "cuda":
-        return t
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -64,25 +64,49 @@ def is_torchvision_type(name) -> bool:
 
 
 def parse_overrides(text) -> dict:
-    """``--config_overrides`` as keyword arguments: ``a=1,b=[2,3],c=x``, each value a
-    Python literal (a bare word is a string); commas inside brackets belong to the value."""
-    out, depth, item = {}, 0, ""
-    for ch in (text or "") + ",":
-        if ch == "," and depth == 0:
+    """``--config_overrides`` as keyword arguments: ``a=1,b=[2,3],c=x,d=true``, each value
+    a Python literal (a bare word is a string; true / false / none as in transformers'
+    overrides); commas inside brackets or quotes belong to the value. One ConfigError
+    for an item that is not key=value or unbalanced brackets or quotes."""
+    words = {"true": True, "false": False, "none": None}
+    out, depth, quote, item = {}, 0, None, ""
+
+    def flush(item):
+        if "=" not in item:
+            raise ConfigError(f"--config_overrides: '{item.strip()}' is not of the form "
+                              "key=value")
+        key, value = (x.strip() for x in item.split("=", 1))
+        if value.lower() in words:
+            out[key] = words[value.lower()]
+            return
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+
+    for ch in (text or ""):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"--config_overrides {text!r}: a closing bracket with no "
+                                  "opening one")
+        elif ch == "," and depth == 0:
             if item.strip():
-                if "=" not in item:
-                    raise ConfigError(f"--config_overrides: '{item.strip()}' is not of the "
-                                      "form key=value")
-                key, value = (s.strip() for s in item.split("=", 1))
-                try:
-                    out[key] = ast.literal_eval(value)
-                except (ValueError, SyntaxError):
-                    out[key] = value
+                flush(item)
             item = ""
             continue
-        depth += ch in "([{"
-        depth -= ch in ")]}"
         item += ch
+    if depth or quote:
+        raise ConfigError(f"--config_overrides {text!r}: an unclosed "
+                          f"{'quote' if quote else 'bracket'}")
+    if item.strip():
+        flush(item)
     return out
 
 
@@ -132,7 +156,8 @@ def torchvision_classifier(cfg, classes: list):
     try:
         with torch.device("meta"), torch.random.fork_rng(devices=[]):
             factory()
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # (a builder may fail on any bad argument: IndexError, ...)
         raise ConfigError(f"--model_type {name} with --config_overrides "
-                          f"{cfg.config_overrides!r}: torchvision refused it ({e})") from None
+                          f"{cfg.config_overrides!r}: torchvision refused it "
+                          f"({type(e).__name__}: {e})") from None
     return factory, cfg.image_size or DEFAULT_IMAGE_SIZE

@@ -215,11 +215,10 @@ def _runs(model: nn.Module) -> list:
     by_type: dict = {}
     for m in _same_type_children(model, (nn.Sequential, nn.ModuleList)):
         by_type.setdefault(type(m), []).append(m)
-    if not by_type:
+    runs = [ms for ms in by_type.values() if len(ms) >= 2]  # (one module is no run)
+    if not runs:
         return []
-    best = max(by_type.values(),
-               key=lambda ms: sum(p.numel() for p in distinct_params(ms).values()))
-    return best if len(best) >= 2 else []
+    return max(runs, key=lambda ms: sum(p.numel() for p in distinct_params(ms).values()))
 
 
 def is_t5(config) -> bool:

@@ -77,9 +77,8 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
     if cfg.task == "image-classification":
-        inputs = _check_image_inputs(cfg, check_output_dir, model_init, tp_plan)
-        inputs.spec.loss_fn = compute_loss_func
-        return inputs
+        return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
+                                   compute_loss_func)
     for flag in ("train_dir", "validation_dir", "image_size", "num_channels"):
         if getattr(cfg, flag):
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
@@ -99,7 +98,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
 
 
 def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
-                        tp_plan=None) -> Inputs:
+                        tp_plan=None, compute_loss_func=None) -> Inputs:
     """check_inputs for --task image-classification: the image folders scanned (classes,
     files), the classifier resolved with their classes."""
     from raylm.data.images import scan_image_folder
@@ -120,6 +119,7 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
     val = (scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
            if cfg.validation_dir else None)
     spec = resolve_model(cfg, model_init, classes=train.classes, tp_plan=tp_plan)
+    spec.loss_fn = compute_loss_func  # (before the output dir's check: the run's code)
     inputs = Inputs(spec=spec, block_size=resolve_block_size(cfg, spec), train_files=[],
                     eval_files=[], images=(train, val))
     if cfg.should_train and check_output_dir:
@@ -385,9 +385,18 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                           "--overwrite_output_dir to train over it")
     with open(record_path) as f:
         record = json.load(f)
-    mine = cfg.run_fingerprint(code_of(inputs.spec))
+    code = code_of(inputs.spec)
+    unrecorded = [k for k, v in code.items() if v is not None and k not in record]
+    if unrecorded and "model_init" not in record and "compute_loss_func" not in record:
+        # A record written before raylm recorded the run's code: its settings still decide.
+        log.warning("%s: the run record does not name the run's %s (written by an earlier "
+                    "raylm): not checked", out, " or ".join(unrecorded))
+        code = {k: v for k, v in code.items() if k not in unrecorded}
+    mine = cfg.run_fingerprint(code)
     if record.get("digest") != mine["digest"]:
-        differs = sorted(k for k in mine if k != "digest" and record.get(k) != mine[k])
+        differs = sorted(k for k in set(mine) | set(record)
+                         if k not in ("digest", "global_batch_size")
+                         and record.get(k) != mine.get(k))
         raise ConfigError(f"--output_dir {out} holds a different run (differs in: "
                           f"{', '.join(differs) or 'settings'}); use --overwrite_output_dir "
                           "or another --output_dir")
