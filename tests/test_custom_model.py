@@ -59,6 +59,11 @@ def toy_lm():
     return ToyLM()
 
 
+# Megatron's MLP split: each block's up projection column-parallel, its down projection
+# row-parallel (its output summed over tp: whole again for the residual stream).
+TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
 def config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(train_file=[str(corpus)], block_size=32, data_cache_dir=cache_root,
                 output_dir=str(out), max_steps=STEPS, logging_steps=1, save_steps=1000,
@@ -110,17 +115,25 @@ def smoothed_loss(outputs, labels, num_items_in_batch):
         ignore_index=-100, label_smoothing=0.1, reduction="sum") / num_items_in_batch
 
 
-def test_own_loss_matches_single_process(reference, ray_cluster, corpus_dir, cache_root,
-                                         tmp_path, tmp_path_factory):
-    """compute_loss_func: the same module trained with the user's loss in one process."""
+@pytest.fixture(scope="module")
+def own_loss_reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     ref_cfg = config(tmp_path_factory.mktemp("ref-loss"), corpus_dir, cache_root,
                      gradient_accumulation_steps=4)
-    own = reference_of(ref_cfg, GLOBAL_BATCH, STEPS, model_init=toy_lm,
-                       compute_loss_func=smoothed_loss)
-    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, dp=2,
-                 gradient_accumulation_steps=2)
-    result = train(cfg, model_init=toy_lm, compute_loss_func=smoothed_loss)
-    assert_steps_match(result.history, own, STEPS, label="dp2 own loss")
+    return reference_of(ref_cfg, GLOBAL_BATCH, STEPS, model_init=toy_lm,
+                        compute_loss_func=smoothed_loss)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, gradient_accumulation_steps=2),
+                                    dict(tp=2, gradient_accumulation_steps=4)],
+                         ids=["dp2", "tp2-own-plan"])
+def test_own_loss_matches_single_process(layout, reference, own_loss_reference, ray_cluster,
+                                         corpus_dir, cache_root, tmp_path):
+    """compute_loss_func: the same module trained with the user's loss in one process;
+    under a tensor-parallel plan of the user's own too (the logits stay whole there)."""
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, **layout)
+    plan = TP_PLAN if layout.get("tp") else None
+    result = train(cfg, model_init=toy_lm, compute_loss_func=smoothed_loss, tp_plan=plan)
+    assert_steps_match(result.history, own_loss_reference, STEPS, label="own loss")
     # (the smoothed loss is not the plain one: the function was really used; at the first
     # step's near-uniform predictions the two losses agree, their gradients do not)
     first = result.history[0]["grad_norm"]
@@ -214,11 +227,6 @@ def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_
         driver.run()
     assert "\n" not in str(err.value)
     assert driver.workers == [] and driver.state == "planning"  # no rank actor started
-
-
-# Megatron's MLP split: each block's up projection column-parallel, its down projection
-# row-parallel (its output summed over tp: whole again for the residual stream).
-TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
 
 def test_own_model_with_a_tensor_parallel_plan_matches_single_process(
