@@ -237,6 +237,11 @@ USER_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep",
                   "embedding_colwise", "replicate")
 
 
+# What the weight's sharded dim is, in the errors: (embedding?, dim) -> its name.
+_SHARDED = {(False, 0): "output features", (False, 1): "input features",
+            (True, 0): "rows", (True, 1): "embedding width"}
+
+
 def check_tp_plan(module, tp_plan, example, name: str) -> dict:
     """Check the user's tensor-parallel plan against their module (on the meta device):
     each pattern (``*`` one name, as transformers' ``base_model_tp_plan``) matches
@@ -244,10 +249,10 @@ def check_tp_plan(module, tp_plan, example, name: str) -> dict:
     style raylm translates, and the logits do not come out of a column-parallel layer
     as a local shard (the loss needs them whole: ``colwise_gather_output`` gathers
     them). Returns ``{module fqn: (size tp must divide, what it is)}``."""
-    import fnmatch
-
     import torch
     from torch import nn
+
+    from raylm.models.tensor_plans import match, shard_dim
 
     if not isinstance(tp_plan, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                 for k, v in tp_plan.items()):
@@ -260,25 +265,20 @@ def check_tp_plan(module, tp_plan, example, name: str) -> dict:
         if style not in USER_TP_STYLES:
             raise ConfigError(f"tp_plan['{pattern}'] = '{style}': choose one of "
                               f"{', '.join(USER_TP_STYLES)}")
-        atoms = pattern.split(".")
-        found = [n for n in modules if n and len(n.split(".")) == len(atoms) and all(
-            fnmatch.fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
+        found = match(module, "", pattern)
         if not found:
             raise ConfigError(f"tp_plan: '{pattern}' matches no module of model_init {name}")
         for fqn in found:
             m = modules[fqn]
             if style == "replicate":
                 continue
-            if isinstance(m, nn.Linear) and not style.startswith("embedding"):
-                size = (m.out_features, "output features") if style.startswith("colwise") \
-                    else (m.in_features, "input features")
-            elif isinstance(m, nn.Embedding) and style.startswith("embedding"):
-                size = (m.embedding_dim, "embedding width") if style == "embedding_colwise" \
-                    else (m.num_embeddings, "rows")
-            else:
+            embedding = style.startswith("embedding")
+            if not isinstance(m, nn.Embedding if embedding else nn.Linear):
                 raise ConfigError(f"tp_plan['{pattern}'] = '{style}': {fqn} is "
                                   f"{type(m).__name__}; torch shards nn.Linear (colwise / "
                                   "rowwise styles) and nn.Embedding (embedding_* styles)")
+            dim = shard_dim(style, embedding, "weight")  # (the weight's dim it shards)
+            size = (int(m.weight.shape[dim]), _SHARDED[embedding, dim])
             sizes[fqn], styles[fqn] = size, style
     # A parameter shared by a module the plan shards and another (an embedding tied to
     # the head) would reach the other as a shard.

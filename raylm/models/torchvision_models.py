@@ -119,7 +119,11 @@ class TorchvisionClassifier:
         self.name, self.num_classes, self.kwargs = name, num_classes, dict(kwargs)
         # (what raylm.models.custom names the factory by, and saves to rebuild it)
         self.__module__, self.__qualname__ = "torchvision.models", name
-        self.build_args = {"torchvision": name, "num_classes": num_classes, **self.kwargs}
+
+    @property
+    def build_args(self) -> dict:
+        """What rebuilds the model (raylm_model.json's ``build_args``)."""
+        return {"torchvision": self.name, "num_classes": self.num_classes, **self.kwargs}
 
     def __call__(self):
         import torchvision.models as models

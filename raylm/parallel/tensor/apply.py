@@ -88,24 +88,16 @@ class TPState:
 def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
                      src_data_rank) -> TPState:
     """A model of the user's own (train(..., tp_plan=)): exactly the styles its plan
-    names (raylm.models.custom.check_tp_plan checked them), tied parameters re-tied; the
-    logits come out whole (the plan may not leave them column-sharded), so the loss is
-    the plain one (TPState.loss_context: none)."""
+    names (raylm.models.custom.check_tp_plan checked them, and refused a sharded tied
+    weight: nothing to re-tie); the logits come out whole (the plan may not leave them
+    column-sharded), so the loss is the plain one (TPState.loss_context: none)."""
     styles = {}
     for pattern, name in plan.layers.items():
         for fqn in match(model, prefix, pattern):
             style = torch_style(name)
             if style is not None:
                 styles[fqn] = style
-    holders = _holders(model)
-    ties = [hs for _, hs in holders.values() if len(hs) > 1]
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
-    for hs in ties:  # (as step 5 below)
-        dts = [module._parameters[attr] for module, attr, _ in hs
-               if isinstance(module._parameters[attr], DTensor)]
-        for module, attr, _ in hs:
-            if dts:
-                setattr(module, attr, dts[0])
     _check_shapes(model, expected)
     vocab = getattr(model.config, "vocab_size", 0) or 0
     return TPState(mesh=tp_mesh, sequence_parallel=False, vocab_size=vocab,
