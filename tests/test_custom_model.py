@@ -321,3 +321,116 @@ def test_own_loss_pins_tensor_parallelism_off_and_skips_filler_batches(corpus_di
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 8),
                                                  labels[:, 1:].reshape(-1), reduction="sum")
     assert torch.allclose(loss.loss_sum(logits, labels), expected)
+
+
+# --- the data as a dataset object: train(train_dataset=) ------------------------------------
+
+@pytest.fixture(scope="module")
+def lines(corpus_dir, tmp_path_factory):
+    """Macbeth's lines (with their line breaks, as --train_file reads a .txt file), and
+    a parquet file of them: the file a dataset of the same rows must train as."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = (corpus_dir / "macbeth.txt").read_text().splitlines(keepends=True)
+    path = tmp_path_factory.mktemp("lines") / "macbeth.parquet"
+    pq.write_table(pa.table({"text": rows}), path)
+    return rows, str(path)
+
+
+def line_dataset(rows, blocks: int):
+    """A Ray Dataset of ``rows`` through a map, cut into ``blocks`` blocks (whose tasks
+    Ray may finish in any order)."""
+    import ray
+
+    return ray.data.from_items([{"line": r} for r in rows], override_num_blocks=blocks) \
+        .map_batches(lambda b: {"text": b["line"]}, batch_format="numpy")
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopAfter:
+    """A callback: records each step's losses, and stops the driver after ``step``."""
+
+    def __init__(self, step: int):
+        self.step, self.history = step, []
+
+    def on_step_end(self, driver, step, record):
+        self.history.append(dict(record, step=step))
+        if step == self.step:
+            raise Interrupted(f"stopped after step {step}")
+
+
+def test_a_ray_dataset_trains_as_a_file_of_its_rows(lines, ray_cluster, cache_root,
+                                                     tmp_path):
+    """train(train_dataset=ray.data...) on dp=2 matches one process trained on a parquet
+    file of the same rows: the rows are the dataset's, in its order, whatever its blocks.
+    Stopped after the checkpoint of step 3, the same call with the same rows cut into
+    other blocks resumes from disk (a model of your own) and ends as one process.
+    The export is named by the rows (an HF datasets.Dataset of them writes the same
+    rows); eval_dataset takes the validation files' place; other rows are another run."""
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    from raylm.data.given import export
+    from raylm.runtime.prepare import check_inputs
+
+    rows, path = lines
+    ref = reference_of(config(tmp_path / "ref", path, cache_root,
+                              gradient_accumulation_steps=4),
+                       GLOBAL_BATCH, STEPS, model_init=toy_lm)
+    cfg = config(tmp_path / "out", path, cache_root, train_file=[], num_workers=2, dp=2,
+                 gradient_accumulation_steps=2, save_steps=3)
+    stop = StopAfter(3)
+    with pytest.raises(Interrupted):
+        train(cfg, model_init=toy_lm, train_dataset=line_dataset(rows, 7), callbacks=(stop,))
+    result = train(cfg, model_init=toy_lm, train_dataset=line_dataset(rows, 3))
+    assert [h["step"] for h in result.history] == [4, 5], result.history
+    assert_steps_match(stop.history + result.history, ref, STEPS, label="ray dataset")
+
+    with open(os.path.join(result.output_dir, "raylm_run.json")) as f:
+        digest = json.load(f)["train_dataset"]
+    exported, again = export(line_dataset(rows, 2), "train_dataset", None, cache_root)
+    assert again == digest and pq.read_table(exported)["text"].to_pylist() == rows
+    hf_path, _ = export(Dataset.from_dict({"text": rows}), "train_dataset", None, cache_root)
+    assert pq.read_table(hf_path)["text"].to_pylist() == rows
+    # eval_dataset: the validation files' place (the training files stay)
+    inputs = check_inputs(config(tmp_path / "ev", path, cache_root, do_train=True,
+                                 do_eval=True),
+                          model_init=toy_lm,
+                          datasets={"eval_dataset": line_dataset(rows[:40], 2)})
+    assert inputs.train_files == [path] and list(inputs.given) == ["eval_dataset"]
+    assert pq.read_table(inputs.eval_files[0])["text"].to_pylist() == rows[:40]
+    with pytest.raises(ConfigError, match=r"holds a different run \(differs in: "
+                                          r"train_dataset\)"):
+        Driver(cfg, model_init=toy_lm, datasets={"train_dataset": line_dataset(rows[:-9], 2)}
+               ).run()
+
+
+def _failing(batch):
+    raise ValueError("no such column in my table")
+
+
+@pytest.mark.parametrize("make,flags,message", [
+    (lambda rows: rows, {}, "train_dataset takes a ray.data.Dataset or a datasets.Dataset, "
+                            "not list"),
+    (lambda rows: line_dataset(rows, 2), {"train_file": ["x.txt"]},
+     "train_dataset and --train_file both given"),
+    (lambda rows: line_dataset(rows, 2).map(lambda r: {"n": len(r["text"])}), {},
+     r"train_dataset: \(a Ray Dataset\) has no 'text' column and no single string column"),
+    (lambda rows: line_dataset(rows, 2).map_batches(_failing), {},
+     "train_dataset: Ray Data could not produce its rows: ValueError: no such column"),
+    (lambda rows: line_dataset(rows, 2).filter(lambda r: False), {},
+     "train_dataset is empty"),
+], ids=["a-list", "and-files", "no-text", "map-fails", "empty"])
+def test_a_bad_dataset_is_one_clear_error(make, flags, message, lines, ray_cluster,
+                                          cache_root, tmp_path):
+    rows = lines[0][:200]
+    cfg = config(tmp_path / "out", lines[1], cache_root, **{"train_file": [], **flags})
+    driver = Driver(cfg, model_init=toy_lm, datasets={"train_dataset": make(rows)})
+    with pytest.raises(ConfigError, match=message) as err:
+        driver.run()
+    assert "\n" not in str(err.value)
+    assert driver.workers == [] and driver.state == "planning"  # no rank actor started

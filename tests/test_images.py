@@ -364,8 +364,80 @@ def test_an_output_dir_knows_its_run_s_loss(image_dir, cache_root, tmp_path):
 
     cfg = cnn_config(tmp_path / "out", image_dir, cache_root)
     inputs = check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)
-    start_output_dir(cfg, GLOBAL_BATCH, inputs.spec)
+    start_output_dir(cfg, GLOBAL_BATCH, inputs)
     (tmp_path / "out" / "metrics.jsonl").write_text("")
     check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)  # the same run
     with pytest.raises(ConfigError, match=r"differs in: compute_loss_func\)"):
         check_inputs(cfg, model_init=SmallCNN, compute_loss_func=smoothed)
+
+
+# --- images as a dataset object: train(train_dataset=) --------------------------------
+
+def folder_as_ray_dataset(image_dir, blocks: int = 5):
+    """The image folder as a user would hand it over: ray.data.read_images of its files,
+    each row labelled with its class directory's name."""
+    import ray
+
+    from raylm.data.images import scan_image_folder
+
+    folder = scan_image_folder(str(image_dir), "--train_dir")
+    names = {os.path.basename(f): folder.classes[label]
+             for f, label in zip(folder.files, folder.labels)}
+    return ray.data.read_images(folder.files, include_paths=True,
+                                override_num_blocks=blocks).map(
+        lambda r: {"image": r["image"], "label": names[os.path.basename(r["path"])]})
+
+
+def test_a_ray_dataset_of_images_trains_as_the_folder(reference, ray_cluster, image_dir,
+                                                      cache_root, tmp_path):
+    """train(train_dataset=ray.data.read_images(...)) on dp=2 matches one process trained
+    on the folder itself (the same images in the same order, classes from the labels);
+    the saved ViT names the classes."""
+    from transformers import AutoModelForImageClassification
+
+    cfg = config(tmp_path / "out", image_dir, cache_root, train_dir=None, num_workers=2,
+                 dp=2, gradient_accumulation_steps=2)
+    result = train(cfg, train_dataset=folder_as_ray_dataset(image_dir))
+    assert_steps_match(result.history, reference, STEPS, label="read_images")
+    model = AutoModelForImageClassification.from_pretrained(result.output_dir)
+    assert model.config.id2label == dict(enumerate(CLASSES))
+    with open(os.path.join(result.output_dir, "raylm_run.json")) as f:
+        assert json.load(f)["train_dataset"].startswith("images:")
+
+
+def test_a_datasets_dataset_of_images_and_bad_image_datasets(ray_cluster, cache_root,
+                                                             tmp_path):
+    """A datasets.Dataset with a ClassLabel takes its class names from it; an evaluation
+    set's labels must be the training set's; bad datasets are one error each."""
+    import ray
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    from raylm.data.images import build_given_images, given_images
+
+    rng = np.random.default_rng(1)
+    labels = [0, 1, 2, 2, 1, 0]
+    hf = Dataset.from_dict({"image": [draw(CLASSES[i], rng) for i in labels],
+                            "label": labels},
+                           features=Features({"image": Image(),
+                                              "label": ClassLabel(names=list(CLASSES))}))
+    given = given_images(hf, "train_dataset")
+    assert given.classes == list(CLASSES)
+    built, _ = build_given_images(given, SIZE, 3, cache_root)
+    assert built.num_samples == 6 and built.classes == list(CLASSES)
+
+    named = ray.data.from_items([{"image": draw("circle", rng), "label": name}
+                                 for name in ("square", "circle", "mystery")])
+    with pytest.raises(ConfigError, match="eval_dataset: labels the training data does not "
+                                          "have: mystery"):
+        given_images(named, "eval_dataset", list(CLASSES))
+    with pytest.raises(ConfigError, match=r"train_dataset: no column 'label' \(columns: "
+                                          r"image\)"):
+        given_images(named.drop_columns(["label"]), "train_dataset")
+    scores = ray.data.from_items([{"image": draw("circle", rng), "label": v}
+                                  for v in (0.5, 1.5)])
+    with pytest.raises(ConfigError, match=r"train_dataset: labels must be class names \(str\) "
+                                          r"or class ids \(int\), not float"):
+        given_images(scores, "train_dataset")
+    cfg = config(tmp_path / "out", "unused", cache_root, num_workers=1)
+    with pytest.raises(ConfigError, match="train_dataset and --train_dir both given"):
+        check_inputs(cfg, datasets={"train_dataset": named})

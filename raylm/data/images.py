@@ -174,6 +174,25 @@ def _decode_task(batch: dict, *, image_size: int, channels: int) -> dict:
             "error": np.asarray(errors, dtype=object)}
 
 
+def _write_shard(tmp: str, first: int, pixels: list, labels, width: int) -> dict:
+    """One shard of the cache being built (rows from sample id ``first``); its manifest
+    entry."""
+    name = f"shard-{first:012d}.parquet"
+    pq.write_table(pa.table({"pixels": pa.array(pixels, type=pa.binary(width)),
+                             "label": pa.array(labels, type=pa.int32())}),
+                   os.path.join(tmp, name))
+    return {"file": name, "offset": first, "samples": len(pixels)}
+
+
+def _commit(tmp: str, final: str, manifest: dict, replace: bool) -> None:
+    """The manifest written last, then the directory renamed into place."""
+    from raylm.data.tokenized import commit_build
+
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump({"format_version": FORMAT_VERSION, **manifest}, f, indent=1)
+    commit_build(pafs.LocalFileSystem(), tmp, final, replace=replace)
+
+
 def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
                         cache_root: str, overwrite: bool = False,
                         before_decoding=None) -> ImageDataset:
@@ -181,8 +200,8 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
     from the same files and settings. Ray must be initialised."""
     import ray
 
-    from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, commit_build,
-                                      quiet_ray_data, remove_stale_tmp)
+    from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, quiet_ray_data,
+                                      remove_stale_tmp)
 
     if "://" in cache_root:
         raise ConfigError(f"--data_cache_dir {cache_root}: the image cache is written to a "
@@ -222,23 +241,192 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
             for run in np.split(np.arange(len(ids)), cuts):
                 first = int(ids[run[0]])
                 seen[ids[run]] = True
-                table = pa.table({
-                    "pixels": pa.array(list(pixels[run]), type=pa.binary(width)),
-                    "label": pa.array(labels[ids[run]], type=pa.int32())})
-                name = f"shard-{first:012d}.parquet"
-                pq.write_table(table, os.path.join(tmp, name))
-                shards.append({"file": name, "offset": first, "samples": len(run)})
+                shards.append(_write_shard(tmp, first, list(pixels[run]),
+                                           labels[ids[run]], width))
         if not seen.all():  # (each image once: the tags must cover every id)
             raise RuntimeError(f"image cache: {int((~seen).sum())} images never came back "
                                "from Ray Data")
         shards.sort(key=lambda s: s["offset"])
-        manifest = {"format_version": FORMAT_VERSION, "key": key, "num_samples": n,
-                    "image_size": image_size, "channels": channels,
-                    "classes": folder.classes, "root": folder.root, "shards": shards}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-        commit_build(pafs.LocalFileSystem(), tmp, final, replace=overwrite)
+        _commit(tmp, final, dict(key=key, num_samples=n, image_size=image_size,
+                                 channels=channels, classes=folder.classes,
+                                 root=folder.root, shards=shards), replace=overwrite)
     finally:
         with contextlib.suppress(OSError):
             pafs.LocalFileSystem().delete_dir(tmp)
     return ImageDataset.load(final)
+
+
+# --- images from a dataset object: train(train_dataset=) ------------------------------
+# A Ray Dataset (ray.data.read_images, read_parquet of encoded images, any map; a
+# datasets.Dataset goes through ray.data.from_huggingface) of rows with an ``image`` (an
+# array HxW or HxWxC, encoded bytes, or datasets' {"bytes", "path"}) and a ``label`` (a
+# class name, or an integer). Two passes, both in the dataset's order (raylm.data.given):
+# the labels alone, on the driver, for the classes (the model's head is sized by them
+# before any image is decoded); then the images, resized in Ray Data tasks and written by
+# the driver as the folder's are, into a cache named by a digest of what was written.
+IMAGE_COLUMN, LABEL_COLUMN = "image", "label"
+
+
+@dataclass
+class GivenImages:
+    """A dataset of images given to train(), its classes read: what an ImageFolder is for
+    a folder."""
+
+    ds: object  # ray.data.Dataset
+    arg: str  # train_dataset / eval_dataset
+    classes: list[str]
+    index: dict  # a label value -> its class id
+
+    @property
+    def root(self) -> str:
+        return f"({self.arg})"
+
+
+def given_images(ds, arg: str, classes: Optional[list] = None) -> GivenImages:
+    """``ds``'s classes: the sorted class names (or integers) among its labels; with
+    ``classes`` (the training set's), its labels must be among them. One ConfigError for
+    missing columns, missing or mixed labels."""
+    from raylm.data.given import as_ray, batches, failure
+
+    hf_names = _class_label_names(ds)
+    ds = as_ray(ds, arg)
+    try:
+        names = ds.schema(fetch_if_missing=True).names
+    except Exception as e:
+        raise failure(arg, e) from e
+    missing = [c for c in (IMAGE_COLUMN, LABEL_COLUMN) if c not in names]
+    if missing:
+        raise ConfigError(f"{arg}: no column {' or '.join(repr(c) for c in missing)} "
+                          f"(columns: {', '.join(names)}); images are rows of 'image' and "
+                          "'label'")
+    values = []
+    for batch in batches(ds.select_columns([LABEL_COLUMN]), arg, "pyarrow"):
+        values += batch.column(LABEL_COLUMN).to_pylist()
+    if not values:
+        raise ConfigError(f"{arg} is empty (no rows)")
+    if any(v is None for v in values):
+        raise ConfigError(f"{arg}: row {values.index(None)} has no label")
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    if not ints and not all(isinstance(v, str) for v in values):
+        kinds = sorted({type(v).__name__ for v in values})
+        raise ConfigError(f"{arg}: labels must be class names (str) or class ids (int), "
+                          f"not {', '.join(kinds)}")
+    found = sorted(set(values))
+    if classes is not None:  # (the training set's, by name)
+        names_of = {v: (hf_names[v] if hf_names and ints else str(v)) for v in found}
+        extra = [names_of[v] for v in found if names_of[v] not in classes]
+        if extra:
+            raise ConfigError(f"{arg}: labels the training data does not have: "
+                              f"{', '.join(extra[:5])}")
+        return GivenImages(ds, arg, list(classes),
+                           {v: classes.index(names_of[v]) for v in found})
+    if hf_names and ints:  # datasets' ClassLabel: the ids are the classes
+        return GivenImages(ds, arg, list(hf_names), {v: v for v in found})
+    if len(found) < 2:
+        raise ConfigError(f"{arg}: one class ({found[0]}); a classifier needs at least two")
+    return GivenImages(ds, arg, [str(v) for v in found], {v: i for i, v in enumerate(found)})
+
+
+def _class_label_names(ds) -> Optional[list]:
+    """The class names of a datasets.Dataset's ClassLabel ``label`` feature, if it has one."""
+    features = getattr(ds, "features", None)
+    label = features.get(LABEL_COLUMN) if isinstance(features, dict) else None
+    return list(label.names) if hasattr(label, "names") else None
+
+
+def _pixels_of(value, image_size: int, channels: int) -> bytes:
+    """One row's image as HWC uint8 bytes at ``image_size`` square (as decode_image)."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(value, dict):  # datasets' Image feature
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray, str)):
+        img = Image.open(io.BytesIO(value) if not isinstance(value, str) else value)
+        img.load()
+    else:
+        arr = np.asarray(value)
+        if arr.ndim == 3 and arr.shape[-1] == 1:
+            arr = arr[..., 0]
+        if arr.dtype != np.uint8:
+            raise ValueError(f"an image array of {arr.dtype}; uint8 pixels expected")
+        img = Image.fromarray(arr)
+    img = img.convert("RGB" if channels == 3 else "L")
+    if img.size != (image_size, image_size):
+        img = img.resize((image_size, image_size), Image.BILINEAR)
+    return np.asarray(img, dtype=np.uint8).tobytes()
+
+
+def _rows_task(batch: dict, *, image_size: int, channels: int, index: dict) -> dict:
+    """A Ray Data task: a batch of (image, label) rows resized, labels as class ids; a row
+    that fails is an error row (see _decode_task)."""
+    pixels, labels, errors = [], [], []
+    for value, label in zip(batch[IMAGE_COLUMN], batch[LABEL_COLUMN]):
+        label = label.item() if hasattr(label, "item") else label
+        try:
+            data, error = _pixels_of(value, image_size, channels), ""
+            if label not in index:
+                error = f"label {label!r} was not there when the labels were read"
+        except Exception as e:  # PIL raises many types
+            data, error = b"", f"cannot read an image ({type(e).__name__}: {first_line(e)})"
+        pixels.append(data or b"\0" * (image_size * image_size * channels))
+        labels.append(index.get(label, -1))
+        errors.append(error)
+    return {"pixels": np.asarray(pixels, dtype=object),
+            "label": np.asarray(labels, dtype=np.int32),
+            "error": np.asarray(errors, dtype=object)}
+
+
+def build_given_images(given: GivenImages, image_size: int, channels: int, cache_root: str,
+                       before_decoding=None) -> tuple[ImageDataset, str]:
+    """(the image cache, its digest) of ``given``'s rows: resized in Ray Data tasks, in the
+    dataset's order; a cache of the same rows built earlier is reused (the pass runs to
+    learn that)."""
+    from raylm.data.given import batches
+    from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, quiet_ray_data,
+                                      remove_stale_tmp)
+
+    if "://" in cache_root:
+        raise ConfigError(f"--data_cache_dir {cache_root}: the image cache is written to a "
+                          "local or shared file system (not yet to an object store)")
+    if before_decoding is not None:
+        before_decoding()
+    root = os.path.abspath(os.path.expanduser(cache_root))
+    os.makedirs(root, exist_ok=True)
+    remove_stale_tmp(pafs.LocalFileSystem(), root, CACHE_PREFIX + given.arg)  # (a crash's)
+    tmp = os.path.join(root, f"{TMP_PREFIX}{CACHE_PREFIX}{given.arg}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    width = image_size * image_size * channels
+    digest = hashlib.sha256(json.dumps([FORMAT_VERSION, image_size, channels,
+                                        given.classes]).encode())
+    shards, n = [], 0
+    try:
+        quiet_ray_data()
+        ds = given.ds.map_batches(_rows_task, fn_kwargs=dict(
+            image_size=image_size, channels=channels, index=given.index),
+            batch_size=TASK_IMAGES, batch_format="numpy", num_cpus=TASK_NUM_CPUS)
+        for batch in batches(ds, given.arg, "numpy"):
+            bad = [e for e in batch["error"] if isinstance(e, str) and e]
+            if bad:
+                raise ConfigError(f"{given.arg}: {bad[0]}")
+            if not len(batch["label"]):
+                continue
+            for p in batch["pixels"]:
+                digest.update(p)
+            digest.update(np.ascontiguousarray(batch["label"]).tobytes())
+            shards.append(_write_shard(tmp, n, list(batch["pixels"]), batch["label"], width))
+            n += len(batch["label"])
+        if n == 0:
+            raise ConfigError(f"{given.arg} is empty (no rows)")
+        key = digest.hexdigest()[:24]
+        final = os.path.join(root, CACHE_PREFIX + key)
+        if os.path.isfile(os.path.join(final, MANIFEST)):
+            return dataclasses.replace(ImageDataset.load(final), reused=True), key
+        _commit(tmp, final, dict(key=key, num_samples=n, image_size=image_size,
+                                 channels=channels, classes=given.classes, root=given.root,
+                                 shards=shards), replace=False)
+    finally:
+        with contextlib.suppress(OSError):
+            pafs.LocalFileSystem().delete_dir(tmp)
+    return ImageDataset.load(final), key

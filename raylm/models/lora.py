@@ -39,6 +39,7 @@ from typing import Optional
 
 from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config
+from raylm.models.tensor_plans import LORA_SP
 
 # run_lora_clm's defaults.
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 8, 16.0, 0.05
@@ -140,6 +141,9 @@ def resolve_lora(cfg, config) -> Optional[Lora]:
         raise ConfigError(f"--lora_alpha must be positive (got {alpha:g})")
     if not 0 <= dropout < 1:
         raise ConfigError(f"--lora_dropout must be in [0, 1) (got {dropout:g})")
+    if cfg.sequence_parallel:  # (asked for: refused before Ray starts; the planner
+        # does not choose it for LoRA)
+        raise ConfigError(f"--sequence_parallel: {LORA_SP}")
     model_type = getattr(config, "model_type", None)
     targets = tuple(cfg.lora_target_modules)
     if not targets:

@@ -104,7 +104,8 @@ def startup_line(startup: dict) -> str:
 
 class Driver:
     def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-                 model_init=None, compute_loss_func=None, tp_plan=None):
+                 model_init=None, compute_loss_func=None, tp_plan=None,
+                 datasets: Optional[dict] = None):
         self.cfg = cfg
         # Injected faults (tests): dicts of rank, step (committed steps before it), phase
         # ("step": before its forward, "sync": during its gradient sync, "update": after
@@ -118,6 +119,8 @@ class Driver:
         self.model_init = model_init  # a model of the user's own (raylm.models.custom)
         self.compute_loss_func = compute_loss_func  # the user's loss (objectives.UserLoss)
         self.tp_plan = tp_plan  # model_init's tensor-parallel plan (raylm.models.custom)
+        # train_dataset / eval_dataset given to train() (raylm.data.given)
+        self.datasets = {k: v for k, v in (datasets or {}).items() if v is not None}
         self.state = None
         self.steps_per_epoch = None  # the sampler's, once training starts
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
@@ -174,13 +177,25 @@ class Driver:
     def run(self) -> TrainResult:
         cfg = self.cfg
         self._enter("planning")
-        with _timed(self.startup, "inputs"):
-            # (no cluster needed: fails fast on bad input)
-            inputs = check_inputs(cfg, model_init=self.model_init,
-                                  compute_loss_func=self.compute_loss_func,
-                                  tp_plan=self.tp_plan)
-        with _timed(self.startup, "ray"):
-            owns_ray = cluster.connect(cfg.address)
+        # A dataset given is read (through Ray Data) while checking the inputs: Ray first.
+        early = bool(self.datasets)
+        owns_ray = False
+        if early:
+            with _timed(self.startup, "ray"):
+                owns_ray = cluster.connect(cfg.address)
+        try:
+            with _timed(self.startup, "inputs"):
+                # (no cluster needed for files: fails fast on bad input)
+                inputs = check_inputs(cfg, model_init=self.model_init,
+                                      compute_loss_func=self.compute_loss_func,
+                                      tp_plan=self.tp_plan, datasets=self.datasets)
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        if not early:
+            with _timed(self.startup, "ray"):
+                owns_ray = cluster.connect(cfg.address)
         asked = False
         try:
             group = cfg.tp or 1
@@ -467,7 +482,7 @@ class Driver:
         self.scale_start = (LossScale(**state["loss_scale"]) if state.get("loss_scale")
                             else LossScale(float(cfg.initial_loss_scale)))
         self.stopped_early = False
-        fingerprint = start_output_dir(cfg, plan.global_batch_size, inputs.spec)
+        fingerprint = start_output_dir(cfg, plan.global_batch_size, inputs)
         self.ckpt.clear_partial()
         self.metrics = open_metrics(cfg, start_step)
         self.metrics.truncate_after(start_step)
@@ -1468,7 +1483,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-          model_init=None, compute_loss_func=None, tp_plan=None) -> TrainResult:
+          model_init=None, compute_loss_func=None, tp_plan=None, train_dataset=None,
+          eval_dataset=None) -> TrainResult:
     """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
     ``model_init``: a model of your own in place of the config's Hugging Face model, a
     callable with no arguments returning a ``torch.nn.Module`` whose ``forward(input_ids)``
@@ -1477,9 +1493,13 @@ def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
     Trainer's (``outputs.logits``: the model's logits) (raylm.models.objectives.UserLoss).
     ``tp_plan``: model_init's tensor-parallel plan, ``{module pattern: style}`` as
     transformers' ``base_model_tp_plan`` (``{"blocks.*.up": "colwise", "blocks.*.down":
-    "rowwise"}``; raylm.models.custom.check_tp_plan). ``faults``: injected rank failures,
-    for tests (see Driver)."""
+    "rowwise"}``; raylm.models.custom.check_tp_plan).
+    ``train_dataset`` / ``eval_dataset``: the data as a ``ray.data.Dataset`` or a
+    ``datasets.Dataset`` with a text column, in place of --train_file / --validation_file
+    (raylm.data.given). ``faults``: injected rank failures, for tests (see Driver)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
     return Driver(config, callbacks, faults, model_init=model_init,
-                  compute_loss_func=compute_loss_func, tp_plan=tp_plan).run()
+                  compute_loss_func=compute_loss_func, tp_plan=tp_plan,
+                  datasets={"train_dataset": train_dataset,
+                            "eval_dataset": eval_dataset}).run()

@@ -41,6 +41,9 @@ class Inputs:
     run_record: Optional[dict] = None  # of the run being resumed
     # --task image-classification: (training ImageFolder, validation ImageFolder or None)
     images: Optional[tuple] = None
+    # train(train_dataset=, eval_dataset=): each one's digest (raylm.data.given), part of
+    # the run's fingerprint
+    given: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -55,7 +58,10 @@ class Data:
 
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None,
-                 compute_loss_func=None, tp_plan=None) -> Inputs:
+                 compute_loss_func=None, tp_plan=None, datasets: Optional[dict] = None
+                 ) -> Inputs:
+    """``datasets``: {"train_dataset": ..., "eval_dataset": ...} given to train() (None
+    entries absent); a Ray Dataset among them needs Ray connected."""
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
@@ -76,20 +82,22 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     if not cfg.should_train and not cfg.model_name_or_path and model_init is None:
         raise ConfigError("--do_eval without --do_train evaluates a trained model: give "
                           "--model_name_or_path")
+    datasets = {k: v for k, v in (datasets or {}).items() if v is not None}
     if cfg.task == "image-classification":
         return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
-                                   compute_loss_func)
+                                   compute_loss_func, datasets)
     for flag in ("train_dir", "validation_dir", "image_size", "num_channels"):
         if getattr(cfg, flag):
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
                               "with it (text data is --train_file)")
-    train_files, eval_files, eval_names = _data_files(cfg)
+    given: dict = {}
+    train_files, eval_files, eval_names = _data_files(cfg, datasets, given)
 
     spec = resolve_model(cfg, model_init, tp_plan=tp_plan)  # (and its objective)
     spec.loss_fn = compute_loss_func
     block_size = resolve_block_size(cfg, spec)
     inputs = Inputs(spec=spec, block_size=block_size, train_files=train_files,
-                    eval_files=eval_files, eval_names=eval_names,
+                    eval_files=eval_files, eval_names=eval_names, given=given,
                     streaming=bool(train_files) and cfg.should_train
                     and streams(cfg, train_files, say=True))
     if cfg.should_train and check_output_dir:
@@ -98,49 +106,88 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
 
 
 def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
-                        tp_plan=None, compute_loss_func=None) -> Inputs:
+                        tp_plan=None, compute_loss_func=None, datasets=None) -> Inputs:
     """check_inputs for --task image-classification: the image folders scanned (classes,
-    files), the classifier resolved with their classes."""
-    from raylm.data.images import scan_image_folder
+    files), or the datasets given read (classes; then their images resized into the
+    cache, raylm.data.images.build_given_images), the classifier resolved with their
+    classes."""
+    from raylm.data.images import given_images, scan_image_folder
     from raylm.models.loading import resolve_block_size, resolve_model
 
     from raylm.models.vision import check_image_flags
 
     check_image_flags(cfg)
-    if not cfg.train_dir:
-        raise ConfigError("--task image-classification needs --train_dir: an image folder "
-                          "(DIR/<class name>/<image>.png|jpg|...)")
     if not 0.0 <= cfg.train_val_split < 1.0:
         raise ConfigError(f"--train_val_split must be in [0, 1) (got {cfg.train_val_split})")
-    train = scan_image_folder(cfg.train_dir, "--train_dir")
-    if len(train.classes) < 2:
-        raise ConfigError(f"--train_dir {train.root}: one class ({train.classes[0]}); a "
-                          "classifier needs at least two class directories")
-    val = (scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
+    datasets = datasets or {}
+    for arg, flag in (("train_dataset", "train_dir"), ("eval_dataset", "validation_dir")):
+        if arg in datasets and getattr(cfg, flag):
+            raise ConfigError(f"{arg} and --{flag} both given: give the images one way")
+    if datasets:
+        _room_for_tasks()
+    if "train_dataset" in datasets:
+        train = given_images(datasets["train_dataset"], "train_dataset")
+    elif not cfg.train_dir:
+        raise ConfigError("--task image-classification needs --train_dir: an image folder "
+                          "(DIR/<class name>/<image>.png|jpg|...)")
+    else:
+        train = scan_image_folder(cfg.train_dir, "--train_dir")
+        if len(train.classes) < 2:
+            raise ConfigError(f"--train_dir {train.root}: one class ({train.classes[0]}); "
+                              "a classifier needs at least two class directories")
+    val = (given_images(datasets["eval_dataset"], "eval_dataset", train.classes)
+           if "eval_dataset" in datasets else
+           scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
            if cfg.validation_dir else None)
     spec = resolve_model(cfg, model_init, classes=train.classes, tp_plan=tp_plan)
     spec.loss_fn = compute_loss_func  # (before the output dir's check: the run's code)
     inputs = Inputs(spec=spec, block_size=resolve_block_size(cfg, spec), train_files=[],
                     eval_files=[], images=(train, val))
+    if datasets:
+        _build_given_images(cfg, inputs)
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
     return inputs
 
 
-def _data_files(cfg: TrainConfig) -> tuple[list[str], list[str], list[str]]:
+def _build_given_images(cfg: TrainConfig, inputs: Inputs) -> None:
+    """The datasets of images given to train(), resized into the image cache now: the
+    cache's digest names the data in the run's fingerprint (as a text export's does)."""
+    from raylm.data.images import GivenImages, build_given_images
+    from raylm.data.tokenized import default_cache_root
+    from raylm.models.vision import channels, image_size
+
+    size, c = image_size(inputs.spec.config), channels(inputs.spec.config)
+    built = []
+    for item in inputs.images:
+        if isinstance(item, GivenImages):
+            dataset, key = build_given_images(item, size, c,
+                                              cfg.data_cache_dir or default_cache_root(),
+                                              before_decoding=_room_for_tasks)
+            inputs.given[item.arg] = f"images:{key}"
+            item = dataset
+        built.append(item)
+    inputs.images = tuple(built)
+
+
+def _data_files(cfg: TrainConfig, datasets: dict, given: dict
+                ) -> tuple[list[str], list[str], list[str]]:
     """(training files, validation files, the validation files' set names), checked:
+    the datasets given to train() (exported to files; their digests into ``given``),
     --dataset_name's splits, or --train_file / --validation_file (default: the built-in
     sample). Evaluating alone without validation files evaluates on the held-out part of
     the training files. Each --validation_file given (a file, directory or glob) is a
     set of its own when there are several (names: ``eval_set_names``)."""
     from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+    from raylm.data.tokenized import default_cache_root
 
+    root = cfg.data_cache_dir if cfg.data_cache_dir and "://" not in cfg.data_cache_dir \
+        else default_cache_root()  # (exports are written where the driver writes)
+    if datasets:
+        return _given_files(cfg, datasets, given, root)
     if cfg.dataset_name:
         from raylm.data.hf_datasets import dataset_files
-        from raylm.data.tokenized import default_cache_root
 
-        root = cfg.data_cache_dir if cfg.data_cache_dir and "://" not in cfg.data_cache_dir \
-            else default_cache_root()
         train, evals = dataset_files(cfg, root)
         validate_files(train + evals, cfg.text_column, "--dataset_name")
         return ([] if evals and not cfg.should_train else train), evals, []
@@ -165,6 +212,42 @@ def _data_files(cfg: TrainConfig) -> tuple[list[str], list[str], list[str]]:
     if cfg.should_train or not evals:
         return training_files(), evals, names
     return [], evals, names
+
+
+def _given_files(cfg: TrainConfig, datasets: dict, given: dict, root: str
+                 ) -> tuple[list[str], list[str], list[str]]:
+    """_data_files for train(train_dataset=, eval_dataset=): each exported to a parquet
+    file (raylm.data.given); a missing training set is --train_file's (or the sample)."""
+    from raylm.data.given import export, kind_of
+    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+
+    for arg, ds in datasets.items():
+        kind_of(ds, arg)  # (its type checked before anything is read)
+    if cfg.dataset_name:
+        raise ConfigError(f"--dataset_name with {' and '.join(datasets)}: give the data one "
+                          "way")
+    for arg, flag in (("train_dataset", "train_file"), ("eval_dataset", "validation_file")):
+        if arg in datasets and getattr(cfg, flag):
+            raise ConfigError(f"{arg} and --{flag} both given: give the data one way")
+    files = {}
+    _room_for_tasks()
+    for arg, ds in datasets.items():
+        if arg == "train_dataset" and not cfg.should_train and "eval_dataset" in datasets:
+            continue  # (evaluating alone: the training set is not read)
+        path, given[arg] = export(ds, arg, cfg.text_column, root)
+        validate_files([path], cfg.text_column, arg)
+        files[arg] = [path]
+    evals = files.get("eval_dataset") or (
+        resolve_files(cfg.validation_file, "--validation_file") if cfg.validation_file
+        else [])
+    validate_files(evals if "eval_dataset" not in files else [], cfg.text_column,
+                   "--validation_file")
+    train = files.get("train_dataset")
+    if train is None and (cfg.should_train or not evals):
+        train = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
+                 else builtin_sample_files())
+        validate_files(train, cfg.text_column, "--train_file")
+    return train or [], evals, []
 
 
 def eval_set_names(specs: list[str]) -> list[str]:
@@ -385,8 +468,11 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                           "--overwrite_output_dir to train over it")
     with open(record_path) as f:
         record = json.load(f)
-    code = code_of(inputs.spec)
-    unrecorded = [k for k, v in code.items() if v is not None and k not in record]
+    code = code_of(inputs)
+    # (only the code's names may be missing from an older record: a dataset's digest
+    # missing from the record is data the recorded run did not have)
+    unrecorded = [k for k in ("model_init", "compute_loss_func")
+                  if code.get(k) is not None and k not in record]
     if unrecorded and "model_init" not in record and "compute_loss_func" not in record:
         # A record written before raylm recorded the run's code: its settings still decide.
         log.warning("%s: the run record does not name the run's %s (written by an earlier "
@@ -411,19 +497,22 @@ def _check_output_dir(cfg: TrainConfig, inputs: Inputs) -> None:
                         "the run starts from the beginning", out)
 
 
-def code_of(spec) -> dict:
-    """The run's code besides its config, for its fingerprint: the names of a model of
-    the user's own (its factory) and of their loss."""
+def code_of(inputs: Inputs) -> dict:
+    """What the Python API gave besides the config, for the run's fingerprint: the names
+    of a model of the user's own (its factory) and of their loss, and the digests of the
+    datasets given."""
     from raylm.models.custom import factory_name
 
-    config = spec.config
-    return {"model_init": config.name if spec.model_init is not None else None,
-            "compute_loss_func": factory_name(spec.loss_fn) if spec.loss_fn else None}
+    spec = inputs.spec
+    return {"model_init": spec.config.name if spec.model_init is not None else None,
+            "compute_loss_func": factory_name(spec.loss_fn) if spec.loss_fn else None,
+            **inputs.given}
 
 
-def start_output_dir(cfg: TrainConfig, global_batch_size: int, spec=None) -> dict:
+def start_output_dir(cfg: TrainConfig, global_batch_size: int,
+                     inputs: Optional[Inputs] = None) -> dict:
     """Create (or clear, with --overwrite_output_dir) output_dir and write the run record
-    (``spec``: the run's model, whose code is part of it: code_of)."""
+    (``inputs``: the run's model and datasets, part of it: code_of)."""
     out = cfg.output_dir
     if cfg.overwrite_output_dir and os.path.isdir(out):
         for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", RUN_RECORD,
@@ -434,7 +523,7 @@ def start_output_dir(cfg: TrainConfig, global_batch_size: int, spec=None) -> dic
             elif os.path.exists(p):
                 os.remove(p)
     os.makedirs(out, exist_ok=True)
-    record = cfg.run_fingerprint(code_of(spec) if spec is not None else None)
+    record = cfg.run_fingerprint(code_of(inputs) if inputs is not None else None)
     record["global_batch_size"] = global_batch_size
     tmp = os.path.join(out, RUN_RECORD + ".tmp")
     with open(tmp, "w") as f:
@@ -493,7 +582,7 @@ def _image_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     """--task image-classification: the folders decoded into the image cache (Ray Data
     tasks; reused when built before), the validation images --validation_dir's or a
     seeded --train_val_split share of --train_dir's."""
-    from raylm.data.images import build_image_dataset
+    from raylm.data.images import ImageDataset, build_image_dataset
     from raylm.data.sampler import split_train_eval
     from raylm.data.tokenized import default_cache_root
     from raylm.models.vision import channels, image_size
@@ -502,6 +591,8 @@ def _image_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     size, c = image_size(inputs.spec.config), channels(inputs.spec.config)
 
     def build(folder):
+        if isinstance(folder, ImageDataset):  # (a dataset given: built by check_inputs)
+            return folder
         return build_image_dataset(folder, size, c, cfg.data_cache_dir or default_cache_root(),
                                    overwrite=cfg.overwrite_cache,
                                    before_decoding=_release_kept_ranks)
@@ -585,6 +676,17 @@ def _release_kept_ranks() -> None:
     from raylm.runtime import kept  # (Ray: only once there is something to tokenize)
 
     kept.release()
+
+
+def _room_for_tasks() -> None:
+    """Before a dataset given to train() is read: rank processes kept from an earlier
+    run (raylm.keep_ranks) are stopped if they leave no CPU for Ray Data's tasks."""
+    import ray
+
+    from raylm.data.tokenized import TASK_NUM_CPUS
+
+    if ray.is_initialized() and ray.available_resources().get("CPU", 0.0) < 2 * TASK_NUM_CPUS:
+        _release_kept_ranks()
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:

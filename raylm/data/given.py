@@ -1,0 +1,208 @@
+"""train(..., train_dataset=, eval_dataset=): a dataset object in place of files.
+
+A ``ray.data.Dataset`` (anything Ray Data reads or maps) or a Hugging Face
+``datasets.Dataset`` (the HF Trainer's ``train_dataset``), holding a text column
+(``--text_column``; default ``text``, else its only string column). Each is written once,
+on the driver, before any rank starts, as one parquet file of that column under the data
+cache; from there on it is a file like any --train_file: tokenized into the block cache by
+Ray Data, each sample once per epoch in the seeded, layout-independent order, resumable.
+One data path for every source, as for --dataset_name (raylm.data.hf_datasets, whose
+export a ``datasets.Dataset`` goes through).
+
+A Ray Dataset carries no fingerprint, so its file is named by a digest of its rows (the
+text values, in order), and the export pass runs at every start. Rows are taken in the
+dataset's order: raylm sets the dataset's ``preserve_order`` for that pass, so a dataset
+that reads the same files through the same maps gives the same rows in the same order,
+hence the same file, the same cache and the same samples on a resume. A dataset whose rows
+change from run to run (``random_shuffle()`` with no seed) is a different dataset at each
+start, and a resume refuses it (the digest is part of the run's fingerprint).
+
+The rows pass through the driver once per start; that is this path's cost (here, 2 cores:
+2-3 s per million lines of text, ~13 MiB/s, a fifth of tokenizing them;
+benchmarks/bench_given.py), paid before the ranks start. Files are the way for corpora
+the driver should not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raylm.errors import ConfigError, first_line
+
+log = logging.getLogger("raylm")
+
+EXPORT_DIR = "given-datasets"
+STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+
+
+def kind_of(ds, arg: str) -> str:
+    """"ray" or "hf" for a dataset ``arg`` (train_dataset / eval_dataset) may be; one
+    ConfigError otherwise."""
+    try:
+        import ray.data
+
+        if isinstance(ds, ray.data.Dataset):
+            return "ray"
+    except ImportError:  # (ray is a dependency; a broken install is not this error)
+        pass
+    try:
+        import datasets
+
+        if isinstance(ds, datasets.Dataset):
+            return "hf"
+        if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            raise ConfigError(f"{arg} is a DatasetDict ({', '.join(ds)}): pass one split, "
+                              f"e.g. {arg}=dataset['train']")
+    except ImportError:
+        pass
+    raise ConfigError(f"{arg} takes a ray.data.Dataset or a datasets.Dataset, not "
+                      f"{type(ds).__name__} (files: --train_file / --validation_file)")
+
+
+def export(ds, arg: str, text_column: Optional[str], cache_root: str) -> tuple[str, str]:
+    """(parquet path, digest) of ``ds``'s text column written under ``cache_root``; written
+    once per content (a ``datasets.Dataset``: per fingerprint), atomically."""
+    if kind_of(ds, arg) == "hf":
+        from raylm.data.hf_datasets import export_split
+
+        return export_split(ds, arg, cache_root), f"hf:{ds._fingerprint}"
+    return _export_ray(ds, arg, text_column, cache_root)
+
+
+@contextlib.contextmanager
+def in_order(ds):
+    """Inside: ``ds`` (a Ray Dataset) yields its rows in its order (its context's
+    ``preserve_order``; restored after)."""
+    options = ds.context.execution_options
+    preserve = options.preserve_order
+    options.preserve_order = True
+    try:
+        yield ds
+    finally:
+        options.preserve_order = preserve
+
+
+def as_ray(ds, arg: str):
+    """``ds`` as a Ray Dataset (a ``datasets.Dataset`` through
+    ``ray.data.from_huggingface``)."""
+    if kind_of(ds, arg) == "ray":
+        return ds
+    import ray.data
+
+    return ray.data.from_huggingface(ds)
+
+
+def batches(ds, arg: str, batch_format: str):
+    """``ds``'s batches (whole blocks), in its order; what its reads and maps (the user's
+    code) raise becomes one ConfigError naming ``arg``."""
+    with in_order(ds):
+        it = iter(ds.iter_batches(batch_size=None, batch_format=batch_format))
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise failure(arg, e) from e
+            yield batch
+
+
+def failure(arg: str, e: BaseException) -> ConfigError:
+    """One line for a dataset whose reads or maps (the user's code) failed."""
+    return ConfigError(f"{arg}: Ray Data could not produce its rows: {_users_error(e)}")
+
+
+def _export_ray(ds, arg: str, text_column: Optional[str], cache_root: str) -> tuple[str, str]:
+    from raylm.data.tokenized import STALE_TMP_S
+
+    directory = os.path.join(cache_root, EXPORT_DIR)
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):  # what a crashed export left (an hour idle)
+        old = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if name.startswith(".tmp-") and time.time() - os.path.getmtime(old) > STALE_TMP_S:
+                os.remove(old)
+    tmp = os.path.join(directory, f".tmp-{arg}-{uuid.uuid4().hex[:8]}.parquet")
+    try:
+        key, rows = _write_rows(ds, arg, text_column, tmp)  # (in the dataset's order)
+        path = os.path.join(directory, f"{key}.parquet")
+        if os.path.isfile(path):
+            log.info("%s: %d rows, as exported before (%s)", arg, rows, path)
+        else:
+            os.replace(tmp, path)
+            log.info("%s: %d rows exported to %s", arg, rows, path)
+        return path, f"ray:{key}"
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _users_error(e: BaseException) -> str:
+    """The user's exception in what Ray raises for a failed map: a RayTaskError holding a
+    UserCodeException, whose text is the task's traceback ending with the user's
+    ``Type: message`` line (Ray keeps the text, not the exception)."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    for line in reversed(lines):
+        m = re.match(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$", line)
+        if m and not m.group(1).split(".")[-1] in ("UserCodeException", "RayTaskError"):
+            return f"{m.group(1).split('.')[-1]}: {m.group(2)}"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def _write_rows(ds, arg: str, text_column: Optional[str], tmp: str) -> tuple[str, int]:
+    """(digest of the rows, number of rows): ``ds``'s text column written to ``tmp``."""
+    from raylm.data.sources import resolve_text_column
+
+    # The digest: of the values' lengths (-1 for a null) and of their bytes, each in row
+    # order across batches, so that how Ray Data cut the rows into blocks does not
+    # change it.
+    lengths, data = hashlib.sha256(), hashlib.sha256()
+    rows, writer, column = 0, None, None
+    try:
+        for batch in batches(ds, arg, "pyarrow"):
+            if column is None:
+                column = resolve_text_column(batch.schema, text_column, "(a Ray Dataset)",
+                                             flag=arg)
+                kind = batch.schema.field(column).type
+                if kind not in STRING_TYPES:
+                    raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
+                                      "check --text_column")
+                writer = pq.ParquetWriter(tmp, pa.schema([(column, pa.large_string())]))
+            values = batch.column(column).cast(pa.large_string())
+            for chunk in getattr(values, "chunks", [values]):
+                _digest(chunk, lengths, data)
+            writer.write_table(pa.table({column: values}))
+            rows += len(values)
+    finally:
+        if writer is not None:
+            writer.close()
+    if rows == 0:
+        raise ConfigError(f"{arg} is empty (no rows)")
+    return hashlib.sha256(lengths.digest() + data.digest()).hexdigest()[:24], rows
+
+
+def _digest(values: pa.LargeStringArray, lengths, data) -> None:
+    """Add a batch's values to the two digests, from the array's buffers (no Python
+    object per row)."""
+    nulls = values.is_null().to_numpy(zero_copy_only=False) if values.null_count else None
+    if nulls is not None:
+        values = values.fill_null("")  # (a null's bytes, if any, are not its value)
+    _, offsets, buffer = values.buffers()
+    at = np.frombuffer(offsets, dtype=np.int64)[values.offset:values.offset + len(values) + 1]
+    size = np.diff(at)
+    if nulls is not None:
+        size = np.where(nulls, -1, size)
+    lengths.update(size.astype("<i8").tobytes())
+    if buffer is not None and len(values):
+        data.update(memoryview(buffer)[int(at[0]):int(at[-1])])
