@@ -253,6 +253,31 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
     assert result.metrics["best_metric"] == max(r["eval_accuracy"] for r in evals)
 
 
+# Megatron's MLP split for Swin: in each block's MLP (torchvision's MLP: Linear, GELU,
+# Dropout, Linear, Dropout) the first Linear column-, the second row-parallel. (The
+# attention is left whole: torchvision's shifted-window attention reshapes by its global
+# head count.)
+SWIN_MLP_PLAN = {"features.*.*.mlp.0": "colwise", "features.*.*.mlp.3": "rowwise"}
+
+
+def test_swin_under_a_tensor_parallel_plan_matches_single_process(
+        swin_reference, ray_cluster, image_dir, cache_root, tmp_path):
+    """torchvision's Swin by name with train(..., tp_plan=) on tp=2: each block's MLP split
+    over the two ranks; the losses, gradient norms and saved (whole) weights are the
+    single process's."""
+    from safetensors.torch import load_file
+
+    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=2, tp=2,
+                      gradient_accumulation_steps=4)
+    result = train(cfg, tp_plan=SWIN_MLP_PLAN)
+    assert_steps_match(result.history, swin_reference, STEPS, label="swin-tp2")
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert_weights_match(saved, swin_reference.state, swin_reference.exact,
+                         swin_reference.lr_sum, label="swin-tp2")
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        assert json.load(f)["layout"]["tp"] == 2
+
+
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,
                                                      tmp_path):
     per_layout = []

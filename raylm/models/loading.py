@@ -70,17 +70,21 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
     ``model_init``: a model of the user's own (raylm.models.custom), ``tp_plan`` its
     tensor-parallel plan; ``classes``: an image classifier's (--task
     image-classification: raylm.models.vision)."""
-    if tp_plan is not None and model_init is None:
-        raise ConfigError("tp_plan is a model of your own's tensor-parallel plan: give "
-                          "model_init with it (a transformers model brings its own)")
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
 
-    if getattr(cfg, "task", None) == "image-classification":
-        from raylm.models import vision
+    images = getattr(cfg, "task", None) == "image-classification"
+    if images:
         from raylm.models.torchvision_models import is_torchvision_type
+    torchvision = images and model_init is None and is_torchvision_type(cfg.model_type)
+    if tp_plan is not None and model_init is None and not torchvision:
+        raise ConfigError("tp_plan is a model of your own's tensor-parallel plan: give "
+                          "model_init with it, or a torchvision --model_type (a "
+                          "transformers model brings its own)")
+    if images:
+        from raylm.models import vision
 
-        if model_init is None and is_torchvision_type(cfg.model_type):
+        if torchvision:
             # torchvision's classifier of that name: a model of your own that raylm names
             import dataclasses
 
