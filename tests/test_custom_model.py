@@ -338,13 +338,25 @@ def lines(corpus_dir, tmp_path_factory):
     return rows, str(path)
 
 
-def line_dataset(rows, blocks: int):
-    """A Ray Dataset of ``rows`` through a map, cut into ``blocks`` blocks (whose tasks
-    Ray may finish in any order)."""
+def _first_block_last(batch):
+    """A map whose first block finishes after the others (a slow first task)."""
+    import time
+
+    if batch["i"][0] == 0:
+        time.sleep(0.3)
+    return {"text": batch["line"]}
+
+
+def line_dataset(rows, blocks: int, slow_first: bool = False):
+    """A Ray Dataset of ``rows`` through a map, cut into ``blocks`` blocks (with
+    ``slow_first``, the first block's task ends last)."""
     import ray
 
-    return ray.data.from_items([{"line": r} for r in rows], override_num_blocks=blocks) \
-        .map_batches(lambda b: {"text": b["line"]}, batch_format="numpy")
+    ds = ray.data.from_items([{"i": i, "line": r} for i, r in enumerate(rows)],
+                             override_num_blocks=blocks)
+    if slow_first:
+        return ds.map_batches(_first_block_last, batch_format="numpy")
+    return ds.map_batches(lambda b: {"text": b["line"]}, batch_format="numpy")
 
 
 class Interrupted(Exception):
@@ -383,9 +395,10 @@ def test_a_ray_dataset_trains_as_a_file_of_its_rows(lines, ray_cluster, cache_ro
                        GLOBAL_BATCH, STEPS, model_init=toy_lm)
     cfg = config(tmp_path / "out", path, cache_root, train_file=[], num_workers=2, dp=2,
                  gradient_accumulation_steps=2, save_steps=3)
-    stop = StopAfter(3)
+    stop, ds = StopAfter(3), line_dataset(rows, 7, slow_first=True)
     with pytest.raises(Interrupted):
-        train(cfg, model_init=toy_lm, train_dataset=line_dataset(rows, 7), callbacks=(stop,))
+        train(cfg, model_init=toy_lm, train_dataset=ds, callbacks=(stop,))
+    assert ds.context.execution_options.preserve_order is False  # (the user's, as it was)
     result = train(cfg, model_init=toy_lm, train_dataset=line_dataset(rows, 3))
     assert [h["step"] for h in result.history] == [4, 5], result.history
     assert_steps_match(stop.history + result.history, ref, STEPS, label="ray dataset")
@@ -419,7 +432,7 @@ def _failing(batch):
     (lambda rows: line_dataset(rows, 2), {"train_file": ["x.txt"]},
      "train_dataset and --train_file both given"),
     (lambda rows: line_dataset(rows, 2).map(lambda r: {"n": len(r["text"])}), {},
-     r"train_dataset: \(a Ray Dataset\) has no 'text' column and no single string column"),
+     "train_dataset: the dataset has no 'text' column and no single string column"),
     (lambda rows: line_dataset(rows, 2).map_batches(_failing), {},
      "train_dataset: Ray Data could not produce its rows: ValueError: no such column"),
     (lambda rows: line_dataset(rows, 2).filter(lambda r: False), {},

@@ -408,7 +408,7 @@ def folder_as_ray_dataset(image_dir, blocks: int = 5):
     folder = scan_image_folder(str(image_dir), "--train_dir")
     names = {os.path.basename(f): folder.classes[label]
              for f, label in zip(folder.files, folder.labels)}
-    return ray.data.read_images(folder.files, include_paths=True,
+    return ray.data.read_images(folder.files, include_paths=True, mode="RGB",
                                 override_num_blocks=blocks).map(
         lambda r: {"image": r["image"], "label": names[os.path.basename(r["path"])]})
 
@@ -449,6 +449,13 @@ def test_a_datasets_dataset_of_images_and_bad_image_datasets(ray_cluster, cache_
     assert given.classes == list(CLASSES)
     built, _ = build_given_images(given, SIZE, 3, cache_root)
     assert built.num_samples == 6 and built.classes == list(CLASSES)
+
+    # The same rows cut into other blocks: the same cache
+    items = [{"image": draw(CLASSES[i], rng), "label": CLASSES[i]} for i in labels]
+    keys = {build_given_images(given_images(ray.data.from_items(items, override_num_blocks=k),
+                                            "train_dataset"), SIZE, 3, cache_root)[1]
+            for k in (1, 4)}
+    assert len(keys) == 1, keys
 
     named = ray.data.from_items([{"image": draw("circle", rng), "label": name}
                                  for name in ("square", "circle", "mystery")])

@@ -2,20 +2,22 @@
 
 A ``ray.data.Dataset`` (anything Ray Data reads or maps) or a Hugging Face
 ``datasets.Dataset`` (the HF Trainer's ``train_dataset``), holding a text column
-(``--text_column``; default ``text``, else its only string column). Each is written once,
+(``--text_column``; default ``text``, else its only string column). Each is written,
 on the driver, before any rank starts, as one parquet file of that column under the data
 cache; from there on it is a file like any --train_file: tokenized into the block cache by
 Ray Data, each sample once per epoch in the seeded, layout-independent order, resumable.
-One data path for every source, as for --dataset_name (raylm.data.hf_datasets, whose
-export a ``datasets.Dataset`` goes through).
+One data path for every source, as for --dataset_name (raylm.data.hf_datasets).
 
-A Ray Dataset carries no fingerprint, so its file is named by a digest of its rows (the
-text values, in order), and the export pass runs at every start. Rows are taken in the
-dataset's order: raylm sets the dataset's ``preserve_order`` for that pass, so a dataset
-that reads the same files through the same maps gives the same rows in the same order,
-hence the same file, the same cache and the same samples on a resume. A dataset whose rows
-change from run to run (``random_shuffle()`` with no seed) is a different dataset at each
-start, and a resume refuses it (the digest is part of the run's fingerprint).
+The file is named by a digest of the rows (the column's name and its values, in order),
+and the export pass runs at every start: a Ray Dataset carries no fingerprint, and a
+``datasets.Dataset``'s is random after a map it cannot hash. Rows are taken in the
+dataset's order: raylm sets ``preserve_order`` on a fresh dataset of the column alone (so
+also when the user's dataset ran before), so a dataset that reads the same files through
+the same maps gives the same rows in the same order, hence the same file (its row groups
+are ROW_GROUP rows each, whatever the blocks), the same cache and the same samples on a
+resume. A dataset whose rows change from run to run (``random_shuffle()`` with no seed;
+a ``materialize()``d one, whose order is that of its tasks' ends) is a different dataset
+at each start, and a resume refuses it (the digest is part of the run's fingerprint).
 
 The rows pass through the driver once per start; that is this path's cost (here, 2 cores:
 2-3 s per million lines of text, ~13 MiB/s, a fifth of tokenizing them;
@@ -43,6 +45,7 @@ from raylm.errors import ConfigError, first_line
 log = logging.getLogger("raylm")
 
 EXPORT_DIR = "given-datasets"
+ROW_GROUP = 65_536  # rows per row group of an export
 STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 
 
@@ -71,13 +74,31 @@ def kind_of(ds, arg: str) -> str:
 
 
 def export(ds, arg: str, text_column: Optional[str], cache_root: str) -> tuple[str, str]:
-    """(parquet path, digest) of ``ds``'s text column written under ``cache_root``; written
-    once per content (a ``datasets.Dataset``: per fingerprint), atomically."""
+    """(parquet path, digest) of ``ds``'s text column written under ``cache_root``, named
+    by the rows (each content written once, atomically). A ``datasets.Dataset`` is read
+    in this process (its arrow batches), a Ray Dataset through Ray Data, in its order."""
     if kind_of(ds, arg) == "hf":
-        from raylm.data.hf_datasets import export_split
+        return _export(_hf_batches(ds, text_column), arg, text_column, cache_root, "hf")
+    # A dataset that ran before (its schema known, without running it now) is read as a
+    # fresh dataset of the column alone: an execution of its own, so the order is set
+    # (not the cached blocks, in the order its tasks ended), and no other column comes
+    # through the driver. One that never ran is read as it is (it executes afresh).
+    schema = ds.schema(fetch_if_missing=False)
+    names = list(schema.names) if schema is not None else []
+    column = text_column or ("text" if "text" in names else None)
+    if column is not None and column in names:
+        ds = ds.select_columns([column])
+    return _export(batches(ds, arg, "pyarrow"), arg, text_column, cache_root, "ray")
 
-        return export_split(ds, arg, cache_root), f"hf:{ds._fingerprint}"
-    return _export_ray(ds, arg, text_column, cache_root)
+
+def _hf_batches(ds, text_column: Optional[str]):
+    """A ``datasets.Dataset``'s rows as arrow tables of up to 10,000 rows, in order."""
+    column = text_column or ("text" if "text" in ds.column_names else None)
+    if column in ds.column_names:
+        ds = ds.select_columns([column])
+    arrow = ds.with_format("arrow")
+    for start in range(0, len(ds), 10_000):
+        yield arrow[start:start + 10_000]
 
 
 @contextlib.contextmanager
@@ -123,7 +144,8 @@ def failure(arg: str, e: BaseException) -> ConfigError:
     return ConfigError(f"{arg}: Ray Data could not produce its rows: {_users_error(e)}")
 
 
-def _export_ray(ds, arg: str, text_column: Optional[str], cache_root: str) -> tuple[str, str]:
+def _export(tables, arg: str, text_column: Optional[str], cache_root: str,
+            kind: str) -> tuple[str, str]:
     from raylm.data.tokenized import STALE_TMP_S
 
     directory = os.path.join(cache_root, EXPORT_DIR)
@@ -135,14 +157,14 @@ def _export_ray(ds, arg: str, text_column: Optional[str], cache_root: str) -> tu
                 os.remove(old)
     tmp = os.path.join(directory, f".tmp-{arg}-{uuid.uuid4().hex[:8]}.parquet")
     try:
-        key, rows = _write_rows(ds, arg, text_column, tmp)  # (in the dataset's order)
+        key, rows = _write_rows(tables, arg, text_column, tmp)
         path = os.path.join(directory, f"{key}.parquet")
         if os.path.isfile(path):
             log.info("%s: %d rows, as exported before (%s)", arg, rows, path)
         else:
             os.replace(tmp, path)
             log.info("%s: %d rows exported to %s", arg, rows, path)
-        return path, f"ray:{key}"
+        return path, f"{kind}:{key}"
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -160,36 +182,58 @@ def _users_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
-def _write_rows(ds, arg: str, text_column: Optional[str], tmp: str) -> tuple[str, int]:
-    """(digest of the rows, number of rows): ``ds``'s text column written to ``tmp``."""
+def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple[str, int]:
+    """(digest of the rows, number of rows): the text column of ``tables`` (arrow tables
+    or record batches, in row order) written to ``tmp``."""
     from raylm.data.sources import resolve_text_column
 
-    # The digest: of the values' lengths (-1 for a null) and of their bytes, each in row
-    # order across batches, so that how Ray Data cut the rows into blocks does not
-    # change it.
+    # The digest: of the column's name, the values' lengths (-1 for a null) and their
+    # bytes, each in row order across batches; and the file's row groups are ROW_GROUP
+    # rows each: neither depends on how the rows came cut into batches. (A file over
+    # --piece_size_mb is tokenized in pieces of whole row groups, each dropping its own
+    # remainder: the same rows must give the same row groups.)
     lengths, data = hashlib.sha256(), hashlib.sha256()
-    rows, writer, column = 0, None, None
+    rows, writer, column, pending = 0, None, None, []
     try:
-        for batch in batches(ds, arg, "pyarrow"):
+        for batch in tables:
             if column is None:
-                column = resolve_text_column(batch.schema, text_column, "(a Ray Dataset)",
+                column = resolve_text_column(batch.schema, text_column, "the dataset",
                                              flag=arg)
-                kind = batch.schema.field(column).type
-                if kind not in STRING_TYPES:
-                    raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
-                                      "check --text_column")
                 writer = pq.ParquetWriter(tmp, pa.schema([(column, pa.large_string())]))
+            kind = batch.schema.field(column).type
+            if kind not in STRING_TYPES + (pa.null(),):  # (a block of nulls only: null)
+                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
+                                  "check --text_column")
             values = batch.column(column).cast(pa.large_string())
             for chunk in getattr(values, "chunks", [values]):
                 _digest(chunk, lengths, data)
-            writer.write_table(pa.table({column: values}))
+                pending.append(chunk)
             rows += len(values)
+            pending = _flush(writer, column, pending)
+        if writer is not None:
+            _flush(writer, column, pending, final=True)
     finally:
         if writer is not None:
             writer.close()
     if rows == 0:
         raise ConfigError(f"{arg} is empty (no rows)")
-    return hashlib.sha256(lengths.digest() + data.digest()).hexdigest()[:24], rows
+    key = hashlib.sha256(column.encode() + b"\0" + lengths.digest() + data.digest())
+    return key.hexdigest()[:24], rows
+
+
+def _flush(writer, column: str, pending: list, final: bool = False) -> list:
+    """Write whole row groups of ROW_GROUP rows from ``pending`` (arrays; at the end,
+    ``final``, the shorter last one too); returns what is left."""
+    if not pending:
+        return []
+    whole = pa.chunked_array(pending, type=pa.large_string())
+    done = 0
+    while len(whole) - done >= ROW_GROUP or (final and done < len(whole)):
+        take = min(ROW_GROUP, len(whole) - done)
+        writer.write_table(pa.table({column: whole.slice(done, take)}),
+                           row_group_size=ROW_GROUP)
+        done += take
+    return [whole.slice(done).combine_chunks()] if done < len(whole) else []
 
 
 def _digest(values: pa.LargeStringArray, lengths, data) -> None:

@@ -260,7 +260,9 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
 # A Ray Dataset (ray.data.read_images, read_parquet of encoded images, any map; a
 # datasets.Dataset goes through ray.data.from_huggingface) of rows with an ``image`` (an
 # array HxW or HxWxC, encoded bytes, or datasets' {"bytes", "path"}) and a ``label`` (a
-# class name, or an integer). Two passes, both in the dataset's order (raylm.data.given):
+# class name, or an integer). An array is taken as PIL's fromarray reads it (HxW grey,
+# HxWx3 RGB, HxWx4 RGBA): read_images(..., mode="RGB") decodes palette and CMYK files
+# to RGB first, as the folder path's convert() does. Two passes, both in the dataset's order (raylm.data.given):
 # the labels alone, on the driver, for the classes (the model's head is sized by them
 # before any image is decoded); then the images, resized in Ray Data tasks and written by
 # the driver as the folder's are, into a cache named by a digest of what was written.
@@ -379,10 +381,11 @@ def _rows_task(batch: dict, *, image_size: int, channels: int, index: dict) -> d
 
 
 def build_given_images(given: GivenImages, image_size: int, channels: int, cache_root: str,
-                       before_decoding=None) -> tuple[ImageDataset, str]:
+                       overwrite: bool = False, before_decoding=None
+                       ) -> tuple[ImageDataset, str]:
     """(the image cache, its digest) of ``given``'s rows: resized in Ray Data tasks, in the
     dataset's order; a cache of the same rows built earlier is reused (the pass runs to
-    learn that)."""
+    learn that), or replaced with ``overwrite`` (--overwrite_cache)."""
     from raylm.data.given import batches
     from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, quiet_ray_data,
                                       remove_stale_tmp)
@@ -398,8 +401,9 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
     tmp = os.path.join(root, f"{TMP_PREFIX}{CACHE_PREFIX}{given.arg}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     width = image_size * image_size * channels
-    digest = hashlib.sha256(json.dumps([FORMAT_VERSION, image_size, channels,
-                                        given.classes]).encode())
+    # The digest: of the settings, the pixels and the labels, each in row order across
+    # batches (not of how Ray Data cut the rows into them)
+    pixel_digest, label_digest = hashlib.sha256(), hashlib.sha256()
     shards, n = [], 0
     try:
         quiet_ray_data()
@@ -413,19 +417,21 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
             if not len(batch["label"]):
                 continue
             for p in batch["pixels"]:
-                digest.update(p)
-            digest.update(np.ascontiguousarray(batch["label"]).tobytes())
+                pixel_digest.update(p)
+            label_digest.update(np.ascontiguousarray(batch["label"], dtype="<i4").tobytes())
             shards.append(_write_shard(tmp, n, list(batch["pixels"]), batch["label"], width))
             n += len(batch["label"])
         if n == 0:
             raise ConfigError(f"{given.arg} is empty (no rows)")
-        key = digest.hexdigest()[:24]
+        key = hashlib.sha256(json.dumps([FORMAT_VERSION, image_size, channels,
+                                         given.classes]).encode()
+                             + pixel_digest.digest() + label_digest.digest()).hexdigest()[:24]
         final = os.path.join(root, CACHE_PREFIX + key)
-        if os.path.isfile(os.path.join(final, MANIFEST)):
+        if os.path.isfile(os.path.join(final, MANIFEST)) and not overwrite:
             return dataclasses.replace(ImageDataset.load(final), reused=True), key
         _commit(tmp, final, dict(key=key, num_samples=n, image_size=image_size,
                                  channels=channels, classes=given.classes, root=given.root,
-                                 shards=shards), replace=False)
+                                 shards=shards), replace=overwrite)
     finally:
         with contextlib.suppress(OSError):
             pafs.LocalFileSystem().delete_dir(tmp)

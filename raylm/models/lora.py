@@ -141,8 +141,8 @@ def resolve_lora(cfg, config) -> Optional[Lora]:
         raise ConfigError(f"--lora_alpha must be positive (got {alpha:g})")
     if not 0 <= dropout < 1:
         raise ConfigError(f"--lora_dropout must be in [0, 1) (got {dropout:g})")
-    if cfg.sequence_parallel:  # (asked for: refused before Ray starts; the planner
-        # does not choose it for LoRA)
+    if cfg.sequence_parallel and cfg.tp and cfg.tp > 1:  # (refused before Ray starts;
+        # the planner does not choose it for LoRA)
         raise ConfigError(f"--sequence_parallel: {LORA_SP}")
     model_type = getattr(config, "model_type", None)
     targets = tuple(cfg.lora_target_modules)

@@ -129,7 +129,8 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
         train = given_images(datasets["train_dataset"], "train_dataset")
     elif not cfg.train_dir:
         raise ConfigError("--task image-classification needs --train_dir: an image folder "
-                          "(DIR/<class name>/<image>.png|jpg|...)")
+                          "(DIR/<class name>/<image>.png|jpg|...), or from Python "
+                          "train(..., train_dataset=) of image and label rows")
     else:
         train = scan_image_folder(cfg.train_dir, "--train_dir")
         if len(train.classes) < 2:
@@ -163,6 +164,7 @@ def _build_given_images(cfg: TrainConfig, inputs: Inputs) -> None:
         if isinstance(item, GivenImages):
             dataset, key = build_given_images(item, size, c,
                                               cfg.data_cache_dir or default_cache_root(),
+                                              overwrite=cfg.overwrite_cache,
                                               before_decoding=_room_for_tasks)
             inputs.given[item.arg] = f"images:{key}"
             item = dataset
@@ -178,7 +180,7 @@ def _data_files(cfg: TrainConfig, datasets: dict, given: dict
     sample). Evaluating alone without validation files evaluates on the held-out part of
     the training files. Each --validation_file given (a file, directory or glob) is a
     set of its own when there are several (names: ``eval_set_names``)."""
-    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+    from raylm.data.sources import validate_files
     from raylm.data.tokenized import default_cache_root
 
     root = cfg.data_cache_dir if cfg.data_cache_dir and "://" not in cfg.data_cache_dir \
@@ -192,13 +194,27 @@ def _data_files(cfg: TrainConfig, datasets: dict, given: dict
         validate_files(train + evals, cfg.text_column, "--dataset_name")
         return ([] if evals and not cfg.should_train else train), evals, []
 
-    def training_files():
-        files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
-                 else builtin_sample_files())
-        # (streamed data is not read whole up front: its first chunk is checked)
-        validate_files(files, cfg.text_column, "--train_file",
-                       scan=not (cfg.should_train and streams(cfg, files)))
-        return files
+    evals, names = _validation_files(cfg)
+    if cfg.should_train or not evals:
+        return _training_files(cfg), evals, names
+    return [], evals, names
+
+
+def _training_files(cfg: TrainConfig) -> list[str]:
+    """--train_file's files (default: the built-in sample), checked."""
+    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+
+    files = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
+             else builtin_sample_files())
+    # (streamed data is not read whole up front: its first chunk is checked)
+    validate_files(files, cfg.text_column, "--train_file",
+                   scan=not (cfg.should_train and streams(cfg, files)))
+    return files
+
+
+def _validation_files(cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    """(--validation_file's files, their set names: with several, each one's)."""
+    from raylm.data.sources import resolve_files, validate_files
 
     evals, names = [], []
     if len(cfg.validation_file) > 1:
@@ -209,17 +225,17 @@ def _data_files(cfg: TrainConfig, datasets: dict, given: dict
     elif cfg.validation_file:
         evals = resolve_files(cfg.validation_file, "--validation_file")
     validate_files(evals, cfg.text_column, "--validation_file")
-    if cfg.should_train or not evals:
-        return training_files(), evals, names
-    return [], evals, names
+    return evals, names
 
 
 def _given_files(cfg: TrainConfig, datasets: dict, given: dict, root: str
                  ) -> tuple[list[str], list[str], list[str]]:
     """_data_files for train(train_dataset=, eval_dataset=): each exported to a parquet
-    file (raylm.data.given); a missing training set is --train_file's (or the sample)."""
+    file (raylm.data.given); the other set, if not given, is --train_file's (or the
+    sample) / --validation_file's. Evaluating alone with a validation set reads no
+    training set."""
     from raylm.data.given import export, kind_of
-    from raylm.data.sources import builtin_sample_files, resolve_files, validate_files
+    from raylm.data.sources import validate_files
 
     for arg, ds in datasets.items():
         kind_of(ds, arg)  # (its type checked before anything is read)
@@ -229,25 +245,23 @@ def _given_files(cfg: TrainConfig, datasets: dict, given: dict, root: str
     for arg, flag in (("train_dataset", "train_file"), ("eval_dataset", "validation_file")):
         if arg in datasets and getattr(cfg, flag):
             raise ConfigError(f"{arg} and --{flag} both given: give the data one way")
-    files = {}
     _room_for_tasks()
-    for arg, ds in datasets.items():
-        if arg == "train_dataset" and not cfg.should_train and "eval_dataset" in datasets:
-            continue  # (evaluating alone: the training set is not read)
-        path, given[arg] = export(ds, arg, cfg.text_column, root)
-        validate_files([path], cfg.text_column, arg)
-        files[arg] = [path]
-    evals = files.get("eval_dataset") or (
-        resolve_files(cfg.validation_file, "--validation_file") if cfg.validation_file
-        else [])
-    validate_files(evals if "eval_dataset" not in files else [], cfg.text_column,
-                   "--validation_file")
-    train = files.get("train_dataset")
-    if train is None and (cfg.should_train or not evals):
-        train = (resolve_files(cfg.train_file, "--train_file") if cfg.train_file
-                 else builtin_sample_files())
-        validate_files(train, cfg.text_column, "--train_file")
-    return train or [], evals, []
+
+    def exported(arg: str) -> list[str]:
+        path, given[arg] = export(datasets[arg], arg, cfg.text_column, root)
+        # (a streamed export is not read whole up front: as --train_file)
+        validate_files([path], cfg.text_column, arg,
+                       scan=not (arg == "train_dataset" and cfg.should_train
+                                 and streams(cfg, [path])))
+        return [path]
+
+    evals, names = (exported("eval_dataset"), []) if "eval_dataset" in datasets \
+        else _validation_files(cfg)
+    if not cfg.should_train and evals:
+        return [], evals, names  # (evaluating alone: the training set is not read)
+    train = exported("train_dataset") if "train_dataset" in datasets \
+        else _training_files(cfg)
+    return train, evals, names
 
 
 def eval_set_names(specs: list[str]) -> list[str]:
