@@ -32,12 +32,13 @@ import hashlib
 import logging
 import os
 import re
-import time
+import shutil
 import uuid
 from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raylm.errors import ConfigError, first_line
@@ -77,25 +78,26 @@ def export(ds, arg: str, text_column: Optional[str], cache_root: str) -> tuple[s
     """(parquet path, digest) of ``ds``'s text column written under ``cache_root``, named
     by the rows (each content written once, atomically). A ``datasets.Dataset`` is read
     in this process (its arrow batches), a Ray Dataset through Ray Data, in its order."""
+    from raylm.data.sources import resolve_text_column
+
     if kind_of(ds, arg) == "hf":
-        return _export(_hf_batches(ds, text_column), arg, text_column, cache_root, "hf")
+        column = resolve_text_column(ds.data.schema, text_column, "the dataset", flag=arg)
+        return _export(_hf_batches(ds.select_columns([column])), arg, text_column,
+                       cache_root, "hf")
     # A dataset that ran before (its schema known, without running it now) is read as a
     # fresh dataset of the column alone: an execution of its own, so the order is set
     # (not the cached blocks, in the order its tasks ended), and no other column comes
     # through the driver. One that never ran is read as it is (it executes afresh).
     schema = ds.schema(fetch_if_missing=False)
-    names = list(schema.names) if schema is not None else []
-    column = text_column or ("text" if "text" in names else None)
-    if column is not None and column in names:
+    schema = getattr(schema, "base_schema", None)
+    if isinstance(schema, pa.Schema):
+        column = resolve_text_column(schema, text_column, "the dataset", flag=arg)
         ds = ds.select_columns([column])
     return _export(batches(ds, arg, "pyarrow"), arg, text_column, cache_root, "ray")
 
 
-def _hf_batches(ds, text_column: Optional[str]):
+def _hf_batches(ds):
     """A ``datasets.Dataset``'s rows as arrow tables of up to 10,000 rows, in order."""
-    column = text_column or ("text" if "text" in ds.column_names else None)
-    if column in ds.column_names:
-        ds = ds.select_columns([column])
     arrow = ds.with_format("arrow")
     for start in range(0, len(ds), 10_000):
         yield arrow[start:start + 10_000]
@@ -146,28 +148,24 @@ def failure(arg: str, e: BaseException) -> ConfigError:
 
 def _export(tables, arg: str, text_column: Optional[str], cache_root: str,
             kind: str) -> tuple[str, str]:
-    from raylm.data.tokenized import STALE_TMP_S
+    from raylm.data.tokenized import TMP_PREFIX, remove_stale_tmp
 
     directory = os.path.join(cache_root, EXPORT_DIR)
     os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):  # what a crashed export left (an hour idle)
-        old = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            if name.startswith(".tmp-") and time.time() - os.path.getmtime(old) > STALE_TMP_S:
-                os.remove(old)
-    tmp = os.path.join(directory, f".tmp-{arg}-{uuid.uuid4().hex[:8]}.parquet")
+    remove_stale_tmp(pafs.LocalFileSystem(), directory, "export")  # (a crashed export's)
+    tmp = os.path.join(directory, f"{TMP_PREFIX}export-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
     try:
-        key, rows = _write_rows(tables, arg, text_column, tmp)
+        key, rows = _write_rows(tables, arg, text_column, os.path.join(tmp, "rows.parquet"))
         path = os.path.join(directory, f"{key}.parquet")
         if os.path.isfile(path):
             log.info("%s: %d rows, as exported before (%s)", arg, rows, path)
         else:
-            os.replace(tmp, path)
+            os.replace(os.path.join(tmp, "rows.parquet"), path)
             log.info("%s: %d rows exported to %s", arg, rows, path)
         return path, f"{kind}:{key}"
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _users_error(e: BaseException) -> str:

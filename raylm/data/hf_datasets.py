@@ -102,11 +102,11 @@ def dataset_files(cfg, cache_root: str) -> tuple[list[str], list[str]]:
         if split not in splits:
             out.append([])
             continue
-        out.append([export_split(splits[split], split, cache_root)])
+        out.append([_export(splits[split], split, cache_root)])
     return out[0], out[1]
 
 
-def export_split(ds, split: str, cache_root: str) -> str:
+def _export(ds, split: str, cache_root: str) -> str:
     """The split as one parquet file, written once per dataset fingerprint: to a
     temporary name, then renamed (a crash leaves nothing that is read)."""
     directory = os.path.join(cache_root, EXPORT_DIR, ds._fingerprint)

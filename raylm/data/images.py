@@ -152,10 +152,18 @@ def decode_image(path: str, image_size: int, channels: int) -> bytes:
 
     with Image.open(path) as img:
         img.load()  # decode now: a truncated file fails here, not later
-        img = img.convert("RGB" if channels == 3 else "L")
-        if img.size != (image_size, image_size):
-            img = img.resize((image_size, image_size), Image.BILINEAR)
-        return np.asarray(img, dtype=np.uint8).tobytes()
+        return _fit(img, image_size, channels)
+
+
+def _fit(img, image_size: int, channels: int) -> bytes:
+    """A PIL image as HWC uint8 bytes: RGB (or L for one channel), ``image_size`` square
+    (bilinear)."""
+    from PIL import Image
+
+    img = img.convert("RGB" if channels == 3 else "L")
+    if img.size != (image_size, image_size):
+        img = img.resize((image_size, image_size), Image.BILINEAR)
+    return np.asarray(img, dtype=np.uint8).tobytes()
 
 
 def _decode_task(batch: dict, *, image_size: int, channels: int) -> dict:
@@ -262,10 +270,11 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
 # array HxW or HxWxC, encoded bytes, or datasets' {"bytes", "path"}) and a ``label`` (a
 # class name, or an integer). An array is taken as PIL's fromarray reads it (HxW grey,
 # HxWx3 RGB, HxWx4 RGBA): read_images(..., mode="RGB") decodes palette and CMYK files
-# to RGB first, as the folder path's convert() does. Two passes, both in the dataset's order (raylm.data.given):
-# the labels alone, on the driver, for the classes (the model's head is sized by them
-# before any image is decoded); then the images, resized in Ray Data tasks and written by
-# the driver as the folder's are, into a cache named by a digest of what was written.
+# to RGB first, as the folder path's convert() does. Two passes, both in the dataset's
+# order (raylm.data.given): the labels alone, on the driver, for the classes (the model's
+# head is sized by them before any image is decoded); then the images, resized in Ray
+# Data tasks and written by the driver as the folder's are, into a cache named by a
+# digest of what was written.
 IMAGE_COLUMN, LABEL_COLUMN = "image", "label"
 
 
@@ -354,10 +363,7 @@ def _pixels_of(value, image_size: int, channels: int) -> bytes:
         if arr.dtype != np.uint8:
             raise ValueError(f"an image array of {arr.dtype}; uint8 pixels expected")
         img = Image.fromarray(arr)
-    img = img.convert("RGB" if channels == 3 else "L")
-    if img.size != (image_size, image_size):
-        img = img.resize((image_size, image_size), Image.BILINEAR)
-    return np.asarray(img, dtype=np.uint8).tobytes()
+    return _fit(img, image_size, channels)
 
 
 def _rows_task(batch: dict, *, image_size: int, channels: int, index: dict) -> dict:
