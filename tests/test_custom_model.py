@@ -229,22 +229,29 @@ def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_
     assert driver.workers == [] and driver.state == "planning"  # no rank actor started
 
 
-def test_own_model_with_a_tensor_parallel_plan_matches_single_process(
+# The MLP split, and the embedding and the head sharded on the vocabulary too (the head's
+# output gathered: the logits come out whole).
+WIDE_PLAN = {**TP_PLAN, "embed": "embedding_rowwise", "head": "colwise_gather_output"}
+
+
+def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
         reference, ray_cluster, corpus_dir, cache_root, tmp_path):
-    """train(..., tp_plan=): the user's plan applied with torch's styles under tp=2; the
-    losses, gradient norms and saved weights (whole again, under the module's names) are
-    the single process's."""
-    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, tp=2,
-                 gradient_accumulation_steps=4)
-    result = train(cfg, model_init=toy_lm, tp_plan=TP_PLAN)
-    assert_steps_match(result.history, reference, STEPS, label="tp2 own plan")
+    """train(..., tp_plan=) on tp=2 inside the pp=2 stages of the export split (the traced
+    graphs read the layers torch's styles sharded: raylm.parallel.tensor.stage_graphs):
+    the losses, gradient norms and saved weights (whole again, under the module's names)
+    are the single process's. (tp=2 alone: test_own_loss_matches_single_process.)"""
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=4, tp=2, pp=2,
+                 gradient_accumulation_steps=4, cpus_per_worker=0.5)
+    result = train(cfg, model_init=toy_lm, tp_plan=WIDE_PLAN)
+    assert_steps_match(result.history, reference, STEPS, label="pp2 tp2 own plan")
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in saved.items()} == \
         {k: tuple(v.shape) for k, v in ToyLM().state_dict().items()}
     assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
-                         label="tp2 own plan")
+                         label="pp2 tp2 own plan")
     with open(os.path.join(result.output_dir, "memory.json")) as f:
-        assert json.load(f)["layout"]["tp"] == 2
+        ran = json.load(f)["layout"]
+    assert (ran["tp"], ran["pp"]) == (2, 2), ran
 
 
 @pytest.mark.parametrize("plan,tp,message", [

@@ -207,7 +207,6 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
     """torchvision's Swin by name: the pipeline cuts between its blocks across the patch
     merging; the saved state dict loads into torchvision's model and predicts as raylm
     evaluated."""
-    import torchvision
     from safetensors.torch import load_file
 
     cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=2,
@@ -225,7 +224,21 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
                      "stochastic_depth_prob": 0.0}
     if layout.get("pp"):
         return
-    # torchvision's own class, with the builder's other arguments (swin_t's patch size)
+    loss, accuracy = torchvision_swin_eval(saved, build, cfg)
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+    assert evals[-1]["eval_accuracy"] == pytest.approx(accuracy)
+    # --metric_for_best_model accuracy: the Trainer's name; higher is better
+    assert result.metrics["best_metric"] == max(r["eval_accuracy"] for r in evals)
+
+
+def torchvision_swin_eval(saved: dict, build: dict, cfg) -> tuple:
+    """(loss, accuracy) over the validation split of torchvision's own SwinTransformer
+    (with the builder's other arguments: swin_t's patch size) holding ``saved``, each
+    image decoded and normalised here."""
+    import torchvision
+    from PIL import Image
+
     model = torchvision.models.SwinTransformer(patch_size=[4, 4], num_classes=len(CLASSES),
                                                **{k: v for k, v in build.items()
                                                   if k not in ("torchvision", "num_classes")})
@@ -235,9 +248,7 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
     data = prepare_data(cfg, inputs)
     folder = inputs.images[0]
     augment = inputs.spec.masking
-    from PIL import Image
-
-    hits = 0
+    hits, losses = 0, []
     with torch.no_grad():
         for i in data.eval_ids:
             image = Image.open(folder.files[i]).convert("RGB").resize((SIZE, SIZE),
@@ -245,12 +256,11 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
             x = torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255
             x = (x - torch.tensor(augment.mean).view(3, 1, 1)) / \
                 torch.tensor(augment.std).view(3, 1, 1)
-            hits += int(model(x[None]).argmax(-1)) == folder.labels[i]
-    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
-        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
-    assert evals[-1]["eval_accuracy"] == pytest.approx(hits / len(data.eval_ids))
-    # --metric_for_best_model accuracy: the Trainer's name; higher is better
-    assert result.metrics["best_metric"] == max(r["eval_accuracy"] for r in evals)
+            logits = model(x[None])
+            hits += int(logits.argmax(-1)) == folder.labels[i]
+            losses.append(float(torch.nn.functional.cross_entropy(
+                logits, torch.tensor([folder.labels[i]]))))
+    return sum(losses) / len(losses), hits / len(data.eval_ids)
 
 
 # Megatron's MLP split for Swin: in each block's MLP (torchvision's MLP: Linear, GELU,
@@ -260,22 +270,33 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
 SWIN_MLP_PLAN = {"features.*.*.mlp.0": "colwise", "features.*.*.mlp.3": "rowwise"}
 
 
-def test_swin_under_a_tensor_parallel_plan_matches_single_process(
+def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
         swin_reference, ray_cluster, image_dir, cache_root, tmp_path):
-    """torchvision's Swin by name with train(..., tp_plan=) on tp=2: each block's MLP split
-    over the two ranks; the losses, gradient norms and saved (whole) weights are the
-    single process's."""
+    """torchvision's Swin by name with train(..., tp_plan=) on tp=2 inside the pp=2 stages
+    of the export split: each block's MLP split over the two ranks of its stage; the
+    losses, gradient norms and saved (whole) weights are the single process's. (tp alone
+    runs torch's styles on the model, as a model of your own's does:
+    tests/test_custom_model.py.)"""
     from safetensors.torch import load_file
 
-    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=2, tp=2,
-                      gradient_accumulation_steps=4)
+    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=4, tp=2, pp=2,
+                      gradient_accumulation_steps=4, cpus_per_worker=0.5)
     result = train(cfg, tp_plan=SWIN_MLP_PLAN)
-    assert_steps_match(result.history, swin_reference, STEPS, label="swin-tp2")
+    assert_steps_match(result.history, swin_reference, STEPS, label="swin-pp2-tp2")
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert_weights_match(saved, swin_reference.state, swin_reference.exact,
-                         swin_reference.lr_sum, label="swin-tp2")
+                         swin_reference.lr_sum, label="swin-pp2-tp2")
     with open(os.path.join(result.output_dir, "memory.json")) as f:
-        assert json.load(f)["layout"]["tp"] == 2
+        ran = json.load(f)["layout"]
+    assert (ran["tp"], ran["pp"]) == (2, 2), ran
+    # The eval-mode stage graphs are sharded too: raylm's evaluation is torchvision's.
+    with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
+        build = json.load(f)["build_args"]
+    loss, accuracy = torchvision_swin_eval(saved, build, cfg)
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    assert last["eval_loss"] == pytest.approx(loss, rel=1e-4)
+    assert last["eval_accuracy"] == pytest.approx(accuracy)
 
 
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,

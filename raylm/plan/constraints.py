@@ -25,14 +25,18 @@ def sequence_parallel_problem(tp: int, pp: int, sequence_parallel: bool,
 
 
 def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str) -> str:
-    """Tensor parallelism inside pipeline stages needs raylm's own stage modules (a
-    family, T5): the generic split traces the model with torch.export, which takes no
-    tensor-parallel layers."""
-    if tp <= 1 or pp <= 1 or own_stages:
+    """Tensor parallelism inside pipeline stages: raylm's own stage modules (a family, T5)
+    run the model's layers, sharded as without a pipeline; the generic split traces the
+    model whole with torch.export, and its graphs take the layers of a plan of your own
+    (a model of your own, a torchvision classifier: model type 'custom';
+    raylm.parallel.tensor.stage_graphs), not a Hugging Face model's plan, which also pads
+    the vocabulary and re-ties weights."""
+    if tp <= 1 or pp <= 1 or own_stages or model_type == "custom":
         return ""
     return (f"--tp {tp} with --pp {pp}: raylm cuts '{model_type}' into stages by tracing it "
-            "with torch.export, which does not take tensor-parallel layers; use one of the "
-            "two, or a model type raylm has stages for")
+            "with torch.export, whose graphs take a tensor-parallel plan of your own only "
+            "(train(..., tp_plan=)); use one of the two, or a model type raylm has stages "
+            "for")
 
 
 def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,

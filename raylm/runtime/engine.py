@@ -46,6 +46,7 @@ from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
 from raylm.models.objectives import objective_for, with_loss
+from raylm.models.units import has_own_stages
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
 from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
@@ -540,8 +541,10 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     # (Under compile the masks are the compiled graph's, per rank.)
     if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
         e.sample_dropout = per_sample_dropout(e.model)
-    # 1. tensor parallelism
-    if plan.tp > 1:
+    # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
+    #    4., since torch.export traces the model whole)
+    traced = plan.pp > 1 and not has_own_stages(spec.config)
+    if plan.tp > 1 and not traced:
         e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)
     # 2. compile each block's forward (of its DTensor parameters under tp)
     if cfg.get("torch_compile"):
@@ -608,6 +611,9 @@ def _pipeline(e: Engine) -> PipelineRuntime:
         example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long,
                               device=where)
     modules, holders, e.eval_stage_modules = cut(e.model, part, stage_ids, example)
+    if plan.tp > 1 and e.tensor_parallel is None:  # traced stage graphs (step 1)
+        graphs = [m.stage for m in list(modules) + list(e.eval_stage_modules or [])]
+        e.tensor_parallel = apply_tensor_parallel(e.model, e.mesh["tp"], graphs=graphs)
     if e.zero_stage == 3:
         _shard(e, list(modules))
     dims, me = plan.dims, plan.dims.coords(e.rank)

@@ -10,7 +10,8 @@ API
     a style raylm does not translate, or when ``sequence_parallel`` is asked for a
     family without it. tp <= 1: nothing to check.
 
-``apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, src_data_rank=None)``
+``apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, src_data_rank=None,
+graphs=None)``
     -> ``TPState``. In place, on the whole model (built with the same weights on every tp
     rank), over the 1-D DeviceMesh ``tp_mesh`` (e.g. ``mesh["tp"]``). Attention q/k/v and
     MLP up/gate are column-parallel, attention output and MLP down row-parallel; the
@@ -20,6 +21,9 @@ API
     divide is padded (zero rows; padded logit columns masked to the dtype's minimum, so
     losses and gradients are the unpadded model's). Tied weights stay one parameter.
     GPT-2's Conv1D layers become nn.Linear (c_attn rows reordered per rank).
+    ``graphs=``: the stages of a model of your own cut by the generic export split
+    (fx.GraphModules traced from the whole model); their reads of the planned layers
+    run as the plan's styles do (``raylm.parallel.tensor.stage_graphs``).
 
 ``TPState``
     ``.loss_context()``: context manager (torch's ``loss_parallel()``); forward, loss and

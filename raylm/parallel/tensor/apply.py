@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 from raylm.errors import ConfigError
 from raylm.models.tensor_plans import (TensorParallelShapes, base_prefix, check_tensor_parallel,
                                        layer_styles, match, plan_for, tensor_parallel_shapes)
+from raylm.parallel.tensor.stage_graphs import shard_stage_graphs
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -86,19 +87,22 @@ class TPState:
 
 # -- helpers -------------------------------------------------------------------------------
 def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
-                     src_data_rank) -> TPState:
+                     src_data_rank, graphs: list) -> TPState:
     """A model of the user's own (train(..., tp_plan=)): exactly the styles its plan
     names (raylm.models.custom.check_tp_plan checked them, and refused a sharded tied
     weight: nothing to re-tie); the logits come out whole (the plan may not leave them
-    column-sharded), so the loss is the plain one (TPState.loss_context: none)."""
-    styles = {}
+    column-sharded), so the loss is the plain one (TPState.loss_context: none). The
+    stage ``graphs`` of a pipeline read the sharded layers as their styles do."""
+    styles, names = {}, {}
     for pattern, name in plan.layers.items():
         for fqn in match(model, prefix, pattern):
             style = torch_style(name)
             if style is not None:
-                styles[fqn] = style
+                styles[fqn], names[fqn] = style, name
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
     _check_shapes(model, expected)
+    if graphs:
+        shard_stage_graphs(graphs, model, names, tp_mesh)
     vocab = getattr(model.config, "vocab_size", 0) or 0
     return TPState(mesh=tp_mesh, sequence_parallel=False, vocab_size=vocab,
                    padded_vocab_size=vocab, source="user",
@@ -283,10 +287,13 @@ def _check_shapes(model: nn.Module, expected: TensorParallelShapes) -> None:
 
 # -- the one entry point -------------------------------------------------------------------
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
-                          src_data_rank=None) -> TPState:
+                          src_data_rank=None, graphs=None) -> TPState:
     """Shard ``model`` (whole, built with the same weights on every tp rank) over the 1-D
     ``tp_mesh``, in place. ``src_data_rank=None`` takes each rank's own copy of the
-    weights (no communication); pass 0 to broadcast rank 0's instead."""
+    weights (no communication); pass 0 to broadcast rank 0's instead. ``graphs``: the
+    pipeline stages of ``model`` cut by the generic export split (fx.GraphModules, a model
+    of your own's), which run its planned layers as the plan's styles do
+    (raylm.parallel.tensor.stage_graphs)."""
     config = model.config
     tp = tp_mesh.size()
     check_tensor_parallel(config, tp, sequence_parallel)
@@ -316,7 +323,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
                 setattr(module, attr, value // tp)
 
     if source == "user":  # a model of the user's own: its plan's layers, nothing else
-        return _apply_user_plan(model, tp_mesh, plan, prefix, expected, src_data_rank)
+        return _apply_user_plan(model, tp_mesh, plan, prefix, expected, src_data_rank,
+                                graphs or [])
+    if graphs:
+        raise ConfigError(f"--tp {tp} with --pp: the {config.model_type} model's stages are "
+                          "traced graphs, which take a tensor-parallel plan of your own only")
 
     # 3. The vocabulary, padded to a multiple of tp (ties kept: every holder is swapped).
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

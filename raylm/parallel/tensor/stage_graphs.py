@@ -1,0 +1,119 @@
+"""A tensor-parallel plan inside the pipeline stages of the generic export split.
+
+The generic split (raylm.models.export_split) cuts a model raylm has no stages of its own
+for (a model of your own, a torchvision classifier) into ``torch.fx`` graphs of aten ops
+traced from the whole model. torch's tensor-parallel styles are module hooks around
+DTensor parameters, and neither reaches such a graph: it calls no modules, and
+``torch.export`` refuses DTensor parameters (their ``DTensorSpec`` is not a graph value),
+so the model cannot be sharded before it is traced.
+
+So the model is traced whole, cut, and then sharded: torch's ``parallelize_module`` shards
+the model's planned layers as it does without a pipeline (the same DTensor parameters,
+the same canonical checkpoint form), and here each graph's reads of those layers are
+rewritten. A graph holds the model's own Parameter objects under their own names (the
+export split's contract), so each sharded parameter is swapped in by name, and each
+``aten.linear`` / ``aten.embedding`` of a sharded weight becomes a call of a small module
+that does what the style's hooks do around the same op: the input made a DTensor in the
+style's input layout, the op run on DTensors, the output redistributed to the style's
+output layout and handed on as a local tensor. What runs between two sharded layers
+(``up``'s activation before ``down``) sees local shards, as it does under torch's styles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from raylm.errors import ConfigError
+
+# style -> (input layout, the layout the op takes it in, output layout); None = as the op
+# leaves it (colwise: sharded on the last dim, handed on local). As torch's
+# ColwiseParallel / RowwiseParallel default and the variants raylm.parallel.tensor.apply
+# ``torch_style`` builds.
+_LAYOUTS = {
+    "colwise": (Replicate(), Replicate(), None),
+    "colwise_gather_output": (Replicate(), Replicate(), Replicate()),
+    "colwise_rep": (Replicate(), Replicate(), Replicate()),
+    "rowwise": (Shard(-1), Shard(-1), Replicate()),
+    "rowwise_split_input": (Replicate(), Shard(-1), Replicate()),
+    "rowwise_rep": (Replicate(), Shard(-1), Replicate()),
+    "embedding_rowwise": (Replicate(), Replicate(), Replicate()),
+    "embedding_colwise": (Replicate(), Replicate(), Replicate()),
+}
+_OPS = {"linear": torch.ops.aten.linear.default, "embedding": torch.ops.aten.embedding.default}
+
+
+class ShardedOp(nn.Module):
+    """One sharded layer's op in a stage graph: ``forward(*args)`` takes the op's own
+    arguments (aten.linear: input, weight, bias; aten.embedding: weight, indices, ...),
+    with the weight (and bias) the model's DTensor parameters."""
+
+    def __init__(self, op: str, style: str, mesh):
+        super().__init__()
+        self.op, self.style, self.mesh = op, style, mesh
+
+    def extra_repr(self) -> str:
+        return f"{self.op}, {self.style}"
+
+    def forward(self, *args):
+        given, wanted, out = _LAYOUTS[self.style]
+        at = 0 if self.op == "linear" else 1  # the activation's (or indices') position
+        x = DTensor.from_local(args[at], self.mesh, [given], run_check=False)
+        if wanted != given:
+            x = x.redistribute(self.mesh, [wanted])
+        args = list(args)
+        args[at] = x
+        y = _OPS[self.op](*args)
+        if out is not None:
+            y = y.redistribute(self.mesh, [out])
+        return y.to_local()
+
+
+def shard_stage_graphs(graphs: list, model: nn.Module, styles: dict, mesh) -> None:
+    """Point every stage graph of ``model`` (fx.GraphModules of the export split, holding
+    the model's parameters under their own names) at the DTensor parameters
+    ``parallelize_module`` gave ``model``'s layers in ``styles`` ({module fqn: style
+    name}), and run each such layer's op as the style does (``ShardedOp``)."""
+    params = dict(model.named_parameters())
+    weights = {f"{fqn}.weight": (fqn, style) for fqn, style in styles.items()}
+    for graph in graphs:
+        for node in list(graph.graph.nodes):
+            if node.op != "get_attr" or node.target not in params:
+                continue
+            _swap(graph, node.target, params[node.target])
+            if node.target in weights:
+                _rewrite_uses(graph, node, *weights[node.target], mesh)
+        graph.graph.lint()
+        graph.recompile()
+
+
+def _swap(graph: fx.GraphModule, name: str, param) -> None:
+    owner, _, field = name.rpartition(".")
+    module = graph.get_submodule(owner) if owner else graph
+    if getattr(module, field) is not param:
+        setattr(module, field, param)
+
+
+def _rewrite_uses(graph: fx.GraphModule, weight: fx.Node, fqn: str, style: str,
+                  mesh) -> None:
+    """Each op reading the sharded ``weight`` becomes a ShardedOp call; any other read
+    (the weight transposed by hand, say) would see a shard where the trace saw the whole
+    weight: one clear error naming the layer."""
+    op = "embedding" if style.startswith("embedding") else "linear"
+    for user in list(weight.users):
+        at = 1 if op == "linear" else 0
+        if user.op != "call_function" or user.target is not _OPS[op] or \
+                user.args[at] is not weight:
+            raise ConfigError(
+                f"tp_plan shards {fqn.removeprefix('module.')} as '{style}', but the traced "
+                f"stage reads its weight in {user.name} ({user.target}), not only as "
+                f"aten.{op}: tensor parallelism with --pp takes layers the model calls "
+                "as modules; leave this one whole, or run without --pp")
+        name = f"_tp_{user.name}"
+        graph.add_submodule(name, ShardedOp(op, style, mesh))
+        with graph.graph.inserting_after(user):
+            call = graph.graph.call_module(name, user.args, user.kwargs)
+        call.meta = dict(user.meta)
+        user.replace_all_uses_with(call)
+        graph.graph.erase_node(user)
