@@ -135,10 +135,18 @@ class TrainConfig:
         "drawn per (seed, epoch, image), as run_image_classification's "
         "RandomHorizontalFlip (false for pictures a mirror changes, such as digits).",
         "data")
+    image_column_name: str = _f(
+        "image", "--task image-classification with --dataset_name (or train(..., "
+        "train_dataset=)): the column of the images (as run_image_classification).", "data")
+    label_column_name: str = _f(
+        "label", "--task image-classification with --dataset_name (or train(..., "
+        "train_dataset=)): the column of the labels, class names or ids (a ClassLabel "
+        "names the classes).", "data")
     dataset_name: Optional[str] = _f(
         None, "Data through datasets.load_dataset, as run_clm: a Hub dataset id, a local "
         "dataset directory, or json / csv / text / parquet to read --train_file and "
-        "--validation_file with that builder. Its train and validation splits are used.",
+        "--validation_file with that builder. Its train and validation splits are used "
+        "(images too, with --task image-classification: see --image_column_name).",
         "data")
     dataset_config_name: Optional[str] = _f(
         None, "The dataset's configuration (e.g. wikitext-2-raw-v1).", "data")
@@ -508,7 +516,8 @@ class TrainConfig:
                            "shuffle_buffer_size": 1000, "piece_size_mb": 64.0,
                            "task": None, "train_dir": None, "validation_dir": None,
                            "train_val_split": 0.15, "image_flip": True,
-                           "image_size": None, "num_channels": None}
+                           "image_size": None, "num_channels": None,
+                           "image_column_name": "image", "label_column_name": "label"}
 
     def run_fingerprint(self, code: Optional[dict] = None) -> dict:
         """The settings that define the run, and their digest (an output dir holds one

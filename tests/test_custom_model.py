@@ -140,17 +140,19 @@ def test_own_loss_matches_single_process(layout, reference, own_loss_reference, 
     assert abs(first - reference.grad_norms[0]) > 0.02 * reference.grad_norms[0]
 
 
-def test_own_model_under_bf16_and_recomputation_matches_single_process_bf16(
-        ray_cluster, corpus_dir, cache_root, tmp_path, tmp_path_factory):
-    """--bf16 and full activation checkpointing (of the ModuleList's blocks) with a model
-    of your own on dp=2, against the same module trained in one process under autocast
-    (tolerances of tests/test_precision.py). (The export split's stages have no blocks
-    to checkpoint: recomputation under --pp is one error for such a model.)"""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_own_model_under_mixed_precision_and_recomputation_matches_single_process(
+        precision, ray_cluster, corpus_dir, cache_root, tmp_path, tmp_path_factory):
+    """--bf16 / --fp16 (torch's GradScaler) and full activation checkpointing (of the
+    ModuleList's blocks) with a model of your own on dp=2, against the same module
+    trained in one process under autocast (and the scaler) (tolerances of
+    tests/test_precision.py). (The export split's stages have no blocks to checkpoint:
+    recomputation under --pp is one error for such a model.)"""
     from tests.test_precision import LOSS_REL, NORM_REL
 
-    flags = dict(bf16=True, gradient_checkpointing=True)
-    ref = reference_of(config(tmp_path_factory.mktemp("ref-bf16"), corpus_dir, cache_root,
-                              gradient_accumulation_steps=4, **flags),
+    flags = {precision: True, "gradient_checkpointing": True}
+    ref = reference_of(config(tmp_path_factory.mktemp(f"ref-{precision}"), corpus_dir,
+                              cache_root, gradient_accumulation_steps=4, **flags),
                        GLOBAL_BATCH, STEPS, model_init=toy_lm)
     cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, dp=2,
                  gradient_accumulation_steps=2, **flags)
@@ -161,7 +163,8 @@ def test_own_model_under_bf16_and_recomputation_matches_single_process_bf16(
                                ref.grad_norms[:STEPS], rtol=NORM_REL, atol=0)
     with open(os.path.join(result.output_dir, "memory.json")) as f:
         report = json.load(f)
-    assert report["precision"] == "bf16" and report["layout"]["recompute"] == "full", report
+    assert report["precision"] == precision and report["layout"]["recompute"] == "full", \
+        report
 
 
 def test_own_model_loses_a_rank_and_goes_on_in_memory(reference, ray_cluster, corpus_dir,
@@ -227,31 +230,6 @@ def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_
         driver.run()
     assert "\n" not in str(err.value)
     assert driver.workers == [] and driver.state == "planning"  # no rank actor started
-
-
-# The MLP split, and the embedding and the head sharded on the vocabulary too (the head's
-# output gathered: the logits come out whole).
-WIDE_PLAN = {**TP_PLAN, "embed": "embedding_rowwise", "head": "colwise_gather_output"}
-
-
-def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
-        reference, ray_cluster, corpus_dir, cache_root, tmp_path):
-    """train(..., tp_plan=) on tp=2 inside the pp=2 stages of the export split (the traced
-    graphs read the layers torch's styles sharded: raylm.parallel.tensor.stage_graphs):
-    the losses, gradient norms and saved weights (whole again, under the module's names)
-    are the single process's. (tp=2 alone: test_own_loss_matches_single_process.)"""
-    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=4, tp=2, pp=2,
-                 gradient_accumulation_steps=4, cpus_per_worker=0.5)
-    result = train(cfg, model_init=toy_lm, tp_plan=WIDE_PLAN)
-    assert_steps_match(result.history, reference, STEPS, label="pp2 tp2 own plan")
-    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in saved.items()} == \
-        {k: tuple(v.shape) for k, v in ToyLM().state_dict().items()}
-    assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
-                         label="pp2 tp2 own plan")
-    with open(os.path.join(result.output_dir, "memory.json")) as f:
-        ran = json.load(f)["layout"]
-    assert (ran["tp"], ran["pp"]) == (2, 2), ran
 
 
 @pytest.mark.parametrize("plan,tp,message", [
@@ -454,3 +432,28 @@ def test_a_bad_dataset_is_one_clear_error(make, flags, message, lines, ray_clust
         driver.run()
     assert "\n" not in str(err.value)
     assert driver.workers == [] and driver.state == "planning"  # no rank actor started
+
+
+# The MLP split, and the embedding and the head sharded on the vocabulary too (the head's
+# output gathered: the logits come out whole).
+WIDE_PLAN = {**TP_PLAN, "embed": "embedding_rowwise", "head": "colwise_gather_output"}
+
+
+def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
+        reference, ray_cluster, corpus_dir, cache_root, tmp_path):
+    """train(..., tp_plan=) on tp=2 inside the pp=2 stages of the export split (the traced
+    graphs read the layers torch's styles sharded: raylm.parallel.tensor.stage_graphs):
+    the losses, gradient norms and saved weights (whole again, under the module's names)
+    are the single process's. (tp=2 alone: test_own_loss_matches_single_process.)"""
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=4, tp=2, pp=2,
+                 gradient_accumulation_steps=4, cpus_per_worker=0.5)
+    result = train(cfg, model_init=toy_lm, tp_plan=WIDE_PLAN)
+    assert_steps_match(result.history, reference, STEPS, label="pp2 tp2 own plan")
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in saved.items()} == \
+        {k: tuple(v.shape) for k, v in ToyLM().state_dict().items()}
+    assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
+                         label="pp2 tp2 own plan")
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        ran = json.load(f)["layout"]
+    assert (ran["tp"], ran["pp"]) == (2, 2), ran

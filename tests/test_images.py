@@ -7,6 +7,7 @@ bad input (a corrupt image, a model with no image head, missing folders) one cle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -270,35 +271,6 @@ def torchvision_swin_eval(saved: dict, build: dict, cfg) -> tuple:
 SWIN_MLP_PLAN = {"features.*.*.mlp.0": "colwise", "features.*.*.mlp.3": "rowwise"}
 
 
-def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
-        swin_reference, ray_cluster, image_dir, cache_root, tmp_path):
-    """torchvision's Swin by name with train(..., tp_plan=) on tp=2 inside the pp=2 stages
-    of the export split: each block's MLP split over the two ranks of its stage; the
-    losses, gradient norms and saved (whole) weights are the single process's. (tp alone
-    runs torch's styles on the model, as a model of your own's does:
-    tests/test_custom_model.py.)"""
-    from safetensors.torch import load_file
-
-    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=4, tp=2, pp=2,
-                      gradient_accumulation_steps=4, cpus_per_worker=0.5)
-    result = train(cfg, tp_plan=SWIN_MLP_PLAN)
-    assert_steps_match(result.history, swin_reference, STEPS, label="swin-pp2-tp2")
-    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
-    assert_weights_match(saved, swin_reference.state, swin_reference.exact,
-                         swin_reference.lr_sum, label="swin-pp2-tp2")
-    with open(os.path.join(result.output_dir, "memory.json")) as f:
-        ran = json.load(f)["layout"]
-    assert (ran["tp"], ran["pp"]) == (2, 2), ran
-    # The eval-mode stage graphs are sharded too: raylm's evaluation is torchvision's.
-    with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
-        build = json.load(f)["build_args"]
-    loss, accuracy = torchvision_swin_eval(saved, build, cfg)
-    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
-        last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
-    assert last["eval_loss"] == pytest.approx(loss, rel=1e-4)
-    assert last["eval_accuracy"] == pytest.approx(accuracy)
-
-
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,
                                                      tmp_path):
     per_layout = []
@@ -331,6 +303,39 @@ def test_corrupt_image_is_one_error_naming_it(ray_cluster, image_dir, cache_root
     with pytest.raises(ConfigError, match="square_07.png: cannot read the image") as err:
         driver.run()
     assert "\n" not in str(err.value) and driver.workers == []
+
+
+def test_an_image_folder_in_an_object_store_is_the_local_folder(ray_cluster, image_dir,
+                                                                cache_root, tmp_path):
+    """--train_dir s3://... (moto's S3 server on this machine, pyarrow's S3 client): the
+    folder is listed and its images read through the object store's file system, in
+    Ray Data tasks; the cache holds the local folder's pixels and labels row for row,
+    with the same classes and held-out split. A corrupt image there is one error naming
+    its URI."""
+    from tests.object_store import s3_endpoint
+
+    local_cfg = config(tmp_path / "local", image_dir, cache_root)
+    local = prepare_data(local_cfg, check_inputs(local_cfg, check_output_dir=False))
+    with s3_endpoint() as s3:
+        for path in sorted(image_dir.rglob("*.*")):
+            s3.put(f"shapes/{path.relative_to(image_dir)}", path.read_bytes())
+        s3.put("shapes/.hidden/skipped.png", b"not read")
+        cfg = config(tmp_path / "out", s3.uri("shapes"), cache_root)
+        inputs = check_inputs(cfg, check_output_dir=False)
+        assert inputs.images[0].files[0].startswith("s3://")
+        data = prepare_data(cfg, inputs)
+        assert data.train.classes == list(CLASSES)
+        assert cache_rows(data.train) == cache_rows(local.train)
+        assert (data.train_ids.tolist(), data.eval_ids.tolist()) == \
+            (local.train_ids.tolist(), local.eval_ids.tolist())
+
+        s3.put("shapes/square/square_07.png", b"\x89PNG\r\n\x1a\n this is not a picture")
+        with pytest.raises(ConfigError, match=r"s3://.*shapes/square/square_07.png.*: cannot "
+                                              "read the image"):
+            prepare_data(cfg, check_inputs(cfg, check_output_dir=False))
+        with pytest.raises(ConfigError, match="--train_dir: no such directory: s3://"):
+            check_inputs(dataclasses.replace(cfg, train_dir=s3.uri("nothing")),
+                         check_output_dir=False)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -451,6 +456,72 @@ def test_a_ray_dataset_of_images_trains_as_the_folder(reference, ray_cluster, im
         assert json.load(f)["train_dataset"].startswith("images:")
 
 
+def cache_rows(dataset) -> tuple:
+    """(pixels, labels) of an image cache, every shard in order."""
+    from raylm.data.images import read_shard
+
+    tables = [read_shard(f) for f in dataset.shard_files]
+    return ([p for t in tables for p in t.column("pixels").to_pylist()],
+            [v for t in tables for v in t.column("label").to_pylist()])
+
+
+def test_dataset_name_of_images_with_its_column_names_is_the_folder(ray_cluster, image_dir,
+                                                                    cache_root, tmp_path):
+    """--dataset_name with --image_column_name / --label_column_name, as
+    run_image_classification takes them: a local dataset directory as datasets writes one
+    (a train split in parquet, an Image column 'img', a ClassLabel 'fine_label') gives the
+    ClassLabel's classes and the folder's samples: its image cache holds the folder's
+    pixels and labels row for row, with the same held-out split. The column flags are
+    one error each elsewhere."""
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    from raylm.cli.main import build_parser
+    from raylm.cli.args import config_from_namespace
+
+    folder_cfg = config(tmp_path / "folder", image_dir, cache_root)
+    folder = prepare_data(folder_cfg, check_inputs(folder_cfg, check_output_dir=False))
+    files = check_inputs(folder_cfg, check_output_dir=False).images[0]
+    rows = {"img": [{"bytes": open(f, "rb").read(), "path": None} for f in files.files],
+            "fine_label": list(files.labels)}
+    hf = Dataset.from_dict(rows, features=Features({
+        "img": Image(), "fine_label": ClassLabel(names=list(files.classes))}))
+    hf.to_parquet(str(tmp_path / "shapes" / "data" / "train-00000-of-00001.parquet"))
+
+    args = ["train", "--task", "image-classification", "--model_type", "vit",
+            "--config_overrides", TINY_VIT, "--dataset_name", str(tmp_path / "shapes"),
+            "--image_column_name", "img", "--label_column_name", "fine_label",
+            "--train_val_split", "0.25", "--cache_dir", str(tmp_path / "hf"),
+            "--data_cache_dir", cache_root, "--output_dir", str(tmp_path / "out")]
+    cfg = config_from_namespace(build_parser().parse_args(args), {})
+    inputs = check_inputs(cfg, check_output_dir=False)
+    data = prepare_data(cfg, inputs)
+    assert data.train.classes == list(CLASSES)
+    assert cache_rows(data.train) == cache_rows(folder.train)
+    assert (data.train_ids.tolist(), data.eval_ids.tolist()) == \
+        (folder.train_ids.tolist(), folder.eval_ids.tolist())
+    assert inputs.given["train_dataset"].startswith("images:")
+    # `raylm plan` sizes the head by the ClassLabel, read with no Ray
+    from raylm.models.loading import build_model
+    from raylm.report.plan_report import build_plan_report
+
+    assert build_plan_report(cfg)["model"]["parameters"] == sum(
+        p.numel() for p in build_model(inputs.spec, 0).parameters())
+
+    for kw, message in [
+            (dict(image_column_name="picture"), r"--dataset_name .*shapes \(train\): no "
+             r"column 'picture' \(columns: img, fine_label\)"),
+            (dict(label_column_name="img"), "--image_column_name and --label_column_name are "
+             "both 'img'"),
+            (dict(train_dir=str(image_dir)), "--dataset_name with --train_dir: give the "
+             "images one way")]:
+        bad = dataclasses.replace(cfg, **kw)
+        with pytest.raises(ConfigError, match=message):
+            check_inputs(bad, check_output_dir=False)
+    text = TrainConfig(train_file=["x.txt"], image_column_name="img")
+    with pytest.raises(ConfigError, match="--image_column_name is for image data"):
+        check_inputs(text, check_output_dir=False)
+
+
 def test_a_datasets_dataset_of_images_and_bad_image_datasets(ray_cluster, cache_root,
                                                              tmp_path):
     """A datasets.Dataset with a ClassLabel takes its class names from it; an evaluation
@@ -494,3 +565,32 @@ def test_a_datasets_dataset_of_images_and_bad_image_datasets(ray_cluster, cache_
     cfg = config(tmp_path / "out", "unused", cache_root, num_workers=1)
     with pytest.raises(ConfigError, match="train_dataset and --train_dir both given"):
         check_inputs(cfg, datasets={"train_dataset": named})
+
+
+def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
+        swin_reference, ray_cluster, image_dir, cache_root, tmp_path):
+    """torchvision's Swin by name with train(..., tp_plan=) on tp=2 inside the pp=2 stages
+    of the export split: each block's MLP split over the two ranks of its stage; the
+    losses, gradient norms and saved (whole) weights are the single process's. (tp alone
+    runs torch's styles on the model, as a model of your own's does:
+    tests/test_custom_model.py.)"""
+    from safetensors.torch import load_file
+
+    cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=4, tp=2, pp=2,
+                      gradient_accumulation_steps=4, cpus_per_worker=0.5)
+    result = train(cfg, tp_plan=SWIN_MLP_PLAN)
+    assert_steps_match(result.history, swin_reference, STEPS, label="swin-pp2-tp2")
+    saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
+    assert_weights_match(saved, swin_reference.state, swin_reference.exact,
+                         swin_reference.lr_sum, label="swin-pp2-tp2")
+    with open(os.path.join(result.output_dir, "memory.json")) as f:
+        ran = json.load(f)["layout"]
+    assert (ran["tp"], ran["pp"]) == (2, 2), ran
+    # The eval-mode stage graphs are sharded too: raylm's evaluation is torchvision's.
+    with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
+        build = json.load(f)["build_args"]
+    loss, accuracy = torchvision_swin_eval(saved, build, cfg)
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    assert last["eval_loss"] == pytest.approx(loss, rel=1e-4)
+    assert last["eval_accuracy"] == pytest.approx(accuracy)

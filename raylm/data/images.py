@@ -20,8 +20,14 @@ its task as data (not raised: Ray Data keeps only a traceback's text) and become
 Layout of a cache directory (``<cache_root>/images-<key>/``)::
 
     manifest.json             written last; what ImageDataset.load reads
-    shard-<first id>.parquet  columns pixels (fixed_size_binary, H*W*C bytes, HWC uint8)
-                              and label (int32)
+    shard-<first id>.arrow    Arrow IPC files, uncompressed: columns pixels
+                              (fixed_size_binary, H*W*C bytes, HWC uint8) and label (int32)
+
+The shards are Arrow IPC files, not parquet (as the token cache is), so that the ranks
+memory-map them (raylm.data.reader.ImageReader): their pixels are read in place from the
+page cache, which every rank of a node shares, and only the pages a batch touches are
+resident, so a set larger than memory trains. Parquet pages are decoded into each
+reader's own memory (pixels do not compress anyway).
 
 Augmentation is not cached: it is drawn per (seed, epoch, sample id) when a rank prepares
 a batch (raylm.models.objectives.ImageClassification), so each epoch sees other flips and
@@ -42,12 +48,11 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from raylm.errors import ConfigError, first_line
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # (1: parquet shards, read into memory)
 CACHE_PREFIX = "images-"
 MANIFEST = "manifest.json"
 # Images per Ray Data task: decoding is PIL work of a few milliseconds per image.
@@ -60,32 +65,39 @@ class ImageFolder:
 
     root: str
     classes: list[str]
-    files: list[str]  # absolute paths, in (class, path) order
+    files: list[str]  # absolute paths or URIs, in (class, path) order
     labels: list[int]
+    stamps: list = dataclasses.field(default_factory=list)  # per file: [size, mtime ns]
 
 
 def scan_image_folder(root: str, flag: str, classes: Optional[list] = None) -> ImageFolder:
-    """The images under ``root`` (``class/…/image.ext``); one ConfigError naming ``flag``
-    for a directory that is missing, holds no class directories or no images, or (with
-    ``classes``: the training folder's) a class the training folder lacks."""
-    if "://" in root:
-        raise ConfigError(f"{flag} {root}: image folders are read from a local or shared "
-                          "file system (not yet from an object store)")
-    root = os.path.abspath(os.path.expanduser(root))
-    if not os.path.isdir(root):
+    """The images under ``root`` (``class/…/image.ext``), a local directory or an object
+    store's (``s3://``, ``gs://``: listed through pyarrow's file systems, as text files
+    are); one ConfigError naming ``flag`` for a directory that is missing, holds no class
+    directories or no images, or (with ``classes``: the training folder's) a class the
+    training folder lacks. Names starting with '.' are skipped at any depth."""
+    from raylm.data.sources import display_path, filesystem_for
+
+    fs, base = filesystem_for(root)
+    if "://" not in root:
+        root = base
+    try:
+        info = fs.get_file_info(base)
+        listed = fs.get_file_info(pafs.FileSelector(base, recursive=True)) \
+            if info.type == pafs.FileType.Directory else None
+    except OSError as e:  # an object store refusing access, say
+        raise ConfigError(f"{flag}: cannot list {root}: {first_line(e)}") from None
+    if listed is None:
         raise ConfigError(f"{flag}: no such directory: {root}")
-    found: dict[str, list[str]] = {}
-    for name in sorted(os.listdir(root)):
-        sub = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(sub):
+    found: dict[str, list] = {}
+    for item in listed:
+        parts = item.path[len(base):].strip("/").split("/")
+        if item.type != pafs.FileType.File or len(parts) < 2 or \
+                any(p.startswith(".") for p in parts) or \
+                not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
             continue
-        images = []
-        for dirpath, dirnames, filenames in os.walk(sub):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            images += [os.path.join(dirpath, f) for f in sorted(filenames)
-                       if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
-        if images:
-            found[name] = sorted(images)
+        found.setdefault(parts[0], []).append(
+            (display_path(root, fs, item.path), [item.size, item.mtime_ns]))
     if not found:
         raise ConfigError(f"{flag} {root}: no images in class directories (expected "
                           f"{root}/<class name>/<image>{'|'.join(IMAGE_EXTENSIONS)})")
@@ -95,11 +107,13 @@ def scan_image_folder(root: str, flag: str, classes: Optional[list] = None) -> I
         raise ConfigError(f"{flag} {root}: class directories the training data does not "
                           f"have: {', '.join(extra[:5])}")
     index = {c: i for i, c in enumerate(names)}
-    files, labels = [], []
+    files, labels, stamps = [], [], []
     for name in sorted(found, key=index.get):
-        files += found[name]
-        labels += [index[name]] * len(found[name])
-    return ImageFolder(root, list(names), files, labels)
+        images = sorted(found[name])
+        files += [f for f, _ in images]
+        stamps += [st for _, st in images]
+        labels += [index[name]] * len(images)
+    return ImageFolder(root, list(names), files, labels, stamps)
 
 
 @dataclass
@@ -136,10 +150,7 @@ class ImageDataset:
 
 
 def _key(folder: ImageFolder, image_size: int, channels: int) -> str:
-    identities = []
-    for path in folder.files:
-        st = os.stat(path)
-        identities.append([path, st.st_size, st.st_mtime_ns])
+    identities = [[path, *stamp] for path, stamp in zip(folder.files, folder.stamps)]
     spec = {"format_version": FORMAT_VERSION, "files": identities, "labels": folder.labels,
             "classes": folder.classes, "image_size": image_size, "channels": channels}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
@@ -148,8 +159,16 @@ def _key(folder: ImageFolder, image_size: int, channels: int) -> str:
 def decode_image(path: str, image_size: int, channels: int) -> bytes:
     """One image as HWC uint8 bytes: decoded by PIL, converted to RGB (or L for one
     channel), resized to ``image_size`` square (bilinear)."""
+    import io
+
     from PIL import Image
 
+    if "://" in path:  # an object store's: read whole through its file system
+        from raylm.data.sources import filesystem_for
+
+        fs, where = filesystem_for(path)
+        with fs.open_input_file(where) as f:
+            path = io.BytesIO(f.read())
     with Image.open(path) as img:
         img.load()  # decode now: a truncated file fails here, not later
         return _fit(img, image_size, channels)
@@ -185,11 +204,18 @@ def _decode_task(batch: dict, *, image_size: int, channels: int) -> dict:
 def _write_shard(tmp: str, first: int, pixels: list, labels, width: int) -> dict:
     """One shard of the cache being built (rows from sample id ``first``); its manifest
     entry."""
-    name = f"shard-{first:012d}.parquet"
-    pq.write_table(pa.table({"pixels": pa.array(pixels, type=pa.binary(width)),
-                             "label": pa.array(labels, type=pa.int32())}),
-                   os.path.join(tmp, name))
+    name = f"shard-{first:012d}.arrow"
+    table = pa.table({"pixels": pa.array(pixels, type=pa.binary(width)),
+                      "label": pa.array(labels, type=pa.int32())})
+    with pa.OSFile(os.path.join(tmp, name), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
     return {"file": name, "offset": first, "samples": len(pixels)}
+
+
+def read_shard(path: str) -> pa.Table:
+    """A shard of the image cache, memory-mapped: its buffers are the file's pages."""
+    return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
 
 def _commit(tmp: str, final: str, manifest: dict, replace: bool) -> None:
@@ -266,15 +292,15 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
 
 # --- images from a dataset object: train(train_dataset=) ------------------------------
 # A Ray Dataset (ray.data.read_images, read_parquet of encoded images, any map; a
-# datasets.Dataset goes through ray.data.from_huggingface) of rows with an ``image`` (an
-# array HxW or HxWxC, encoded bytes, or datasets' {"bytes", "path"}) and a ``label`` (a
-# class name, or an integer). An array is taken as PIL's fromarray reads it (HxW grey,
-# HxWx3 RGB, HxWx4 RGBA): read_images(..., mode="RGB") decodes palette and CMYK files
-# to RGB first, as the folder path's convert() does. Two passes, both in the dataset's
-# order (raylm.data.given): the labels alone, on the driver, for the classes (the model's
-# head is sized by them before any image is decoded); then the images, resized in Ray
-# Data tasks and written by the driver as the folder's are, into a cache named by a
-# digest of what was written.
+# datasets.Dataset goes in as its Arrow table: raylm.data.given.as_ray) of rows with an
+# ``image`` (an array HxW or HxWxC, encoded bytes, or datasets' {"bytes", "path"}) and a
+# ``label`` (a class name, or an integer). An array is taken as PIL's fromarray reads it
+# (HxW grey, HxWx3 RGB, HxWx4 RGBA): read_images(..., mode="RGB") decodes palette and
+# CMYK files to RGB first, as the folder path's convert() does. Two passes, both in the
+# dataset's order (raylm.data.given): the labels alone, on the driver, for the classes
+# (the model's head is sized by them before any image is decoded); then the images,
+# resized in Ray Data tasks and written by the driver as the folder's are, into a cache
+# named by a digest of what was written.
 IMAGE_COLUMN, LABEL_COLUMN = "image", "label"
 
 
@@ -283,65 +309,91 @@ class GivenImages:
     """A dataset of images given to train(), its classes read: what an ImageFolder is for
     a folder."""
 
-    ds: object  # ray.data.Dataset
+    ds: object  # ray.data.Dataset, its columns IMAGE_COLUMN and LABEL_COLUMN
     arg: str  # train_dataset / eval_dataset
     classes: list[str]
     index: dict  # a label value -> its class id
+    name: str = ""  # what errors call it (default: arg)
 
     @property
     def root(self) -> str:
-        return f"({self.arg})"
+        return f"({self.said})"
+
+    @property
+    def said(self) -> str:
+        return self.name or self.arg
 
 
-def given_images(ds, arg: str, classes: Optional[list] = None) -> GivenImages:
+def given_images(ds, arg: str, classes: Optional[list] = None,
+                 columns: tuple = (IMAGE_COLUMN, LABEL_COLUMN), name: str = ""
+                 ) -> GivenImages:
     """``ds``'s classes: the sorted class names (or integers) among its labels; with
-    ``classes`` (the training set's), its labels must be among them. One ConfigError for
-    missing columns, missing or mixed labels."""
+    ``classes`` (the training set's), its labels must be among them. ``columns``: its
+    (image, label) columns (--image_column_name, --label_column_name), read as
+    IMAGE_COLUMN and LABEL_COLUMN from here on; ``name``: what errors call it. One
+    ConfigError for missing columns, missing or mixed labels."""
     from raylm.data.given import as_ray, batches, failure
 
-    hf_names = _class_label_names(ds)
-    ds = as_ray(ds, arg)
+    said = name or arg
+    image, label = columns
+    hf_names = _class_label_names(ds, label)
+    ds = as_ray(ds, said)
     try:
         names = ds.schema(fetch_if_missing=True).names
     except Exception as e:
-        raise failure(arg, e) from e
-    missing = [c for c in (IMAGE_COLUMN, LABEL_COLUMN) if c not in names]
+        raise failure(said, e) from e
+    missing = [c for c in columns if c not in names]
     if missing:
-        raise ConfigError(f"{arg}: no column {' or '.join(repr(c) for c in missing)} "
-                          f"(columns: {', '.join(names)}); images are rows of 'image' and "
-                          "'label'")
+        flags = "" if tuple(columns) == (IMAGE_COLUMN, LABEL_COLUMN) else \
+            " (--image_column_name, --label_column_name)"
+        raise ConfigError(f"{said}: no column {' or '.join(repr(c) for c in missing)} "
+                          f"(columns: {', '.join(names)}); images are rows of '{image}' and "
+                          f"'{label}'{flags}")
+    if tuple(columns) != (IMAGE_COLUMN, LABEL_COLUMN):
+        ds = ds.select_columns([image, label]).rename_columns(
+            {image: IMAGE_COLUMN, label: LABEL_COLUMN})
     values = []
-    for batch in batches(ds.select_columns([LABEL_COLUMN]), arg, "pyarrow"):
+    for batch in batches(ds.select_columns([LABEL_COLUMN]), said, "pyarrow"):
         values += batch.column(LABEL_COLUMN).to_pylist()
     if not values:
-        raise ConfigError(f"{arg} is empty (no rows)")
+        raise ConfigError(f"{said} is empty (no rows)")
     if any(v is None for v in values):
-        raise ConfigError(f"{arg}: row {values.index(None)} has no label")
+        raise ConfigError(f"{said}: row {values.index(None)} has no label")
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
     if not ints and not all(isinstance(v, str) for v in values):
         kinds = sorted({type(v).__name__ for v in values})
-        raise ConfigError(f"{arg}: labels must be class names (str) or class ids (int), "
+        raise ConfigError(f"{said}: labels must be class names (str) or class ids (int), "
                           f"not {', '.join(kinds)}")
     found = sorted(set(values))
     if classes is not None:  # (the training set's, by name)
         names_of = {v: (hf_names[v] if hf_names and ints else str(v)) for v in found}
         extra = [names_of[v] for v in found if names_of[v] not in classes]
         if extra:
-            raise ConfigError(f"{arg}: labels the training data does not have: "
+            raise ConfigError(f"{said}: labels the training data does not have: "
                               f"{', '.join(extra[:5])}")
         return GivenImages(ds, arg, list(classes),
-                           {v: classes.index(names_of[v]) for v in found})
+                           {v: classes.index(names_of[v]) for v in found}, name)
     if hf_names and ints:  # datasets' ClassLabel: the ids are the classes
-        return GivenImages(ds, arg, list(hf_names), {v: v for v in found})
+        return GivenImages(ds, arg, list(hf_names), {v: v for v in found}, name)
     if len(found) < 2:
-        raise ConfigError(f"{arg}: one class ({found[0]}); a classifier needs at least two")
-    return GivenImages(ds, arg, [str(v) for v in found], {v: i for i, v in enumerate(found)})
+        raise ConfigError(f"{said}: one class ({found[0]}); a classifier needs at least two")
+    return GivenImages(ds, arg, [str(v) for v in found], {v: i for i, v in enumerate(found)},
+                       name)
 
 
-def _class_label_names(ds) -> Optional[list]:
-    """The class names of a datasets.Dataset's ClassLabel ``label`` feature, if it has one."""
+def dataset_classes(ds, column: str) -> Optional[list]:
+    """The classes ``given_images`` finds in a datasets.Dataset's label ``column``, read
+    in this process (``raylm plan`` sizes the head by them, with no Ray): a ClassLabel's
+    names, else the sorted labels; None without that column."""
+    if column not in (getattr(ds, "column_names", None) or ()):
+        return None
+    return _class_label_names(ds, column) or [str(v) for v in sorted(set(ds.unique(column)))]
+
+
+def _class_label_names(ds, column: str) -> Optional[list]:
+    """The class names of a datasets.Dataset's ClassLabel feature ``column``, if it is one."""
     features = getattr(ds, "features", None)
-    label = features.get(LABEL_COLUMN) if isinstance(features, dict) else None
+    label = features.get(column) if isinstance(features, dict) else None
     return list(label.names) if hasattr(label, "names") else None
 
 
@@ -416,10 +468,10 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
         ds = given.ds.map_batches(_rows_task, fn_kwargs=dict(
             image_size=image_size, channels=channels, index=given.index),
             batch_size=TASK_IMAGES, batch_format="numpy", num_cpus=TASK_NUM_CPUS)
-        for batch in batches(ds, given.arg, "numpy"):
+        for batch in batches(ds, given.said, "numpy"):
             bad = [e for e in batch["error"] if isinstance(e, str) and e]
             if bad:
-                raise ConfigError(f"{given.arg}: {bad[0]}")
+                raise ConfigError(f"{given.said}: {bad[0]}")
             if not len(batch["label"]):
                 continue
             for p in batch["pixels"]:
@@ -428,7 +480,7 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
             shards.append(_write_shard(tmp, n, list(batch["pixels"]), batch["label"], width))
             n += len(batch["label"])
         if n == 0:
-            raise ConfigError(f"{given.arg} is empty (no rows)")
+            raise ConfigError(f"{given.said} is empty (no rows)")
         key = hashlib.sha256(json.dumps([FORMAT_VERSION, image_size, channels,
                                          given.classes]).encode()
                              + pixel_digest.digest() + label_digest.digest()).hexdigest()[:24]

@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from raylm.data.images import read_shard
 from raylm.data.sources import filesystem_for
 from raylm.data.stream import sample_ids
 from raylm.data.tokenized import TokenizedDataset
@@ -283,8 +284,10 @@ class ImageReader(_ShardReader):
 
     def _load(self, path: str):
         d = self.dataset
-        table = pq.read_table(path, memory_map=True)
-        raw = table.column("pixels").combine_chunks()
+        table = read_shard(path)  # (memory-mapped: the pixels stay in the page cache)
+        column = table.column("pixels")
+        # (one record batch per shard; combine_chunks would copy even a single chunk)
+        raw = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         # a fixed_size_binary column's buffer is the rows' bytes back to back
         flat = np.frombuffer(raw.buffers()[1], dtype=np.uint8,
                              count=len(raw) * d.block_size, offset=raw.offset * d.block_size)

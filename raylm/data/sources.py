@@ -85,7 +85,7 @@ def _cached_filesystem(scheme: str, netloc: str, query: str) -> tuple[pafs.FileS
     return fs, base.rstrip("/")
 
 
-def _display_path(spec: str, fs: pafs.FileSystem, fs_path: str) -> str:
+def display_path(spec: str, fs: pafs.FileSystem, fs_path: str) -> str:
     """How a found file is named from now on: a local absolute path, or a URI.
 
     ``file://`` URIs become plain local paths (the same file then has one name, and one
@@ -160,7 +160,7 @@ def _resolve_one(spec: str) -> list[str]:
                               f"(supported: {_supported_list()})")
         else:
             files = [path]
-    return [_display_path(spec, fs, f) for f in files]
+    return [display_path(spec, fs, f) for f in files]
 
 
 def _supported_list() -> str:

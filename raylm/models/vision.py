@@ -56,11 +56,14 @@ def check_image_flags(cfg) -> None:
                         ("--line_by_line", cfg.line_by_line), ("--use_peft", cfg.use_peft),
                         ("--streaming", cfg.streaming), ("--train_file", cfg.train_file),
                         ("--validation_file", cfg.validation_file),
-                        ("--dataset_name", cfg.dataset_name),
                         ("--tokenizer_name", cfg.tokenizer_name)):
         if value:
             raise ConfigError(f"{flag} does not apply to --task image-classification (its "
-                              "data is --train_dir / --validation_dir)")
+                              "data is --train_dir / --validation_dir, or --dataset_name)")
+    if cfg.image_column_name == cfg.label_column_name:
+        raise ConfigError(f"--image_column_name and --label_column_name are both "
+                          f"'{cfg.image_column_name}': the images and the labels are two "
+                          "columns")
 
 
 def check_model_flags(cfg) -> None:

@@ -62,6 +62,13 @@ def build_plan_report(cfg, capacity: Optional[int] = None, from_cluster: bool = 
 
         # (the head is sized to the folder's classes, as raylm train sizes it)
         classes = scan_image_folder(cfg.train_dir, "--train_dir").classes
+    elif getattr(cfg, "task", None) == "image-classification" and cfg.dataset_name:
+        from raylm.data.hf_datasets import load_splits
+        from raylm.data.images import dataset_classes
+
+        splits = load_splits(cfg)  # (the dataset's labels, read in this process: no Ray)
+        if "train" in splits:
+            classes = dataset_classes(splits["train"], cfg.label_column_name)
     spec = resolve_model(cfg, classes=classes)
     seq_len = resolve_block_size(cfg, spec)
     searched = not (cfg.dp or cfg.tp or cfg.pp)

@@ -86,10 +86,12 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     if cfg.task == "image-classification":
         return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
                                    compute_loss_func, datasets)
-    for flag in ("train_dir", "validation_dir", "image_size", "num_channels"):
-        if getattr(cfg, flag):
+    for flag, unset in (("train_dir", None), ("validation_dir", None), ("image_size", None),
+                        ("num_channels", None), ("image_column_name", "image"),
+                        ("label_column_name", "label")):
+        if getattr(cfg, flag) != unset:
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
-                              "with it (text data is --train_file)")
+                              "with it (text data is --train_file, its column --text_column)")
     given: dict = {}
     train_files, eval_files, eval_names = _data_files(cfg, datasets, given)
 
@@ -123,10 +125,15 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
     for arg, flag in (("train_dataset", "train_dir"), ("eval_dataset", "validation_dir")):
         if arg in datasets and getattr(cfg, flag):
             raise ConfigError(f"{arg} and --{flag} both given: give the images one way")
+    names = {arg: arg for arg in datasets}  # (what the errors call each)
+    if cfg.dataset_name:
+        datasets, names = _image_splits(cfg, datasets)
+    columns = (cfg.image_column_name, cfg.label_column_name)
     if datasets:
         _room_for_tasks()
     if "train_dataset" in datasets:
-        train = given_images(datasets["train_dataset"], "train_dataset")
+        train = given_images(datasets["train_dataset"], "train_dataset", columns=columns,
+                             name=names["train_dataset"])
     elif not cfg.train_dir:
         raise ConfigError("--task image-classification needs --train_dir: an image folder "
                           "(DIR/<class name>/<image>.png|jpg|...), or from Python "
@@ -136,7 +143,8 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
         if len(train.classes) < 2:
             raise ConfigError(f"--train_dir {train.root}: one class ({train.classes[0]}); "
                               "a classifier needs at least two class directories")
-    val = (given_images(datasets["eval_dataset"], "eval_dataset", train.classes)
+    val = (given_images(datasets["eval_dataset"], "eval_dataset", train.classes,
+                        columns=columns, name=names["eval_dataset"])
            if "eval_dataset" in datasets else
            scan_image_folder(cfg.validation_dir, "--validation_dir", train.classes)
            if cfg.validation_dir else None)
@@ -149,6 +157,31 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
     return inputs
+
+
+def _image_splits(cfg: TrainConfig, datasets: dict) -> tuple[dict, dict]:
+    """--dataset_name's images: its train split, and its validation split where it has
+    one (else --train_val_split of train is held out, as run_image_classification does),
+    as the datasets given to train() are read; and what the errors call each."""
+    from raylm.data.hf_datasets import BUILDERS, load_splits
+
+    name = cfg.dataset_name
+    given = [f"--{f}" for f in ("train_dir", "validation_dir") if getattr(cfg, f)] + list(datasets)
+    if given:
+        raise ConfigError(f"--dataset_name with {' and '.join(given)}: give the images one way")
+    if name in BUILDERS:
+        raise ConfigError(f"--dataset_name {name} reads --train_file, which images do not "
+                          "take: give a dataset id or directory, or an image folder as "
+                          "--train_dir")
+    splits = load_splits(cfg)
+    if "train" not in splits:
+        raise ConfigError(f"--dataset_name {name} has no 'train' split (it has "
+                          f"{', '.join(splits)})")
+    out = {"train_dataset": splits["train"]}
+    if "validation" in splits:
+        out["eval_dataset"] = splits["validation"]
+    return out, {"train_dataset": f"--dataset_name {name} (train)",
+                 "eval_dataset": f"--dataset_name {name} (validation)"}
 
 
 def _build_given_images(cfg: TrainConfig, inputs: Inputs) -> None:
