@@ -106,6 +106,13 @@ def test_own_model_matches_single_process(layout, reference, ray_cluster, corpus
         layout.get("dp", 1), layout.get("pp", 1), layout.get("zero_stage", 0)), ran
 
 
+def held_parameter_bytes(output_dir) -> int:
+    """The parameter bytes the ranks of a run held (memory.json, measured from their
+    tensors: a DTensor's local shard), added up."""
+    with open(os.path.join(output_dir, "memory.json")) as f:
+        return sum(r["measured"]["parameters"] for r in json.load(f)["ranks"])
+
+
 def smoothed_loss(outputs, labels, num_items_in_batch):
     """A loss of the user's own, in the HF Trainer's form: next-token cross-entropy with
     label smoothing, summed and divided by the batch's label count."""
@@ -457,3 +464,12 @@ def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single
     with open(os.path.join(result.output_dir, "memory.json")) as f:
         ran = json.load(f)["layout"]
     assert (ran["tp"], ran["pp"]) == (2, 2), ran
+    # The layers were sharded (ranks holding whole stages would match the losses too):
+    # the 4 ranks hold the model twice over but the planned layers once.
+    model = ToyLM()
+    planned = ["embed.weight", "head.weight"] + [
+        f"blocks.{i}.{name}" for i in range(4) for name in ("up.weight", "up.bias",
+                                                            "down.weight")]
+    whole = sum(p.numel() for p in model.parameters())
+    sharded = sum(model.get_parameter(name).numel() for name in planned)
+    assert held_parameter_bytes(result.output_dir) == 4 * (2 * whole - sharded)

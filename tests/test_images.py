@@ -233,16 +233,22 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
     assert result.metrics["best_metric"] == max(r["eval_accuracy"] for r in evals)
 
 
+def torchvision_swin(build: dict):
+    """torchvision's own SwinTransformer of raylm_model.json's ``build_args`` (with the
+    builder's other arguments: swin_t's patch size)."""
+    import torchvision
+
+    return torchvision.models.SwinTransformer(patch_size=[4, 4], num_classes=len(CLASSES),
+                                              **{k: v for k, v in build.items()
+                                                 if k not in ("torchvision", "num_classes")})
+
+
 def torchvision_swin_eval(saved: dict, build: dict, cfg) -> tuple:
     """(loss, accuracy) over the validation split of torchvision's own SwinTransformer
-    (with the builder's other arguments: swin_t's patch size) holding ``saved``, each
-    image decoded and normalised here."""
-    import torchvision
+    holding ``saved``, each image decoded and normalised here."""
     from PIL import Image
 
-    model = torchvision.models.SwinTransformer(patch_size=[4, 4], num_classes=len(CLASSES),
-                                               **{k: v for k, v in build.items()
-                                                  if k not in ("torchvision", "num_classes")})
+    model = torchvision_swin(build)
     model.load_state_dict(saved, strict=True)
     model.eval()
     inputs = check_inputs(cfg, check_output_dir=False)
@@ -513,7 +519,11 @@ def test_dataset_name_of_images_with_its_column_names_is_the_folder(ray_cluster,
             (dict(label_column_name="img"), "--image_column_name and --label_column_name are "
              "both 'img'"),
             (dict(train_dir=str(image_dir)), "--dataset_name with --train_dir: give the "
-             "images one way")]:
+             "images one way"),
+            (dict(dataset_name=None, train_dir=str(image_dir)), "--image_column_name names "
+             "a column of --dataset_name"),
+            (dict(dataset_name=None, train_dir=files.files[0], image_column_name="image",
+                  label_column_name="label"), r"--train_dir .*\.png is a file")]:
         bad = dataclasses.replace(cfg, **kw)
         with pytest.raises(ConfigError, match=message):
             check_inputs(bad, check_output_dir=False)
@@ -592,5 +602,14 @@ def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_pro
     loss, accuracy = torchvision_swin_eval(saved, build, cfg)
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    # The MLPs were sharded: the 4 ranks hold the model twice over, the MLPs once (their
+    # row-parallel biases twice).
+    from tests.test_custom_model import held_parameter_bytes
+
+    model = torchvision_swin(build)
+    whole = sum(p.numel() for p in model.parameters())
+    sharded = sum(p.numel() for name, p in model.named_parameters()
+                  if ".mlp.0." in name or name.endswith(".mlp.3.weight"))
+    assert sharded and held_parameter_bytes(result.output_dir) == 4 * (2 * whole - sharded)
     assert last["eval_loss"] == pytest.approx(loss, rel=1e-4)
     assert last["eval_accuracy"] == pytest.approx(accuracy)

@@ -527,6 +527,99 @@ def job_styles(rank, world):
                                        msg=lambda m: f"{style} gradient of {pname}: {m}")
 
 
+def job_stage_graphs(rank, world):
+    """The pipeline stages of the generic export split under a plan of your own
+    (raylm.parallel.tensor.stage_graphs): every style a plan of your own may name, in a
+    stage graph traced from the whole model, computes what torch's styles compute on the
+    module (the logits, and every parameter's gradient, gathered); a planned layer whose
+    parameters the forward also reads another way is one error naming it."""
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from raylm.errors import ConfigError
+    from raylm.models.export_split import export_stage_modules
+    from raylm.models.tensor_plans import match
+    from raylm.parallel.tensor.apply import torch_style
+    from raylm.parallel.tensor.stage_graphs import shard_stage_graphs
+
+    tp, _ = tp_mesh(world)
+    vocab, n = 8 * world, 4 * world
+
+    class Block(nn.Module):
+        def __init__(self, peek=False):
+            super().__init__()
+            self.up, self.down = nn.Linear(n, 2 * n), nn.Linear(2 * n, n)
+            self.a, self.b = nn.Linear(n, 2 * n), nn.Linear(2 * n, n)
+            self.peek = peek
+
+        def forward(self, h):
+            h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+            h = h + self.b(torch.nn.functional.gelu(self.a(h)))
+            return h + self.down.bias if self.peek else h
+
+    class Net(nn.Module):
+        def __init__(self, peek=False):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, n)
+            self.blocks = nn.ModuleList([Block(peek), Block()])
+            self.head = nn.Linear(n, vocab)
+
+        def forward(self, input_ids, use_cache=False):
+            h = self.emb(input_ids)
+            for block in self.blocks:
+                h = block(h)
+            return SimpleNamespace(logits=self.head(h))
+
+    def shard(model, plan):
+        styles = {f: name for pattern, name in plan.items() for f in match(model, "", pattern)}
+        parallelize_module(model, tp, {f: torch_style(name) for f, name in styles.items()})
+        return styles
+
+    ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(2, 5, vocab, generator=torch.Generator().manual_seed(1))
+    common = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    plans = [{**common, "emb": "embedding_rowwise", "blocks.*.a": "colwise_gather_output",
+              "blocks.*.b": "rowwise_split_input", "head": "colwise_rep"},
+             {**common, "emb": "embedding_colwise", "blocks.*.a": "colwise_rep",
+              "blocks.*.b": "rowwise_rep", "head": "colwise_gather_output"}]
+    for plan in plans:
+        torch.manual_seed(0)
+        ref = Net()
+        shard(ref, plan)
+        (ref(ids).logits * weights).sum().backward()
+        torch.manual_seed(0)
+        net = Net()
+        (stage,) = export_stage_modules(net, ids, [(0, 2)])
+        shard_stage_graphs([stage], net, shard(net, plan), tp)
+        assert any(m.target.startswith("_tp_") for m in stage.graph.nodes
+                   if m.op == "call_module"), "no op was rewritten"
+        logits = stage(ids)
+        torch.testing.assert_close(logits, ref(ids).logits.detach(), rtol=1e-5, atol=1e-6)
+        (logits * weights).sum().backward()
+        want = dict(ref.named_parameters())
+        for name, p in net.named_parameters():
+            assert isinstance(p, DTensor) == isinstance(want[name], DTensor), name
+            assert stage.get_parameter(name) is p, name  # the graph reads the model's own
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            expected = want[name].grad
+            expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{plan} gradient of {name}: {m}")
+
+    net = Net(peek=True)
+    (stage,) = export_stage_modules(net, ids, [(0, 2)])
+    try:
+        shard_stage_graphs([stage], net, shard(net, plans[0]), tp)
+    except ConfigError as e:
+        assert "tp_plan shards blocks.0.down as 'rowwise', but the traced stage reads its " \
+               "parameters in add" in str(e), e
+    else:
+        raise AssertionError("a planned layer's bias read outside its layer was taken")
+
+
 # -- checkpoints across layouts ----------------------------------------------------------
 # As raylm.checkpoint.state does it: get_state_dict (optimizer state flattened to
 # "state.<fqn>.exp_avg" keys) -> canonical form -> dcp.save; to load, the same canonical
@@ -676,6 +769,7 @@ def runs(tmp_path_factory):
     two.append(("tp2 sp dropout", "job_sp_dropout", ()))
     two.append(("tp2 masked odd length", "job_masked_odd_length", ()))
     two.append(("tp2 styles", "job_styles", ()))
+    two.append(("tp2 stage graphs", "job_stage_graphs", ()))
     for name in CKPT_MODELS:
         two.append((f"ckpt load tp1->tp2 {name}", "job_ckpt_load", (base, name, "tp1")))
         two.append((f"ckpt save tp2 {name}", "job_ckpt_save", (base, name)))
@@ -731,6 +825,12 @@ def test_padded_batch_of_odd_length(runs):
 def test_every_translated_style(runs):
     """Each style name raylm translates does, in torch, what transformers means by it."""
     expect(runs, "tp2 styles")
+
+
+def test_every_style_of_a_plan_of_your_own_runs_in_traced_pipeline_stages(runs):
+    """A plan of your own inside the export split's stage graphs computes what torch's
+    styles compute on the module; a planned layer read another way is one error."""
+    expect(runs, "tp2 stage graphs")
 
 
 def test_tp4(runs):

@@ -126,7 +126,9 @@ def as_ray(ds, arg: str):
         return ds
     import ray.data
 
-    return ray.data.from_arrow(ds.with_format("arrow")[:])
+    # (blocks of 1024 rows: Ray Data's tasks decode a block each, in parallel)
+    return ray.data.from_arrow(ds.with_format("arrow")[:],
+                               override_num_blocks=max(1, -(-len(ds) // 1024)))
 
 
 def batches(ds, arg: str, batch_format: str):

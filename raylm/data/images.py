@@ -67,7 +67,7 @@ class ImageFolder:
     classes: list[str]
     files: list[str]  # absolute paths or URIs, in (class, path) order
     labels: list[int]
-    stamps: list = dataclasses.field(default_factory=list)  # per file: [size, mtime ns]
+    stamps: list  # per file: [size, mtime ns], what the cache key reads
 
 
 def scan_image_folder(root: str, flag: str, classes: Optional[list] = None) -> ImageFolder:
@@ -78,26 +78,32 @@ def scan_image_folder(root: str, flag: str, classes: Optional[list] = None) -> I
     training folder lacks. Names starting with '.' are skipped at any depth."""
     from raylm.data.sources import display_path, filesystem_for
 
-    fs, base = filesystem_for(root)
+    try:
+        fs, base = filesystem_for(root)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
     if "://" not in root:
         root = base
     try:
         info = fs.get_file_info(base)
-        listed = fs.get_file_info(pafs.FileSelector(base, recursive=True)) \
-            if info.type == pafs.FileType.Directory else None
+        if info.type == pafs.FileType.NotFound:
+            raise ConfigError(f"{flag}: no such directory: {root}")
+        if info.type != pafs.FileType.Directory:
+            raise ConfigError(f"{flag} {root} is a file: give the directory of the class "
+                              "directories")
+        listed = _local_files(base) if isinstance(fs, pafs.LocalFileSystem) else [
+            (i.path, [i.size, i.mtime_ns])
+            for i in fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            if i.type == pafs.FileType.File]
     except OSError as e:  # an object store refusing access, say
         raise ConfigError(f"{flag}: cannot list {root}: {first_line(e)}") from None
-    if listed is None:
-        raise ConfigError(f"{flag}: no such directory: {root}")
     found: dict[str, list] = {}
-    for item in listed:
-        parts = item.path[len(base):].strip("/").split("/")
-        if item.type != pafs.FileType.File or len(parts) < 2 or \
-                any(p.startswith(".") for p in parts) or \
+    for path, stamp in listed:
+        parts = path[len(base):].strip("/").split("/")
+        if len(parts) < 2 or any(p.startswith(".") for p in parts) or \
                 not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
             continue
-        found.setdefault(parts[0], []).append(
-            (display_path(root, fs, item.path), [item.size, item.mtime_ns]))
+        found.setdefault(parts[0], []).append((display_path(root, fs, path), stamp))
     if not found:
         raise ConfigError(f"{flag} {root}: no images in class directories (expected "
                           f"{root}/<class name>/<image>{'|'.join(IMAGE_EXTENSIONS)})")
@@ -114,6 +120,20 @@ def scan_image_folder(root: str, flag: str, classes: Optional[list] = None) -> I
         stamps += [st for _, st in images]
         labels += [index[name]] * len(images)
     return ImageFolder(root, list(names), files, labels, stamps)
+
+
+def _local_files(base: str) -> list:
+    """[(path, [size, mtime ns])] of the files below a local directory, as os.walk finds
+    them: symbolic links to files are read, links to directories are not followed (a
+    link back up the tree would list the same images again and again)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            out.append((path, [st.st_size, st.st_mtime_ns]))
+    return out
 
 
 @dataclass
@@ -150,7 +170,8 @@ class ImageDataset:
 
 
 def _key(folder: ImageFolder, image_size: int, channels: int) -> str:
-    identities = [[path, *stamp] for path, stamp in zip(folder.files, folder.stamps)]
+    identities = [[path, *stamp]
+                  for path, stamp in zip(folder.files, folder.stamps, strict=True)]
     spec = {"format_version": FORMAT_VERSION, "files": identities, "labels": folder.labels,
             "classes": folder.classes, "image_size": image_size, "channels": channels}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
@@ -387,7 +408,7 @@ def dataset_classes(ds, column: str) -> Optional[list]:
     names, else the sorted labels; None without that column."""
     if column not in (getattr(ds, "column_names", None) or ()):
         return None
-    return _class_label_names(ds, column) or [str(v) for v in sorted(set(ds.unique(column)))]
+    return _class_label_names(ds, column) or sorted({str(v) for v in ds.unique(column)})
 
 
 def _class_label_names(ds, column: str) -> Optional[list]:
@@ -481,10 +502,12 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
             n += len(batch["label"])
         if n == 0:
             raise ConfigError(f"{given.said} is empty (no rows)")
-        key = hashlib.sha256(json.dumps([FORMAT_VERSION, image_size, channels,
-                                         given.classes]).encode()
+        # The data's digest (in the run's fingerprint: a run resumes only on the same
+        # rows) is of what was written, not of how it is stored: 1 is the digest's own
+        # version, which the cache format does not change; the directory names both.
+        key = hashlib.sha256(json.dumps([1, image_size, channels, given.classes]).encode()
                              + pixel_digest.digest() + label_digest.digest()).hexdigest()[:24]
-        final = os.path.join(root, CACHE_PREFIX + key)
+        final = os.path.join(root, f"{CACHE_PREFIX}{key}-v{FORMAT_VERSION}")
         if os.path.isfile(os.path.join(final, MANIFEST)) and not overwrite:
             return dataclasses.replace(ImageDataset.load(final), reused=True), key
         _commit(tmp, final, dict(key=key, num_samples=n, image_size=image_size,

@@ -34,9 +34,9 @@ def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str)
     if tp <= 1 or pp <= 1 or own_stages or model_type == "custom":
         return ""
     return (f"--tp {tp} with --pp {pp}: raylm cuts '{model_type}' into stages by tracing it "
-            "with torch.export, whose graphs take a tensor-parallel plan of your own only "
-            "(train(..., tp_plan=)); use one of the two, or a model type raylm has stages "
-            "for")
+            "with torch.export, whose graphs take the tensor-parallel plan of a model of "
+            "your own only (train(..., model_init=, tp_plan=)); use one of the two, or a "
+            "model type raylm has stages for")
 
 
 def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,

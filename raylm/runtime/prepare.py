@@ -128,6 +128,11 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
     names = {arg: arg for arg in datasets}  # (what the errors call each)
     if cfg.dataset_name:
         datasets, names = _image_splits(cfg, datasets)
+    elif not datasets:
+        for flag, unset in (("image_column_name", "image"), ("label_column_name", "label")):
+            if getattr(cfg, flag) != unset:
+                raise ConfigError(f"--{flag} names a column of --dataset_name (or of a "
+                                  "dataset given to train()); an image folder has none")
     columns = (cfg.image_column_name, cfg.label_column_name)
     if datasets:
         _room_for_tasks()

@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 from raylm.errors import ConfigError
 from raylm.models.tensor_plans import (TensorParallelShapes, base_prefix, check_tensor_parallel,
                                        layer_styles, match, plan_for, tensor_parallel_shapes)
-from raylm.parallel.tensor.stage_graphs import shard_stage_graphs
+from raylm.parallel.tensor.stage_graphs import check_styles, shard_stage_graphs
 
 
 # -- the result ----------------------------------------------------------------------------
@@ -99,6 +99,8 @@ def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
             style = torch_style(name)
             if style is not None:
                 styles[fqn], names[fqn] = style, name
+    if graphs:
+        check_styles(names)  # (before anything is sharded)
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
     _check_shapes(model, expected)
     if graphs:
@@ -300,6 +302,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     plan, source = plan_for(config)
     if plan is None:  # only reachable with tp == 1, which check_tensor_parallel passes
         raise ConfigError(f"model type '{config.model_type}' has no tensor-parallel plan")
+    if graphs and source != "user":  # (refused at planning: tensor_pipeline_problem)
+        raise ConfigError(f"--tp {tp} with --pp: the {config.model_type} model's stages are "
+                          "traced graphs, which take a plan of a model of your own only")
     sp = plan.sequence_parallel if sequence_parallel else None
     prefix = base_prefix(model)
     expected = tensor_parallel_shapes(model, tp)
@@ -325,9 +330,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     if source == "user":  # a model of the user's own: its plan's layers, nothing else
         return _apply_user_plan(model, tp_mesh, plan, prefix, expected, src_data_rank,
                                 graphs or [])
-    if graphs:
-        raise ConfigError(f"--tp {tp} with --pp: the {config.model_type} model's stages are "
-                          "traced graphs, which take a tensor-parallel plan of your own only")
 
     # 3. The vocabulary, padded to a multiple of tp (ties kept: every holder is swapped).
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

@@ -17,6 +17,13 @@ that does what the style's hooks do around the same op: the input made a DTensor
 style's input layout, the op run on DTensors, the output redistributed to the style's
 output layout and handed on as a local tensor. What runs between two sharded layers
 (``up``'s activation before ``down``) sees local shards, as it does under torch's styles.
+
+One limit that torch's styles do not have: the graph keeps the sizes it was traced with,
+the whole model's. Between two sharded layers, element-wise work (an activation, dropout,
+a residual add) is the same on a shard; a reshape by ``-1`` too; but an op whose sizes
+the forward took from the tensor (``x[..., : x.shape[-1] // 2]``, a split or a view by
+``x.shape[-1]``) keeps the whole model's numbers: a shape error at the first step, or, for
+a slice, the wrong columns. Plan such layers whole, or train them without ``--pp``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,16 @@ _LAYOUTS = {
     "embedding_colwise": (Replicate(), Replicate(), Replicate()),
 }
 _OPS = {"linear": torch.ops.aten.linear.default, "embedding": torch.ops.aten.embedding.default}
+
+
+def check_styles(styles: dict) -> None:
+    """One ConfigError for a style the stage graphs cannot run (a style torch's module
+    hooks take but no layout here: a plan's style list grew without this table)."""
+    for fqn, style in styles.items():
+        if style not in _LAYOUTS:
+            raise ConfigError(f"tp_plan shards {fqn.removeprefix('module.')} as '{style}', "
+                              "which the stages of --pp do not take yet: run without --pp, "
+                              f"or use one of {', '.join(_LAYOUTS)}")
 
 
 class ShardedOp(nn.Module):
@@ -75,8 +92,10 @@ def shard_stage_graphs(graphs: list, model: nn.Module, styles: dict, mesh) -> No
     the model's parameters under their own names) at the DTensor parameters
     ``parallelize_module`` gave ``model``'s layers in ``styles`` ({module fqn: style
     name}), and run each such layer's op as the style does (``ShardedOp``)."""
+    check_styles(styles)
     params = dict(model.named_parameters())
     weights = {f"{fqn}.weight": (fqn, style) for fqn, style in styles.items()}
+    owned = {f"{fqn}.{p}": fqn for fqn in styles for p in ("weight", "bias")}
     for graph in graphs:
         for node in list(graph.graph.nodes):
             if node.op != "get_attr" or node.target not in params:
@@ -84,6 +103,18 @@ def shard_stage_graphs(graphs: list, model: nn.Module, styles: dict, mesh) -> No
             _swap(graph, node.target, params[node.target])
             if node.target in weights:
                 _rewrite_uses(graph, node, *weights[node.target], mesh)
+        # What a stage holds without reading it (export_split keeps unused parameters
+        # with the stage of their block) is the model's DTensor too.
+        for name, param in list(graph.named_parameters(remove_duplicate=False)):
+            if name in params:
+                _swap(graph, name, params[name])
+        # A planned layer's weight or bias read by anything but its own op would meet a
+        # shard where the trace saw the whole tensor.
+        for node in graph.graph.nodes:
+            if node.op == "get_attr" and node.target in owned:
+                for user in node.users:
+                    if user.op != "call_module" or not user.target.startswith("_tp_"):
+                        _refuse(owned[node.target], styles[owned[node.target]], user)
         graph.graph.lint()
         graph.recompile()
 
@@ -104,12 +135,8 @@ def _rewrite_uses(graph: fx.GraphModule, weight: fx.Node, fqn: str, style: str,
     for user in list(weight.users):
         at = 1 if op == "linear" else 0
         if user.op != "call_function" or user.target is not _OPS[op] or \
-                user.args[at] is not weight:
-            raise ConfigError(
-                f"tp_plan shards {fqn.removeprefix('module.')} as '{style}', but the traced "
-                f"stage reads its weight in {user.name} ({user.target}), not only as "
-                f"aten.{op}: tensor parallelism with --pp takes layers the model calls "
-                "as modules; leave this one whole, or run without --pp")
+                user.args[at] is not weight or user.kwargs:
+            _refuse(fqn, style, user)
         name = f"_tp_{user.name}"
         graph.add_submodule(name, ShardedOp(op, style, mesh))
         with graph.graph.inserting_after(user):
@@ -117,3 +144,11 @@ def _rewrite_uses(graph: fx.GraphModule, weight: fx.Node, fqn: str, style: str,
         call.meta = dict(user.meta)
         user.replace_all_uses_with(call)
         graph.graph.erase_node(user)
+
+
+def _refuse(fqn: str, style: str, user: fx.Node) -> None:
+    raise ConfigError(
+        f"tp_plan shards {fqn.removeprefix('module.')} as '{style}', but the traced stage "
+        f"reads its parameters in {user.name} ({user.target}), not only as the layer's "
+        "own op: tensor parallelism with --pp takes layers the model calls as modules; "
+        "leave this one whole, or run without --pp")
