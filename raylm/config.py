@@ -482,6 +482,11 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def is_set(self, name: str) -> bool:
+        """Whether a setting differs from its default (a flag given for nothing to use
+        it on is an error)."""
+        return getattr(self, name) != _DEFAULTS[name]
+
     @property
     def should_train(self) -> bool:
         # No flag: train (and evaluate). --do_eval alone: evaluate the given model only.
@@ -503,29 +508,24 @@ class TrainConfig:
         "warmup_steps", "num_train_epochs", "max_steps", "seed",
     )
 
-    # Run-defining settings added later: in the fingerprint only when set, so a run
-    # started before they existed resumes as the same run.
-    RUN_DEFINING_IF_SET = {"warmup_ratio": 0.0, "lr_scheduler_kwargs": None, "data_seed": None,
-                           "keep_linebreaks": True, "max_train_samples": None,
-                           "model_revision": "main", "dataset_name": None,
-                           "dataset_config_name": None, "bf16": False, "fp16": False,
-                           "mlm": False, "mlm_probability": 0.15, "whole_word_masking": False,
-                           "mean_noise_span_length": 3.0, "use_peft": False,
-                           "lora_rank": None, "lora_alpha": None, "lora_dropout": None,
-                           "lora_target_modules": [], "streaming": None,
-                           "shuffle_buffer_size": 1000, "piece_size_mb": 64.0,
-                           "task": None, "train_dir": None, "validation_dir": None,
-                           "train_val_split": 0.15, "image_flip": True,
-                           "image_size": None, "num_channels": None,
-                           "image_column_name": "image", "label_column_name": "label"}
+    # Run-defining settings added later: in the fingerprint only when set (not their
+    # default), so a run started before they existed resumes as the same run.
+    RUN_DEFINING_IF_SET = ("warmup_ratio", "lr_scheduler_kwargs", "data_seed",
+                           "keep_linebreaks", "max_train_samples", "model_revision",
+                           "dataset_name", "dataset_config_name", "bf16", "fp16", "mlm",
+                           "mlm_probability", "whole_word_masking",
+                           "mean_noise_span_length", "use_peft", "lora_rank", "lora_alpha",
+                           "lora_dropout", "lora_target_modules", "streaming",
+                           "shuffle_buffer_size", "piece_size_mb", "task", "train_dir",
+                           "validation_dir", "train_val_split", "image_flip", "image_size",
+                           "num_channels", "image_column_name", "label_column_name")
 
     def run_fingerprint(self, code: Optional[dict] = None) -> dict:
         """The settings that define the run, and their digest (an output dir holds one
         run). ``code``: what the Python API was given besides the config (the factory's
         and the loss's names: train(..., model_init=, compute_loss_func=))."""
         d = {k: getattr(self, k) for k in self.RUN_DEFINING}
-        d.update({k: getattr(self, k) for k, unset in self.RUN_DEFINING_IF_SET.items()
-                  if getattr(self, k) != unset})
+        d.update({k: getattr(self, k) for k in self.RUN_DEFINING_IF_SET if self.is_set(k)})
         d.update({k: v for k, v in (code or {}).items() if v is not None})
         d["digest"] = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return d
@@ -552,3 +552,8 @@ class TrainConfig:
         if strategy == "steps":
             return bool(every) and step % every == 0
         return step % steps_per_epoch == 0
+
+
+# Each setting's default, for TrainConfig.is_set.
+_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(TrainConfig)}

@@ -1,7 +1,7 @@
 """Run by tests/test_autoscaler.py against the fake autoscaling cluster it started.
 
 The head has room for one rank. First a reference run on one rank (no request, so no
-node is launched); then the run with --max_workers 3: it starts on one rank and asks the
+node is launched); then the run with --num_workers 1 --max_workers 3: it starts on one rank and asks the
 autoscaler for three ranks' bundles; the autoscaler launches two 1-CPU nodes; raylm sees
 the room, starts two newcomers that warm up while it trains, and grows to three ranks at
 a step boundary. Steps are paced (0.5 s, and from step 5 on until the nodes are up) until
@@ -65,7 +65,10 @@ def config(out, **kw):
 # Single-process training on the head, for reference (no request: no node launched).
 reference = train(config(out + "-reference", num_workers=1))
 pace = Pace()
-result = train(config(out, max_workers=3), callbacks=(pace,))
+# It starts on one rank (--num_workers 1) whatever is up: a node the autoscaler launched
+# for Ray Data's tokenizing may still be up when the run plans, and a start on 2 ranks
+# would set a global batch of 24 against the reference's 12.
+result = train(config(out, num_workers=1, max_workers=3), callbacks=(pace,))
 t_end = time.time()
 nodes_after = None
 while time.time() - t_end < 150:

@@ -574,8 +574,9 @@ def job_stage_graphs(rank, world):
             return SimpleNamespace(logits=self.head(h))
 
     def shard(model, plan):
-        styles = {f: name for pattern, name in plan.items() for f in match(model, "", pattern)}
-        parallelize_module(model, tp, {f: torch_style(name) for f, name in styles.items()})
+        styles = {f: (name, torch_style(name))
+                  for pattern, name in plan.items() for f in match(model, "", pattern)}
+        parallelize_module(model, tp, {f: style for f, (_, style) in styles.items()})
         return styles
 
     ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(0))

@@ -376,6 +376,25 @@ def given_images(ds, arg: str, classes: Optional[list] = None,
     values = []
     for batch in batches(ds.select_columns([LABEL_COLUMN]), said, "pyarrow"):
         values += batch.column(LABEL_COLUMN).to_pylist()
+    return GivenImages(ds, arg, *_classes(values, hf_names, classes, said), name)
+
+
+def dataset_classes(ds, column: str) -> Optional[list]:
+    """The classes ``given_images`` finds in a datasets.Dataset's label ``column``, read
+    in this process (``raylm plan`` sizes the head by them, with no Ray); None without
+    that column. (A row with no label is train's error, where its row is known.)"""
+    if column not in (getattr(ds, "column_names", None) or ()):
+        return None
+    values = [v for v in ds.unique(column) if v is not None]
+    return _classes(values, _class_label_names(ds, column), None, f"column '{column}'")[0]
+
+
+def _classes(values: list, hf_names: Optional[list], classes: Optional[list],
+             said: str) -> tuple:
+    """(class names, {label value: class id}) of a dataset's label ``values``: a
+    ClassLabel's names (``hf_names``) for integer ids, else the sorted labels; with
+    ``classes`` (the training set's), the labels must be among them, by name. One
+    ConfigError for no, missing or mixed labels."""
     if not values:
         raise ConfigError(f"{said} is empty (no rows)")
     if any(v is None for v in values):
@@ -392,23 +411,12 @@ def given_images(ds, arg: str, classes: Optional[list] = None,
         if extra:
             raise ConfigError(f"{said}: labels the training data does not have: "
                               f"{', '.join(extra[:5])}")
-        return GivenImages(ds, arg, list(classes),
-                           {v: classes.index(names_of[v]) for v in found}, name)
+        return list(classes), {v: classes.index(names_of[v]) for v in found}
     if hf_names and ints:  # datasets' ClassLabel: the ids are the classes
-        return GivenImages(ds, arg, list(hf_names), {v: v for v in found}, name)
+        return list(hf_names), {v: v for v in found}
     if len(found) < 2:
         raise ConfigError(f"{said}: one class ({found[0]}); a classifier needs at least two")
-    return GivenImages(ds, arg, [str(v) for v in found], {v: i for i, v in enumerate(found)},
-                       name)
-
-
-def dataset_classes(ds, column: str) -> Optional[list]:
-    """The classes ``given_images`` finds in a datasets.Dataset's label ``column``, read
-    in this process (``raylm plan`` sizes the head by them, with no Ray): a ClassLabel's
-    names, else the sorted labels; None without that column."""
-    if column not in (getattr(ds, "column_names", None) or ()):
-        return None
-    return _class_label_names(ds, column) or sorted({str(v) for v in ds.unique(column)})
+    return [str(v) for v in found], {v: i for i, v in enumerate(found)}
 
 
 def _class_label_names(ds, column: str) -> Optional[list]:

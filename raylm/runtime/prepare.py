@@ -86,10 +86,9 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     if cfg.task == "image-classification":
         return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
                                    compute_loss_func, datasets)
-    for flag, unset in (("train_dir", None), ("validation_dir", None), ("image_size", None),
-                        ("num_channels", None), ("image_column_name", "image"),
-                        ("label_column_name", "label")):
-        if getattr(cfg, flag) != unset:
+    for flag in ("train_dir", "validation_dir", "image_size", "num_channels",
+                 "image_column_name", "label_column_name"):
+        if cfg.is_set(flag):
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
                               "with it (text data is --train_file, its column --text_column)")
     given: dict = {}
@@ -129,8 +128,8 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
     if cfg.dataset_name:
         datasets, names = _image_splits(cfg, datasets)
     elif not datasets:
-        for flag, unset in (("image_column_name", "image"), ("label_column_name", "label")):
-            if getattr(cfg, flag) != unset:
+        for flag in ("image_column_name", "label_column_name"):
+            if cfg.is_set(flag):
                 raise ConfigError(f"--{flag} names a column of --dataset_name (or of a "
                                   "dataset given to train()); an image folder has none")
     columns = (cfg.image_column_name, cfg.label_column_name)

@@ -93,18 +93,18 @@ def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
     weight: nothing to re-tie); the logits come out whole (the plan may not leave them
     column-sharded), so the loss is the plain one (TPState.loss_context: none). The
     stage ``graphs`` of a pipeline read the sharded layers as their styles do."""
-    styles, names = {}, {}
+    styles, named = {}, {}
     for pattern, name in plan.layers.items():
         for fqn in match(model, prefix, pattern):
             style = torch_style(name)
             if style is not None:
-                styles[fqn], names[fqn] = style, name
+                styles[fqn], named[fqn] = style, (name, style)
     if graphs:
-        check_styles(names)  # (before anything is sharded)
+        check_styles(named)  # (before anything is sharded)
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
     _check_shapes(model, expected)
     if graphs:
-        shard_stage_graphs(graphs, model, names, tp_mesh)
+        shard_stage_graphs(graphs, model, named, tp_mesh)
     vocab = getattr(model.config, "vocab_size", 0) or 0
     return TPState(mesh=tp_mesh, sequence_parallel=False, vocab_size=vocab,
                    padded_vocab_size=vocab, source="user",

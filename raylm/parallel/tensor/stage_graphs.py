@@ -31,34 +31,35 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from raylm.errors import ConfigError
 
-# style -> (input layout, the layout the op takes it in, output layout); None = as the op
-# leaves it (colwise: sharded on the last dim, handed on local). As torch's
-# ColwiseParallel / RowwiseParallel default and the variants raylm.parallel.tensor.apply
-# ``torch_style`` builds.
-_LAYOUTS = {
-    "colwise": (Replicate(), Replicate(), None),
-    "colwise_gather_output": (Replicate(), Replicate(), Replicate()),
-    "colwise_rep": (Replicate(), Replicate(), Replicate()),
-    "rowwise": (Shard(-1), Shard(-1), Replicate()),
-    "rowwise_split_input": (Replicate(), Shard(-1), Replicate()),
-    "rowwise_rep": (Replicate(), Shard(-1), Replicate()),
-    "embedding_rowwise": (Replicate(), Replicate(), Replicate()),
-    "embedding_colwise": (Replicate(), Replicate(), Replicate()),
-}
 _OPS = {"linear": torch.ops.aten.linear.default, "embedding": torch.ops.aten.embedding.default}
 
 
 def check_styles(styles: dict) -> None:
-    """One ConfigError for a style the stage graphs cannot run (a style torch's module
-    hooks take but no layout here: a plan's style list grew without this table)."""
-    for fqn, style in styles.items():
-        if style not in _LAYOUTS:
-            raise ConfigError(f"tp_plan shards {fqn.removeprefix('module.')} as '{style}', "
+    """One ConfigError for a style the stage graphs cannot run: ``styles`` is {module fqn:
+    (the plan's style name, its torch ParallelStyle)}; a layer's op is run as a column- or
+    row-parallel style lays it out (ShardedOp), and any other style is refused."""
+    for fqn, (name, style) in styles.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            raise ConfigError(f"tp_plan shards {fqn.removeprefix('module.')} as '{name}', "
                               "which the stages of --pp do not take yet: run without --pp, "
-                              f"or use one of {', '.join(_LAYOUTS)}")
+                              "or use a column- or row-parallel style")
+
+
+def _layouts(op: str, style) -> tuple:
+    """(the input's layout, the layout the op takes it in, the output's layout) of a
+    ColwiseParallel / RowwiseParallel ``style`` around ``op``, as its module hooks lay
+    them out: RowwiseParallel's desired input is chosen by the module it is applied to
+    (RowwiseParallel._apply: a linear layer takes its input sharded on the last dim, an
+    embedding its indices whole)."""
+    if isinstance(style, ColwiseParallel):
+        wanted = style.desired_input_layouts[0]
+    else:
+        wanted = Shard(-1) if op == "linear" else Replicate()
+    return style.input_layouts[0], wanted, style.output_layouts[0]
 
 
 class ShardedOp(nn.Module):
@@ -66,35 +67,36 @@ class ShardedOp(nn.Module):
     arguments (aten.linear: input, weight, bias; aten.embedding: weight, indices, ...),
     with the weight (and bias) the model's DTensor parameters."""
 
-    def __init__(self, op: str, style: str, mesh):
+    def __init__(self, op: str, name: str, style, mesh):
         super().__init__()
-        self.op, self.style, self.mesh = op, style, mesh
+        self.op, self.name, self.mesh = op, name, mesh
+        self.given, self.wanted, self.out = _layouts(op, style)
 
     def extra_repr(self) -> str:
-        return f"{self.op}, {self.style}"
+        return f"{self.op}, {self.name}"
 
     def forward(self, *args):
-        given, wanted, out = _LAYOUTS[self.style]
         at = 0 if self.op == "linear" else 1  # the activation's (or indices') position
-        x = DTensor.from_local(args[at], self.mesh, [given], run_check=False)
-        if wanted != given:
-            x = x.redistribute(self.mesh, [wanted])
+        x = DTensor.from_local(args[at], self.mesh, [self.given], run_check=False)
+        if self.wanted != self.given:
+            x = x.redistribute(self.mesh, [self.wanted])
         args = list(args)
         args[at] = x
-        y = _OPS[self.op](*args)
-        if out is not None:
-            y = y.redistribute(self.mesh, [out])
-        return y.to_local()
+        # A column-parallel op's output is already Shard(-1) (handed on as the local
+        # shard); a row-parallel one's is Partial, summed here.
+        return _OPS[self.op](*args).redistribute(self.mesh, [self.out]).to_local()
 
 
 def shard_stage_graphs(graphs: list, model: nn.Module, styles: dict, mesh) -> None:
     """Point every stage graph of ``model`` (fx.GraphModules of the export split, holding
     the model's parameters under their own names) at the DTensor parameters
-    ``parallelize_module`` gave ``model``'s layers in ``styles`` ({module fqn: style
-    name}), and run each such layer's op as the style does (``ShardedOp``)."""
+    ``parallelize_module`` gave ``model``'s layers in ``styles`` ({module fqn: (the plan's
+    style name, the torch ParallelStyle applied)}), and run each such layer's op as the
+    style does (``ShardedOp``)."""
     check_styles(styles)
     params = dict(model.named_parameters())
-    weights = {f"{fqn}.weight": (fqn, style) for fqn, style in styles.items()}
+    weights = {f"{fqn}.weight": (fqn, model.get_submodule(fqn), *style)
+               for fqn, style in styles.items()}
     owned = {f"{fqn}.{p}": fqn for fqn in styles for p in ("weight", "bias")}
     for graph in graphs:
         for node in list(graph.graph.nodes):
@@ -114,7 +116,8 @@ def shard_stage_graphs(graphs: list, model: nn.Module, styles: dict, mesh) -> No
             if node.op == "get_attr" and node.target in owned:
                 for user in node.users:
                     if user.op != "call_module" or not user.target.startswith("_tp_"):
-                        _refuse(owned[node.target], styles[owned[node.target]], user)
+                        fqn = owned[node.target]
+                        _refuse(fqn, styles[fqn][0], user)
         graph.graph.lint()
         graph.recompile()
 
@@ -126,21 +129,21 @@ def _swap(graph: fx.GraphModule, name: str, param) -> None:
         setattr(module, field, param)
 
 
-def _rewrite_uses(graph: fx.GraphModule, weight: fx.Node, fqn: str, style: str,
-                  mesh) -> None:
+def _rewrite_uses(graph: fx.GraphModule, weight: fx.Node, fqn: str, layer: nn.Module,
+                  name: str, style, mesh) -> None:
     """Each op reading the sharded ``weight`` becomes a ShardedOp call; any other read
     (the weight transposed by hand, say) would see a shard where the trace saw the whole
     weight: one clear error naming the layer."""
-    op = "embedding" if style.startswith("embedding") else "linear"
+    op = "embedding" if isinstance(layer, nn.Embedding) else "linear"
     for user in list(weight.users):
         at = 1 if op == "linear" else 0
         if user.op != "call_function" or user.target is not _OPS[op] or \
                 user.args[at] is not weight or user.kwargs:
-            _refuse(fqn, style, user)
-        name = f"_tp_{user.name}"
-        graph.add_submodule(name, ShardedOp(op, style, mesh))
+            _refuse(fqn, name, user)
+        target = f"_tp_{user.name}"
+        graph.add_submodule(target, ShardedOp(op, name, style, mesh))
         with graph.graph.inserting_after(user):
-            call = graph.graph.call_module(name, user.args, user.kwargs)
+            call = graph.graph.call_module(target, user.args, user.kwargs)
         call.meta = dict(user.meta)
         user.replace_all_uses_with(call)
         graph.graph.erase_node(user)
