@@ -108,6 +108,10 @@ class TrainConfig:
     trust_remote_code: bool = _f(
         False, "Run the Python code a Hub model or dataset repository ships (its own "
         "model class). Off: such a repository is refused. Read the code first.", "model")
+    ignore_mismatched_sizes: bool = _f(
+        False, "Fine-tune a --model_name_or_path image classifier on classes other than "
+        "its own: a new head sized to the data's classes, initialised from --seed (as "
+        "run_image_classification's flag). Off: other classes are an error.", "model")
 
     # --- data --------------------------------------------------------------------------
     task: Optional[str] = _f(
@@ -518,7 +522,8 @@ class TrainConfig:
                            "lora_dropout", "lora_target_modules", "streaming",
                            "shuffle_buffer_size", "piece_size_mb", "task", "train_dir",
                            "validation_dir", "train_val_split", "image_flip", "image_size",
-                           "num_channels", "image_column_name", "label_column_name")
+                           "num_channels", "image_column_name", "label_column_name",
+                           "ignore_mismatched_sizes")
 
     def run_fingerprint(self, code: Optional[dict] = None) -> dict:
         """The settings that define the run, and their digest (an output dir holds one

@@ -24,6 +24,13 @@ The tolerance therefore has two parts, per tensor:
   (the loss tolerance) allow 2 * REL * (sum of the learning rates of the steps), plus a few
   fp32 ulps of the tensor's scale (fp32 cannot get closer than rounding ``exact``).
 
+A tensor whose gradient is zero in exact arithmetic (a key bias: the softmax ignores it;
+the float64 run leaves it where it began, ``Reference.still``) moves by rounding alone,
+every element of it amplified: its mean error is one draw of that noise as its largest is,
+and another order of sums draws another (ViT's key bias under tp=2, each rank's attention
+on its own heads: 2.5x the reference's mean, 1.6x its largest). Such a tensor is held to
+``MAX_FACTOR`` on its largest error only.
+
 Measured here (RAYLM_TEST_WEIGHT_LOG below), over every weight comparison of the suite
 (4,118 tensors; 643 with an error above the floor), the factor each needed after its
 floor: the mean 0.74x the reference's, the largest 6.6x (Qwen3's MLP under tp=2 in
@@ -77,10 +84,11 @@ def weight_errors(got: torch.Tensor, exact: torch.Tensor) -> tuple:
 
 
 def assert_weights_match(got: dict, ref: dict, exact: dict, lr_sum: float,
-                         label: str = "") -> None:
+                         label: str = "", still=()) -> None:
     """``got`` (a layout's final weights) is as close to the float64 weights ``exact`` as
     the fp32 single-process ``ref`` is, tensor by tensor, within the derived floor for
-    steps whose learning rates add up to ``lr_sum`` (see the module docstring)."""
+    steps whose learning rates add up to ``lr_sum`` (see the module docstring); the
+    tensors in ``still`` (Reference.still) by their largest error only."""
     assert set(got) == set(exact), f"{label}: keys differ: {sorted(set(got) ^ set(exact))}"
     for name, w64 in exact.items():
         g = got[name]
@@ -95,7 +103,7 @@ def assert_weights_match(got: dict, ref: dict, exact: dict, lr_sum: float,
                 f.write(json.dumps(dict(label=label, name=name, max=g_max, mean=g_mean,
                                         ref_max=r_max, ref_mean=r_mean, floor=floor)) + "\n")
         assert g_max <= MAX_FACTOR * r_max + floor and \
-            g_mean <= MEAN_FACTOR * r_mean + floor, (
+            (name in still or g_mean <= MEAN_FACTOR * r_mean + floor), (
                 f"{label} {name}: weights off the float64 run by up to {g_max:.3g} "
                 f"({g_mean:.3g} on average); the fp32 reference is off by up to "
                 f"{r_max:.3g} ({r_mean:.3g}); allowed {MAX_FACTOR:g}x ({MEAN_FACTOR:g}x) "

@@ -369,7 +369,7 @@ def test_zero_flag_conflict_is_one_line_from_the_command(tmp_path, capsys, corpu
       "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
       "max_position_embeddings=64"],
      "--tp 2 with --pp 2: raylm cuts 'gpt_neox' into stages by tracing it with "
-     "torch.export, whose graphs take the tensor-parallel plan of a model of your own"),
+     "torch.export, whose graphs take a plan of layers only (a model of your own's"),
 ])
 def test_precision_and_compile_flag_errors_are_one_line_from_the_command(flags, message, tmp_path, capsys,
                                                              corpus_dir, cache_root):

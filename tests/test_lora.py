@@ -91,7 +91,8 @@ def test_lora_layout_matches_single_process(dp, pp, tp, stage, reference, ray_cl
     assert len(lora_b) == 4 * 2 and all(v.abs().max() > 0 for v in lora_b)
     # ... and they are the single process's adapters (base and adapters, as every
     # parity test holds weights).
-    assert_weights_match(state, ref.state, ref.exact, ref.lr_sum, label=out)
+    assert_weights_match(state, ref.state, ref.exact, ref.lr_sum, label=out,
+                         still=ref.still)
 
     # Only the adapter is in output_dir; PeftModel loaded it above.
     saved = load_file(os.path.join(out, "adapter_model.safetensors"))

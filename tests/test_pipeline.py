@@ -65,7 +65,8 @@ def assert_parity(result, ref, steps=STEPS):
     config = AutoConfig.from_pretrained(result.output_dir)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     saved = auto.from_pretrained(result.output_dir).state_dict()
-    assert_weights_match(saved, ref.state, ref.exact, ref.lr_sum, label=result.output_dir)
+    assert_weights_match(saved, ref.state, ref.exact, ref.lr_sum, label=result.output_dir,
+                         still=ref.still)
 
 
 def assert_recomputed(output_dir, mode):

@@ -83,6 +83,21 @@ def from_config(config, trust_remote_code: bool = False, **kwargs):
     return model_class(config).from_config(config, **kwargs)
 
 
+def from_pretrained(spec, seed: int):
+    """``spec``'s saved model (raylm.models.loading.ModelSpec) in float32, ``spec.config``
+    its config; weights the directory lacks, or holds at another size where the spec
+    asks for a new head (--ignore_mismatched_sizes), initialised as from_config's are,
+    after ``torch.manual_seed(seed)``: the same values on every rank. (The caller's
+    generator is left seeded, as build_model's from-scratch path leaves it.)"""
+    import torch
+
+    torch.manual_seed(seed)
+    return model_class(spec.config).from_pretrained(
+        spec.weights_dir, config=spec.config, dtype=torch.float32,
+        trust_remote_code=spec.trust_remote_code,
+        ignore_mismatched_sizes=getattr(spec, "new_head", False))
+
+
 def apply_overrides(config, overrides) -> None:
     """--config_overrides ("a=1,b=x") applied to ``config``; one ConfigError for an item
     that is not key=value or a key the config lacks."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from raylm.errors import ConfigError, first_line
-from raylm.models.auto import (apply_overrides, config_of_type, from_config, heads_of,
-                               model_class, set_head)
+from raylm.models.auto import (apply_overrides, config_of_type, from_config, from_pretrained,
+                               heads_of, set_head)
 from raylm.models.hub import HubRef, ensure_local, fetch, is_hub_name
 from raylm.models.lora import Lora, add_lora, resolve_lora, without_lora
 from raylm.models.objectives import raw_length, resolve_objective
@@ -45,6 +45,10 @@ class ModelSpec:
     model_init: Optional[Callable] = None
     # The user's loss (train(..., compute_loss_func=)): raylm.models.objectives.UserLoss.
     loss_fn: Optional[Callable] = None
+    # An image classifier's head is not pretrained_path's (other classes with
+    # --ignore_mismatched_sizes, or a checkpoint with no classification head): built as
+    # from_config would build it (raylm.models.auto.from_pretrained).
+    new_head: bool = False
 
     @property
     def weights_dir(self) -> Optional[str]:
@@ -84,6 +88,11 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
     if images:
         from raylm.models import vision
 
+        if cfg.ignore_mismatched_sizes and (torchvision or model_init is not None):
+            raise ConfigError("--ignore_mismatched_sizes replaces the head of a transformers "
+                              "classifier loaded with --model_name_or_path; "
+                              + ("torchvision's" if torchvision else "a model_init")
+                              + " model is built with the data's classes already")
         if torchvision:
             # torchvision's classifier of that name: a model of your own that raylm names
             import dataclasses
@@ -107,10 +116,11 @@ def resolve_model(cfg, model_init: Optional[Callable] = None,
         vision.check_model_flags(cfg)
         config, pretrained, hub = model_config(cfg, vision.DEFAULT_MODEL_TYPE,
                                                vision.DEFAULT_VIT)
-        config, augment = vision.image_classifier(cfg, config, pretrained, classes or [])
+        config, augment, new_head = vision.image_classifier(cfg, config, pretrained,
+                                                            classes or [])
         return ModelSpec(config=config, pretrained_path=pretrained, tokenizer_dir="",
                          vocab_size=0, hub=hub, objective="image_classification",
-                         masking=augment)
+                         masking=augment, new_head=new_head)
     if model_init is not None:
         from raylm.models.custom import check_custom
         from raylm.models.units import transformer_blocks
@@ -290,10 +300,8 @@ def build_model(spec: ModelSpec, seed: int, device=None):
         return build_custom(spec.model_init, spec.config, seed)
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"build_model: device must be None, 'cpu' or 'meta' (got {device!r})")
-    auto = model_class(spec.config)
     if spec.pretrained_path:
-        model = auto.from_pretrained(spec.weights_dir, config=spec.config, dtype=torch.float32,
-                                     trust_remote_code=spec.trust_remote_code)
+        model = from_pretrained(spec, seed)
     else:
         torch.manual_seed(seed)
         model = from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)

@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from raylm.models.auto import from_config
+from raylm.models.auto import from_config, from_pretrained
 from raylm.models.lora import add_lora, adapter_value, base_name, is_adapter, without_lora
 
 __all__ = ["initial_state", "meta_skeleton", "MaterializeError"]
@@ -485,13 +485,17 @@ def _built_whole(spec) -> bool:
 
 
 def _whole_model(spec, seed: int):
-    """``build_model(spec, seed)``'s model, built whole on the CPU; the caller's random
-    generator is neither read nor changed."""
+    """``build_model(spec, seed)``'s model, built whole on the CPU (from its config; a
+    pretrained image classifier with a new head loaded, the head's initial values being
+    from_pretrained's draws); the caller's random generator is neither read nor
+    changed."""
     with torch.random.fork_rng(devices=[]):
         if getattr(spec, "model_init", None) is not None:
             from raylm.models.custom import build_custom
 
             return build_custom(spec.model_init, spec.config, seed)
+        if spec.pretrained_path and getattr(spec, "new_head", False):
+            return from_pretrained(spec, seed)
         torch.manual_seed(seed)
         return from_config(spec.config, spec.trust_remote_code, dtype=torch.float32)
 
@@ -548,10 +552,10 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
     if getattr(spec, "lora", None) is not None:
         yield from _with_adapters(spec, seed, names)
         return
-    if spec.pretrained_path:
+    if spec.pretrained_path and not getattr(spec, "new_head", False):
         yield from _pretrained_state(spec, seed, names)
         return
-    if _built_whole(spec):
+    if _built_whole(spec):  # (a pretrained image classifier with a new head too)
         state = _whole_model(spec, seed).state_dict()
         wanted = _check_names(state, names)
         for name, tensor in state.items():

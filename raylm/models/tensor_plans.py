@@ -122,6 +122,10 @@ class Plan:
     # its own slice of every part (q_r, k_r, v_r).
     fused: dict = field(default_factory=dict)
     sequence_parallel: Optional[SequenceParallelPlan] = None
+    # A language model's input embedding and LM head are sharded on the (padded)
+    # vocabulary, its loss vocabulary-parallel. False (an image classifier): the plan's
+    # layers only, the head whole (its logits, and so its loss, as without tp).
+    vocabulary: bool = True
 
 
 _GPT2_SP = SequenceParallelPlan(norms=("h.*.ln_1", "h.*.ln_2", "ln_f"),
@@ -172,6 +176,14 @@ RAYLM_PLANS = {
     ),
     "bert": _BERT,
     "roberta": _BERT,
+    # ViT (an image classifier): its attention splits heads by view(..., -1, head_dim),
+    # so the local projections need no sizes changed; the classifier head stays whole.
+    "vit": Plan(layers={"layers.*.attention.q_proj": "colwise",
+                        "layers.*.attention.k_proj": "colwise",
+                        "layers.*.attention.v_proj": "colwise",
+                        "layers.*.attention.o_proj": "rowwise",
+                        "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"},
+                vocabulary=False),
     "t5": Plan(layers=_T5_LAYERS,
                local_attrs={"*.block.*.layer.*.SelfAttention": ("n_heads", "inner_dim"),
                             "*.block.*.layer.*.EncDecAttention": ("n_heads", "inner_dim")}),
@@ -193,7 +205,8 @@ def plan_for(config) -> tuple[Optional[Plan], str]:
     model_type = getattr(config, "model_type", None)
     if model_type == "custom":  # a model of the user's own: the plan they passed, if any
         user = getattr(config, "tp_plan", None)
-        return (Plan(layers={f"module.{k}": v for k, v in user.items()}), "user") if user \
+        return (Plan(layers={f"module.{k}": v for k, v in user.items()}, vocabulary=False),
+                "user") if user \
             else (None, "")
     if model_type in RAYLM_PLANS:
         return RAYLM_PLANS[model_type], "raylm"
@@ -202,6 +215,13 @@ def plan_for(config) -> tuple[Optional[Plan], str]:
         return Plan(layers=dict(hf), sequence_parallel=HF_SEQUENCE_PARALLEL.get(model_type)), \
             "transformers"
     return None, ""
+
+
+def layers_only(config) -> bool:
+    """Whether the model's plan shards its layers only (Plan.vocabulary False: a model of
+    your own's, an image classifier's): what the stage graphs of the export split take."""
+    plan, _ = plan_for(config)
+    return plan is not None and not plan.vocabulary
 
 
 def unsupported_styles(plan: Plan) -> dict:
@@ -360,10 +380,12 @@ def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
     from transformers.pytorch_utils import Conv1D
 
     shapes = {n: tuple(int(x) for x in p.shape) for n, p in model.named_parameters()}
-    # (a model of the user's own: its plan's layers only; no vocabulary-parallel pair)
-    user = getattr(model.config, "model_type", None) == "custom" and tp > 1
-    emb, head = (None, None) if user else (model.get_input_embeddings(),
-                                           model.get_output_embeddings())
+    plan, _ = plan_for(model.config)
+    # (a model of the user's own, an image classifier: the plan's layers only; no
+    # vocabulary-parallel pair)
+    vocabulary = tp > 1 and plan is not None and plan.vocabulary
+    emb, head = (model.get_input_embeddings(), model.get_output_embeddings()) \
+        if vocabulary or tp <= 1 else (None, None)
     # (an image model's input embedding is a patch projection: no vocabulary)
     weight = getattr(emb, "weight", None)
     vocab = int(weight.shape[0]) if isinstance(weight, nn.Parameter) else 0
@@ -375,7 +397,6 @@ def tensor_parallel_shapes(model: nn.Module, tp: int) -> TensorParallelShapes:
             n = names[id(module.weight)]
             shapes[n] = shapes[n][::-1]
     shard: dict = {}
-    plan, _ = plan_for(model.config)
     if plan is not None:
         prefix = base_prefix(model)
         for pattern, style in plan.layers.items():

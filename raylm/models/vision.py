@@ -77,10 +77,12 @@ def check_model_flags(cfg) -> None:
 
 
 def image_classifier(cfg, config, pretrained, classes: list) -> tuple:
-    """(config, Augment): the model config raylm.models.loading read (``pretrained``: the
-    saved model's directory or None) finished as an image classifier of ``classes`` (the
-    training folder's): one ConfigError for a model type with no image-classification
-    head, or a saved classifier with other classes."""
+    """(config, Augment, new head): the model config raylm.models.loading read
+    (``pretrained``: the saved model's directory or None) finished as an image classifier
+    of ``classes`` (the training data's); new head: ``pretrained``'s head is not kept (a
+    checkpoint with none, or other classes with --ignore_mismatched_sizes). One
+    ConfigError for a model type with no image-classification head, or a saved
+    classifier with other classes without that flag."""
     from raylm.models.auto import head_class, is_head, set_head, types_with_head
     from raylm.models.objectives import Augment
 
@@ -89,20 +91,27 @@ def image_classifier(cfg, config, pretrained, classes: list) -> tuple:
                           f"in transformers (those that do: "
                           f"{', '.join(types_with_head('image_classification')[:12])}, ...)")
     labels = {i: c for i, c in enumerate(classes)}
-    if pretrained and is_head(config, "image_classification"):
+    new_head = bool(pretrained) and not is_head(config, "image_classification")
+    if pretrained and not new_head:
         names = [str(config.id2label.get(i, "")) for i in range(config.num_labels)]
-        if names != list(classes):
+        if names != list(classes) and not cfg.ignore_mismatched_sizes:
             raise ConfigError(f"--model_name_or_path {pretrained} classifies "
                               f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''} "
-                              f"({len(names)}); --train_dir's classes are "
+                              f"({len(names)}); the data's classes are "
                               f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''} "
-                              f"({len(classes)}): a new head is not available yet")
+                              f"({len(classes)}): give --ignore_mismatched_sizes to train a "
+                              "new head for them")
+        new_head = names != list(classes)
+    elif cfg.ignore_mismatched_sizes and not pretrained:
+        raise ConfigError("--ignore_mismatched_sizes replaces the head of a "
+                          "--model_name_or_path classifier; a model built from a config "
+                          "has a new head already")
     config.num_labels = len(classes)
     config.id2label = labels
     config.label2id = {c: i for i, c in labels.items()}
     image_size(config), channels(config)  # (checked now: one clear error)
     set_head(config, "image_classification")
-    return config, Augment(seed=cfg.seed, flip=cfg.image_flip)
+    return config, Augment(seed=cfg.seed, flip=cfg.image_flip), new_head
 
 
 def save_image_processor(spec, directory: str) -> None:

@@ -24,19 +24,20 @@ def sequence_parallel_problem(tp: int, pp: int, sequence_parallel: bool,
     return ""
 
 
-def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str) -> str:
+def tensor_pipeline_problem(tp: int, pp: int, own_stages: bool, model_type: str,
+                            layers_only: bool) -> str:
     """Tensor parallelism inside pipeline stages: raylm's own stage modules (a family, T5)
     run the model's layers, sharded as without a pipeline; the generic split traces the
-    model whole with torch.export, and its graphs take the layers of a plan of your own
-    (a model of your own, a torchvision classifier: model type 'custom';
-    raylm.parallel.tensor.stage_graphs), not a Hugging Face model's plan, which also pads
-    the vocabulary and re-ties weights."""
-    if tp <= 1 or pp <= 1 or own_stages or model_type == "custom":
+    model whole with torch.export, and its graphs take a plan of layers only
+    (``layers_only``, raylm.models.tensor_plans.Plan.vocabulary False: a model of your
+    own's, a torchvision classifier's, ViT's; raylm.parallel.tensor.stage_graphs), not a
+    language model's plan, which also pads the vocabulary and re-ties weights."""
+    if tp <= 1 or pp <= 1 or own_stages or layers_only:
         return ""
     return (f"--tp {tp} with --pp {pp}: raylm cuts '{model_type}' into stages by tracing it "
-            "with torch.export, whose graphs take the tensor-parallel plan of a model of "
-            "your own only (train(..., model_init=, tp_plan=)); use one of the two, or a "
-            "model type raylm has stages for")
+            "with torch.export, whose graphs take a plan of layers only (a model of your "
+            "own's, train(..., model_init=, tp_plan=); an image classifier's), not a "
+            "language model's; use one of the two, or a model type raylm has stages for")
 
 
 def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,

@@ -15,7 +15,7 @@ from typing import Optional
 
 from raylm.errors import ConfigError
 from raylm.models.families import family_of
-from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel
+from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel, layers_only
 from raylm.models.units import has_own_stages, meta_model, model_units
 from raylm.plan.activations import requested_recompute
 from raylm.plan.constraints import (compile_problem, recompute_problem,
@@ -289,7 +289,7 @@ def check_tensor_layout(spec, plan: Plan, seq_len: int) -> None:
         raise ConfigError(f"--sequence_parallel: {LORA_SP}")
     problem = (sequence_parallel_problem(plan.tp, plan.pp, plan.sequence_parallel, seq_len)
                or tensor_pipeline_problem(plan.tp, plan.pp, has_own_stages(spec.config),
-                                          spec.config.model_type))
+                                          spec.config.model_type, layers_only(spec.config)))
     if problem:
         raise ConfigError(problem)
 

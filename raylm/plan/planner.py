@@ -36,7 +36,7 @@ from typing import Optional
 
 from raylm.errors import ConfigError, first_line
 from raylm.models.loading import resolve_block_size, resolve_model
-from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel
+from raylm.models.tensor_plans import LORA_SP, check_tensor_parallel, layers_only
 from raylm.models.units import meta_model
 from raylm.plan.activations import RECOMPUTE_MODES, requested_recompute
 from raylm.plan.constraints import (recompute_problem, reduce_dtype_problem,
@@ -224,7 +224,8 @@ def _candidate(shape, hw, parts, dp, tp, pp, schedule, mbs, global_batch, pp_vir
     if c.problem:
         return c
     sp_or_tp = (sequence_parallel_problem(tp, pp, layout.sequence_parallel, shape.seq_len)
-                or tensor_pipeline_problem(tp, pp, shape.own_stages, shape.model_type)
+                or tensor_pipeline_problem(tp, pp, shape.own_stages, shape.model_type,
+                                           layers_only(shape.config))
                 or recompute_problem(layout.recompute, pp, schedule, shape.own_stages,
                                      shape.model_type))
     if sp_or_tp:

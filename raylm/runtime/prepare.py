@@ -87,7 +87,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
         return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
                                    compute_loss_func, datasets)
     for flag in ("train_dir", "validation_dir", "image_size", "num_channels",
-                 "image_column_name", "label_column_name"):
+                 "image_column_name", "label_column_name", "ignore_mismatched_sizes"):
         if cfg.is_set(flag):
             raise ConfigError(f"--{flag} is for image data: give --task image-classification "
                               "with it (text data is --train_file, its column --text_column)")

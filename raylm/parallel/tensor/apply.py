@@ -73,8 +73,8 @@ class TPState:
     def loss_context(self):
         """Forward, loss and backward of a step run inside this: logits are sharded on the
         vocabulary, and cross-entropy over them is torch's parallel one. (A user's plan
-        leaves the logits whole: nothing to do.)"""
-        if self.source == "user":
+        leaves the logits whole, as an image classifier's plan does: nothing to do.)"""
+        if not self.vocab_params:
             return contextlib.nullcontext()
         return loss_parallel()
 
@@ -86,13 +86,15 @@ class TPState:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
-                     src_data_rank, graphs: list) -> TPState:
-    """A model of the user's own (train(..., tp_plan=)): exactly the styles its plan
-    names (raylm.models.custom.check_tp_plan checked them, and refused a sharded tied
-    weight: nothing to re-tie); the logits come out whole (the plan may not leave them
-    column-sharded), so the loss is the plain one (TPState.loss_context: none). The
-    stage ``graphs`` of a pipeline read the sharded layers as their styles do."""
+def _apply_layers(model: nn.Module, tp_mesh, plan, source: str, prefix: str, expected,
+                  src_data_rank, graphs: list) -> TPState:
+    """A plan with no vocabulary-parallel pair (Plan.vocabulary False): a model of the
+    user's own (train(..., tp_plan=); raylm.models.custom.check_tp_plan checked its
+    styles, and refused a sharded tied weight: nothing to re-tie) or an image classifier:
+    exactly the styles the plan names; the logits come out whole (a plan of your own may
+    not leave them column-sharded), so the loss is the plain one (TPState.loss_context:
+    none). The stage ``graphs`` of a pipeline read the sharded layers as their styles
+    do."""
     styles, named = {}, {}
     for pattern, name in plan.layers.items():
         for fqn in match(model, prefix, pattern):
@@ -107,7 +109,7 @@ def _apply_user_plan(model: nn.Module, tp_mesh, plan, prefix: str, expected,
         shard_stage_graphs(graphs, model, named, tp_mesh)
     vocab = getattr(model.config, "vocab_size", 0) or 0
     return TPState(mesh=tp_mesh, sequence_parallel=False, vocab_size=vocab,
-                   padded_vocab_size=vocab, source="user",
+                   padded_vocab_size=vocab, source=source,
                    plan={k: repr(v) for k, v in styles.items()})
 
 
@@ -302,9 +304,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     plan, source = plan_for(config)
     if plan is None:  # only reachable with tp == 1, which check_tensor_parallel passes
         raise ConfigError(f"model type '{config.model_type}' has no tensor-parallel plan")
-    if graphs and source != "user":  # (refused at planning: tensor_pipeline_problem)
+    if graphs and plan.vocabulary:  # (refused at planning: tensor_pipeline_problem)
         raise ConfigError(f"--tp {tp} with --pp: the {config.model_type} model's stages are "
-                          "traced graphs, which take a plan of a model of your own only")
+                          "traced graphs, which take a plan of layers only")
     sp = plan.sequence_parallel if sequence_parallel else None
     prefix = base_prefix(model)
     expected = tensor_parallel_shapes(model, tp)
@@ -327,9 +329,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
                     raise ConfigError(f"--tp {tp} must divide {fqn}.{attr} ({value})")
                 setattr(module, attr, value // tp)
 
-    if source == "user":  # a model of the user's own: its plan's layers, nothing else
-        return _apply_user_plan(model, tp_mesh, plan, prefix, expected, src_data_rank,
-                                graphs or [])
+    if not plan.vocabulary:  # a model of the user's own, an image classifier
+        return _apply_layers(model, tp_mesh, plan, source, prefix, expected, src_data_rank,
+                             graphs or [])
 
     # 3. The vocabulary, padded to a multiple of tp (ties kept: every holder is swapped).
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
