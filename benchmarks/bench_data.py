@@ -11,6 +11,10 @@ BPE) into blocks of --block_size tokens (run_clm's concatenate-and-chunk):
                     every window of one pass is taken
   raylm-cache       build_tokenized_dataset: the whole corpus into the parquet cache (what
                     a run without --streaming waits for before its first step)
+  raylm-cache-ids   the same, from the corpus tokenized already: parquet shards of an
+                    input_ids column, a row per line (what a tokenizing map of the text
+                    loader leaves; writing them is not timed): raylm-cache's tokens
+                    (pieces of row groups, not byte ranges, drop other remainders)
   datasets.map      datasets' text loader, .map(tokenize, batched, num_proc=--procs), then
                     run_clm's group_texts .map: HF run_clm's path (first = all of it)
   datasets-stream   load_dataset(..., streaming=True) with the same two maps, iterated:
@@ -95,6 +99,25 @@ def row_cache(files, tokenizer, block, piece_mb, cache) -> dict:
                                  overwrite=True)
     total = time.time() - t0
     return {"first_s": total, "pass_s": total, "tokens": ds.num_samples * block}
+
+
+def row_cache_ids(files, tokenizer, block, piece_mb, cache, work: Path) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylm.data.tokenized import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    (work / "ids").mkdir(exist_ok=True)
+    shards = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)  # (as --keep_linebreaks reads them)
+        out = work / "ids" / (Path(path).stem + ".parquet")
+        pq.write_table(pa.table({"input_ids": tok(lines)["input_ids"]}), out,
+                       row_group_size=65_536)
+        shards.append(str(out))
+    return row_cache(shards, tokenizer, block, piece_mb, cache)
 
 
 def _group(block):
@@ -194,6 +217,9 @@ def main() -> None:
                                                     args.piece_mb, args.window)),
                 ("raylm-cache", lambda: row_cache(files, tokenizer, args.block_size,
                                                   args.piece_mb, str(work / "cache"))),
+                ("raylm-cache-ids", lambda: row_cache_ids(files, tokenizer, args.block_size,
+                                                          args.piece_mb, str(work / "cache"),
+                                                          work)),
                 ("datasets.map", lambda: row_datasets_map(files, tokenizer, args.block_size,
                                                           args.procs, str(work / "hf"))),
                 ("datasets-stream", lambda: row_datasets_stream(files, tokenizer,
@@ -205,6 +231,12 @@ def main() -> None:
             r = rows[name] = fn()
             print(f"{name:<16} {r['first_s']:>10.1f} {r['pass_s']:>10.1f} "
                   f"{r['tokens'] / r['pass_s']:>12,.0f}", flush=True)
+        if "raylm-cache" in rows and "raylm-cache-ids" in rows:
+            ids, text = rows["raylm-cache-ids"], rows["raylm-cache"]
+            # (the same tokens; pieces cut at other places drop other remainders)
+            print(f"raylm-cache / raylm-cache-ids: time {text['pass_s'] / ids['pass_s']:.2f}"
+                  f" (the ids need no tokenizer); tokens {text['tokens']:,} / "
+                  f"{ids['tokens']:,}")
         base = rows.get("raylm-stream")
         if base:
             for name, r in rows.items():

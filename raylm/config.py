@@ -165,8 +165,9 @@ class TrainConfig:
         5.0, "Percentage of the training blocks held out for evaluation when no "
         "--validation_file is given.", "data")
     text_column: Optional[str] = _f(
-        None, "Column holding the text in .jsonl/.csv/.parquet files (default: 'text', or "
-        "the only string column).", "data")
+        None, "Column holding the text in .jsonl/.csv/.parquet files (default: 'text', "
+        "else 'input_ids' where it holds token ids (rows tokenized already), else the only "
+        "string column).", "data")
     block_size: Optional[int] = _f(
         None, "Tokens per training sample. Default: min(model max positions, 1024). "
         "--max_seq_length (run_mlm's name) is the same. Under span corruption: the "

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from raylm import ConfigError, TrainConfig, train
+from raylm.data.reader import BlockReader
 from raylm.runtime.driver import Driver
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import THREE_LAYOUTS, reference_of
@@ -412,6 +413,44 @@ def test_a_ray_dataset_trains_as_a_file_of_its_rows(lines, ray_cluster, cache_ro
                                           r"train_dataset\)"):
         Driver(cfg, model_init=toy_lm, datasets={"train_dataset": line_dataset(rows[:-9], 2)}
                ).run()
+
+
+def test_rows_of_token_ids_are_the_texts_they_came_from(lines, ray_cluster, cache_root,
+                                                        tmp_path):
+    """Rows tokenized already (an input_ids column of lists of ids, no text column, as a
+    tokenizing map leaves a datasets.Dataset; a Ray Dataset of them too) are cut into the
+    samples their texts would give: the same block cache; an id the tokenizer does not
+    have is one error naming its row."""
+    import ray
+    from datasets import Dataset
+
+    from raylm.data.sources import builtin_tokenizer_dir
+    from raylm.data.tokenized import load_tokenizer
+    from raylm.runtime.prepare import check_inputs, prepare_data
+
+    rows = lines[0][:400]
+    tok = load_tokenizer(builtin_tokenizer_dir())
+    encoded = tok(rows)
+    cfg = config(tmp_path / "out", lines[1], cache_root, train_file=[])
+
+    def samples(ds):
+        data = prepare_data(cfg, check_inputs(cfg, model_init=toy_lm,
+                                              datasets={"train_dataset": ds}))
+        return BlockReader(data.train).read(np.arange(data.train.num_samples))["input_ids"]
+
+    texts = samples(Dataset.from_dict({"text": rows}))
+    assert len(texts) > 50
+    ids = Dataset.from_dict({"input_ids": encoded["input_ids"],
+                             "attention_mask": encoded["attention_mask"]})
+    assert torch.equal(samples(ids), texts)
+    assert torch.equal(samples(ray.data.from_items(
+        [{"input_ids": r} for r in encoded["input_ids"]], override_num_blocks=3)), texts)
+    bad = [list(r) for r in encoded["input_ids"]]
+    bad[7][1] = len(tok) + 5
+    with pytest.raises(ConfigError, match=rf"row 7 of column 'input_ids' holds token id "
+                                          rf"{len(tok) + 5}, outside the tokenizer's "
+                                          rf"vocabulary of {len(tok)}"):
+        samples(Dataset.from_dict({"input_ids": bad}))
 
 
 def _failing(batch):

@@ -202,7 +202,7 @@ def test_missing_text_column_lists_the_columns(tmp_path):
 def test_non_text_parquet_column_is_an_error(tmp_path):
     path = str(tmp_path / "nums.parquet")
     pq.write_table(pa.table({"text": [1, 2]}), path)
-    with pytest.raises(ConfigError, match="column 'text' holds int64, not text"):
+    with pytest.raises(ConfigError, match="column 'text' holds int64, neither text nor token ids"):
         validate_files([path], None)
 
 

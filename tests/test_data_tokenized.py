@@ -81,11 +81,11 @@ def as_read(texts):
     return [t + "\n" for t in texts]
 
 
-def expected_line_by_line(tok, texts_per_file, block_size=BLOCK):
+def expected_line_by_line(tok, texts_per_file, block_size=BLOCK, rows_of_ids=False):
     rows, lengths = [], []
     for texts in texts_per_file:
         for t in texts:
-            if t.strip():
+            if (tok(t)["input_ids"] if rows_of_ids else t.strip()):
                 ids = tok(t)["input_ids"][:block_size]
                 lengths.append(len(ids))
                 rows.append(ids + [tok.pad_token_id] * (block_size - len(ids)))
@@ -112,8 +112,9 @@ def write_txt(path, texts, newline="\n"):
 TXT_FORMATS = ("txt", "dir", "glob", "uri")
 
 
-def write_format(tmp_path, fmt: str) -> tuple[list[str], list[list[str]], dict]:
-    """Files of format `fmt` holding TEXTS; returns (specs, texts per file in order, kwargs)."""
+def write_format(tmp_path, fmt: str, tok=None) -> tuple[list[str], list[list[str]], dict]:
+    """Files of format `fmt` holding TEXTS (-ids: their token ids by ``tok``); returns
+    (specs, texts per file in order, kwargs)."""
     d = tmp_path / "data"
     d.mkdir()
     kwargs = {}
@@ -141,12 +142,21 @@ def write_format(tmp_path, fmt: str) -> tuple[list[str], list[list[str]], dict]:
         elif fmt == "parquet":
             pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}),
                            d / f"{name}.parquet")
+        elif fmt == "parquet-ids":  # rows tokenized already (no text column)
+            ids = [tok(t)["input_ids"] for t in texts]
+            pq.write_table(pa.table({"id": list(range(len(texts))), "input_ids": ids}),
+                           d / f"{name}.parquet")
+        elif fmt == "jsonl-ids":
+            with open(d / f"{name}.jsonl", "w") as f:
+                for i, t in enumerate(texts):
+                    f.write(json.dumps({"input_ids": tok(t)["input_ids"], "n": i}) + "\n")
     return [str(d)], list(TEXTS.values()), kwargs
 
 
-@pytest.mark.parametrize("fmt", ["txt", "jsonl", "json", "csv", "parquet", "dir", "glob", "uri"])
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "json", "csv", "parquet", "dir", "glob", "uri",
+                                 "parquet-ids", "jsonl-ids"])
 def test_each_format_gives_the_expected_blocks(ray_local, tok, tmp_path, fmt):
-    specs, texts, kwargs = write_format(tmp_path, fmt)
+    specs, texts, kwargs = write_format(tmp_path, fmt, tok)
     files = resolve_files(specs)
     assert len(files) == 3
     ds = build(files, tmp_path / "cache", **kwargs)
@@ -163,19 +173,35 @@ def test_each_format_gives_the_expected_blocks(ray_local, tok, tmp_path, fmt):
     assert ds.shard_offsets == [0, per_file[0], per_file[0] + per_file[1]]
 
 
-@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet-ids"])
 def test_line_by_line_pads_and_truncates_each_text(ray_local, tok, tmp_path, fmt):
-    specs, texts, kwargs = write_format(tmp_path, fmt)
+    specs, texts, kwargs = write_format(tmp_path, fmt, tok)
     ds = build(resolve_files(specs), tmp_path / "cache", line_by_line=True, **kwargs)
-    want, lengths = expected_line_by_line(tok, texts)
+    ids = fmt.endswith("-ids")
+    want, lengths = expected_line_by_line(tok, texts, rows_of_ids=ids)
     assert ds.line_by_line and ds.pad_token_id == tok.eos_token_id
-    assert ds.num_samples == len(want) == 8  # empty and blank lines are not samples
+    # Empty and blank lines are not samples; a row of token ids is unless it has none
+    # (a blank line's spaces are tokens).
+    assert ds.num_samples == len(want) == (9 if ids else 8)
     assert lengths.min() < BLOCK and lengths.max() == BLOCK  # some padded, some truncated
     got = BlockReader(ds).read(np.arange(ds.num_samples))
     assert torch.equal(got["input_ids"], torch.from_numpy(want))
     mask = torch.arange(BLOCK)[None, :] < torch.from_numpy(lengths)[:, None]
     assert torch.equal(got["attention_mask"], mask.long())
     assert torch.equal(got["labels"], torch.where(mask, got["input_ids"], -100))
+
+
+@pytest.mark.parametrize("fmt", ["parquet-ids", "jsonl-ids"])
+def test_rows_of_token_ids_are_checked_as_files_and_train_no_tokenizer(tok, tmp_path, fmt):
+    """Files of token ids pass the checks a run makes before it starts (their rows
+    counted); a tokenizer cannot be trained on them (one error naming the column)."""
+    from raylm.data.sources import iter_texts, validate_files
+
+    files = resolve_files(write_format(tmp_path, fmt, tok)[0])
+    validate_files(files, None)
+    with pytest.raises(ConfigError, match="column 'input_ids' holds token ids, not text: "
+                                          "give the tokenizer they come from"):
+        next(iter_texts(files[0]))
 
 
 def test_chunked_reading_does_not_change_the_samples(tok, tmp_path):

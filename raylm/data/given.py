@@ -2,7 +2,8 @@
 
 A ``ray.data.Dataset`` (anything Ray Data reads or maps) or a Hugging Face
 ``datasets.Dataset`` (the HF Trainer's ``train_dataset``), holding a text column
-(``--text_column``; default ``text``, else its only string column). Each is written,
+(``--text_column``; default ``text``, else ``input_ids`` where it holds token ids, rows
+tokenized already, else its only string column). Each is written,
 on the driver, before any rank starts, as one parquet file of that column under the data
 cache; from there on it is a file like any --train_file: tokenized into the block cache by
 Ray Data, each sample once per epoch in the seeded, layout-independent order, resumable.
@@ -48,6 +49,7 @@ log = logging.getLogger("raylm")
 EXPORT_DIR = "given-datasets"
 ROW_GROUP = 65_536  # rows per row group of an export
 STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+TOKEN_TYPE = pa.large_list(pa.int32())  # an export's column of token ids
 
 
 def kind_of(ds, arg: str) -> str:
@@ -188,7 +190,7 @@ def _users_error(e: BaseException) -> str:
 def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple[str, int]:
     """(digest of the rows, number of rows): the text column of ``tables`` (arrow tables
     or record batches, in row order) written to ``tmp``."""
-    from raylm.data.sources import resolve_text_column
+    from raylm.data.sources import is_token_ids, resolve_text_column
 
     # The digest: of the column's name, the values' lengths (-1 for a null) and their
     # bytes, each in row order across batches; and the file's row groups are ROW_GROUP
@@ -196,25 +198,33 @@ def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple
     # --piece_size_mb is tokenized in pieces of whole row groups, each dropping its own
     # remainder: the same rows must give the same row groups.)
     lengths, data = hashlib.sha256(), hashlib.sha256()
-    rows, writer, column, pending = 0, None, None, []
+    rows, writer, column, pending, as_type = 0, None, None, [], None
     try:
         for batch in tables:
             if column is None:
                 column = resolve_text_column(batch.schema, text_column, "the dataset",
                                              flag=arg)
-                writer = pq.ParquetWriter(tmp, pa.schema([(column, pa.large_string())]))
+                # Text, or token ids (rows tokenized already: sources.is_token_ids)
+                ids = is_token_ids(batch.schema.field(column).type)
+                as_type = TOKEN_TYPE if ids else pa.large_string()
+                writer = pq.ParquetWriter(tmp, pa.schema([(column, as_type)]))
             kind = batch.schema.field(column).type
-            if kind not in STRING_TYPES + (pa.null(),):  # (a block of nulls only: null)
-                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
-                                  "check --text_column")
-            values = batch.column(column).cast(pa.large_string())
+            if not (kind == pa.null() or  # (a block of nulls only: null)
+                    (is_token_ids(kind) if as_type == TOKEN_TYPE else kind in STRING_TYPES)):
+                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not "
+                                  f"{'token ids' if as_type == TOKEN_TYPE else 'text'} as its "
+                                  "first rows; check --text_column")
+            try:
+                values = batch.column(column).cast(as_type)
+            except pa.ArrowInvalid as e:  # (an id past int32: no tokenizer's)
+                raise ConfigError(f"{arg}: column '{column}': {first_line(e)}") from None
             for chunk in getattr(values, "chunks", [values]):
                 _digest(chunk, lengths, data)
                 pending.append(chunk)
             rows += len(values)
-            pending = _flush(writer, column, pending)
+            pending = _flush(writer, column, pending, as_type)
         if writer is not None:
-            _flush(writer, column, pending, final=True)
+            _flush(writer, column, pending, as_type, final=True)
     finally:
         if writer is not None:
             writer.close()
@@ -224,12 +234,12 @@ def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple
     return key.hexdigest()[:24], rows
 
 
-def _flush(writer, column: str, pending: list, final: bool = False) -> list:
-    """Write whole row groups of ROW_GROUP rows from ``pending`` (arrays; at the end,
-    ``final``, the shorter last one too); returns what is left."""
+def _flush(writer, column: str, pending: list, as_type, final: bool = False) -> list:
+    """Write whole row groups of ROW_GROUP rows from ``pending`` (arrays of ``as_type``;
+    at the end, ``final``, the shorter last one too); returns what is left."""
     if not pending:
         return []
-    whole = pa.chunked_array(pending, type=pa.large_string())
+    whole = pa.chunked_array(pending, type=as_type)
     done = 0
     while len(whole) - done >= ROW_GROUP or (final and done < len(whole)):
         take = min(ROW_GROUP, len(whole) - done)
@@ -239,14 +249,23 @@ def _flush(writer, column: str, pending: list, final: bool = False) -> list:
     return [whole.slice(done).combine_chunks()] if done < len(whole) else []
 
 
-def _digest(values: pa.LargeStringArray, lengths, data) -> None:
-    """Add a batch's values to the two digests, from the array's buffers (no Python
-    object per row)."""
+def _digest(values, lengths, data) -> None:
+    """Add a batch's values (a large_string array, or TOKEN_TYPE's) to the two digests,
+    from the array's buffers (no Python object per row): each row's length (-1 for a
+    null) and its bytes (text) or ids (little-endian int32)."""
     nulls = values.is_null().to_numpy(zero_copy_only=False) if values.null_count else None
-    if nulls is not None:
-        values = values.fill_null("")  # (a null's bytes, if any, are not its value)
-    _, offsets, buffer = values.buffers()
-    at = np.frombuffer(offsets, dtype=np.int64)[values.offset:values.offset + len(values) + 1]
+    if nulls is not None:  # (a null's bytes, if any, are not its value)
+        values = values.fill_null(pa.scalar([] if values.type == TOKEN_TYPE else "",
+                                            values.type))
+    if values.type == TOKEN_TYPE:
+        at = values.offsets.to_numpy()
+        flat = values.flatten().to_numpy(zero_copy_only=False)
+        buffer, at = np.ascontiguousarray(flat, dtype="<i4").tobytes(), at - at[0]
+        at = at * 4  # (bytes)
+    else:
+        _, offsets, buffer = values.buffers()
+        at = np.frombuffer(offsets, dtype=np.int64)[values.offset:
+                                                    values.offset + len(values) + 1]
     size = np.diff(at)
     if nulls is not None:
         size = np.where(nulls, -1, size)

@@ -25,6 +25,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pafs
@@ -40,6 +41,9 @@ SUPPORTED_EXTENSIONS = TEXT_EXTENSIONS + TABLE_EXTENSIONS
 UTF8_EXTENSIONS = TEXT_EXTENSIONS + (".jsonl", ".json", ".csv")
 
 DEFAULT_TEXT_COLUMN = "text"
+# A table of rows tokenized already (a Hugging Face dataset after its tokenizing map): a
+# column of lists of token ids, taken in place of text where there is no text column.
+TOKEN_COLUMN = "input_ids"
 
 # Bytes read per step when scanning or reading a text file.
 TEXT_CHUNK_BYTES = 4 << 20
@@ -329,10 +333,18 @@ def _table_info(path: str) -> tuple[pa.Schema, Optional[int]]:
         return _stream_reader(path, stream, None).schema, None
 
 
-def _iter_column(path: str, column: str, piece: Optional[tuple] = None) -> Iterator[pa.Array]:
+def is_token_ids(kind: pa.DataType) -> bool:
+    """Whether a column of this type holds token ids (lists of integers)."""
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and \
+        pa.types.is_integer(kind.value_type)
+
+
+def _iter_column(path: str, column: str, piece: Optional[tuple] = None,
+                 ids: bool = False) -> Iterator[pa.Array]:
     """One column of a .jsonl/.json/.csv/.parquet file, streamed in batches. ``piece``:
     (first, end) row groups of a parquet file, or the byte range of a JSON Lines one
-    whose lines are read (raylm.data.pieces)."""
+    whose lines are read (raylm.data.pieces). ``ids``: the column holds token ids (read
+    from JSON Lines as lists of integers, not as text)."""
     fs, fs_path = filesystem_for(path)
     if extension(path) == ".parquet":
         with fs.open_input_file(fs_path) as f:
@@ -349,20 +361,21 @@ def _iter_column(path: str, column: str, piece: Optional[tuple] = None) -> Itera
         data = read_line_range(path, piece[0], piece[1])
         if not data.strip():
             return
-        for batch in _stream_reader(path, pa.BufferReader(data), column):
+        for batch in _stream_reader(path, pa.BufferReader(data), column, ids):
             yield batch.column(0)
         return
     with fs.open_input_stream(fs_path) as stream:
-        for batch in _stream_reader(path, stream, column):
+        for batch in _stream_reader(path, stream, column, ids):
             yield batch.column(0)
 
 
-def _stream_reader(path: str, stream, column: Optional[str]):
+def _stream_reader(path: str, stream, column: Optional[str], ids: bool = False):
     """pyarrow's streaming CSV / JSON Lines reader over ``stream``.
 
-    With ``column``, only that column is read, typed as string: naming its type stops the
-    readers from guessing one that a later block contradicts (a CSV column of digits is
-    still text). Quoted CSV values may span lines (documents often do).
+    With ``column``, only that column is read, typed as string (``ids``: as lists of
+    int64): naming its type stops the readers from guessing one that a later block
+    contradicts (a CSV column of digits is still text). Quoted CSV values may span lines
+    (documents often do).
     """
     if extension(path) == ".csv":
         convert = pa_csv.ConvertOptions(
@@ -373,7 +386,7 @@ def _stream_reader(path: str, stream, column: Optional[str]):
             parse_options=pa_csv.ParseOptions(newlines_in_values=True),
             convert_options=convert)
     parse = pa_json.ParseOptions(
-        explicit_schema=pa.schema([(column, pa.string())]),
+        explicit_schema=pa.schema([(column, pa.list_(pa.int64()) if ids else pa.string())]),
         unexpected_field_behavior="ignore") if column else None
     return pa_json.open_json(
         stream, read_options=pa_json.ReadOptions(block_size=READER_BLOCK_BYTES),
@@ -382,7 +395,9 @@ def _stream_reader(path: str, stream, column: Optional[str]):
 
 def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str,
                         flag: Optional[str] = "--train_file") -> str:
-    """The column holding the text: ``text_column``, else ``text``, else the only string one."""
+    """The column holding the text: ``text_column``, else ``text``, else ``input_ids``
+    where it holds token ids (rows tokenized already: is_token_ids), else the only string
+    one."""
     string_types = (pa.string(), pa.large_string(), pa.string_view())
     described = ", ".join(f"{f.name} ({f.type})" for f in schema) or "none"
     if text_column is not None:
@@ -392,6 +407,8 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
         column = text_column
     elif DEFAULT_TEXT_COLUMN in schema.names:
         column = DEFAULT_TEXT_COLUMN
+    elif TOKEN_COLUMN in schema.names and is_token_ids(schema.field(TOKEN_COLUMN).type):
+        column = TOKEN_COLUMN
     else:
         strings = [f.name for f in schema if f.type in string_types]
         if len(strings) != 1:
@@ -402,10 +419,43 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
     # CSV and JSON values are read as strings whatever their inferred type; parquet's
     # types are real.
     column_type = schema.field(column).type
-    if extension(path) == ".parquet" and column_type not in string_types:
+    if extension(path) == ".parquet" and column_type not in string_types \
+            and not is_token_ids(column_type):
         raise ConfigError(f"{_prefix(flag)}{path}: column '{column}' holds {column_type}, "
-                          "not text; check --text_column")
+                          "neither text nor token ids; check --text_column")
     return column
+
+
+def table_column(path: str, text_column: Optional[str], flag: Optional[str] = "--train_file",
+                 piece: Optional[tuple] = None) -> tuple[Optional[str], bool]:
+    """(resolve_text_column's column of a table file, whether it holds token ids: rows
+    tokenized already, for iter_token_ids); (None, False) for a text file. The schema is
+    read once: hand the column to iter_texts as ``resolved``. ``piece``: the piece the
+    caller reads (what a read error names)."""
+    if extension(path) in TEXT_EXTENSIONS:
+        return None, False
+    try:
+        schema = _table_info(path)[0]
+    except (pa.ArrowException, OSError) as e:
+        raise _table_failure(path, e, piece, flag) from None
+    column = resolve_text_column(schema, text_column, path, flag)
+    return column, is_token_ids(schema.field(column).type)
+
+
+def iter_token_ids(path: str, column: str, *, flag: Optional[str] = None,
+                   piece: Optional[tuple] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The rows of a column of token ids (table_column's), in order, in batches: (the
+    ids of the batch's rows one after another, int64; each row's count). A missing (null)
+    row has none. ``piece``: as iter_texts'."""
+    try:
+        for array in _iter_column(path, column, piece, ids=True):
+            if array.null_count:
+                array = array.fill_null(pa.scalar([], array.type))
+            offsets = array.offsets.to_numpy()
+            yield (array.flatten().to_numpy(zero_copy_only=False).astype(np.int64),
+                   np.diff(offsets).astype(np.int64))
+    except (pa.ArrowException, OSError) as e:
+        raise _table_failure(path, e, piece, flag) from None
 
 
 def _read_error(path: str, e: Exception, flag: Optional[str]) -> ConfigError:
@@ -415,14 +465,15 @@ def _read_error(path: str, e: Exception, flag: Optional[str]) -> ConfigError:
 
 def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[str] = None,
                chunk_bytes: int = TEXT_CHUNK_BYTES, keep_linebreaks: bool = False,
-               piece: Optional[tuple] = None) -> Iterator[list[str]]:
+               piece: Optional[tuple] = None, resolved: bool = False) -> Iterator[list[str]]:
     """The texts of one file, in order, in batches (lists of strings).
 
     Texts are lines for .txt/.text files (ending with their "\\n" with
     ``keep_linebreaks``: the `datasets` text loader's option, which run_clm turns on) and
     rows of the text column otherwise; a missing (null) value is an empty text.
     ``piece``: only a piece of the file (raylm.data.pieces: a byte range of a text or
-    JSON Lines file, row groups of a parquet file).
+    JSON Lines file, row groups of a parquet file). ``resolved``: ``text_column`` is the
+    table's text column already (table_column's), its schema not read again.
     """
     if extension(path) in TEXT_EXTENSIONS:
         start, end = piece if piece is not None else (0, None)
@@ -432,25 +483,37 @@ def iter_texts(path: str, text_column: Optional[str] = None, *, flag: Optional[s
             yield chunk.splitlines(keepends=keep_linebreaks)
         return
     try:
-        column = resolve_text_column(_table_info(path)[0], text_column, path, flag)
+        column, ids = (text_column, False) if resolved else table_column(
+            path, text_column, flag, piece)
+        if ids:
+            raise ConfigError(f"{_prefix(flag)}{path}: column '{column}' holds token ids, "
+                              "not text: give the tokenizer they come from "
+                              "(--tokenizer_name)")
         for array in _iter_column(path, column, piece):
             yield [t if t is not None else "" for t in array.to_pylist()]
     except (pa.ArrowException, OSError) as e:
-        bad = None
-        if isinstance(e, pa.ArrowInvalid) and extension(path) in (".jsonl", ".json"):
-            # The piece's lines, else those the schema is read from (the file's first
-            # reader block, which every piece reads): never a scan of the whole file.
-            bad = _first_bad_json_line(path, piece) or (
-                _first_bad_json_line(path, (0, READER_BLOCK_BYTES))
-                if piece is not None else None)
-        if bad is not None:
-            offset, line, error = bad
-            raise ConfigError(f"{_prefix(flag)}cannot read {path} as JSON Lines: the line at "
-                              f"byte offset {offset} is not JSON ({error}): {line!r}") from None
-        where = (f" (bytes {piece[0]}-{piece[1]})" if piece is not None
-                 and extension(path) != ".parquet" else
-                 f" (row groups {piece[0]}-{piece[1] - 1})" if piece is not None else "")
-        raise _read_error(path + where, e, flag) from None
+        raise _table_failure(path, e, piece, flag) from None
+
+
+def _table_failure(path: str, e: Exception, piece: Optional[tuple],
+                   flag: Optional[str]) -> ConfigError:
+    """One line for a table file (or its ``piece``) that failed to read: a JSON Lines
+    file's first line that is not JSON, by its byte offset, where that is the cause."""
+    bad = None
+    if isinstance(e, pa.ArrowInvalid) and extension(path) in (".jsonl", ".json"):
+        # The piece's lines, else those the schema is read from (the file's first
+        # reader block, which every piece reads): never a scan of the whole file.
+        bad = _first_bad_json_line(path, piece) or (
+            _first_bad_json_line(path, (0, READER_BLOCK_BYTES))
+            if piece is not None else None)
+    if bad is not None:
+        offset, line, error = bad
+        return ConfigError(f"{_prefix(flag)}cannot read {path} as JSON Lines: the line at "
+                           f"byte offset {offset} is not JSON ({error}): {line!r}")
+    where = (f" (bytes {piece[0]}-{piece[1]})" if piece is not None
+             and extension(path) != ".parquet" else
+             f" (row groups {piece[0]}-{piece[1] - 1})" if piece is not None else "")
+    return _read_error(path + where, e, flag)
 
 
 def _first_bad_json_line(path: str, piece: Optional[tuple]) -> Optional[tuple]:
@@ -532,7 +595,8 @@ def _validate_table(path: str, text_column: Optional[str], flag: str) -> None:
         column = resolve_text_column(schema, text_column, path, flag)
         if num_rows is None:
             # Stops at the first non-empty batch: enough to know the file has rows.
-            num_rows = next((len(a) for a in _iter_column(path, column) if len(a)), 0)
+            ids = is_token_ids(schema.field(column).type)
+            num_rows = next((len(a) for a in _iter_column(path, column, ids=ids) if len(a)), 0)
     except (pa.ArrowException, OSError) as e:
         raise _read_error(path, e, flag) from None
     if not num_rows:

@@ -40,7 +40,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raylm.data.pieces import DEFAULT_PIECE_MB, Piece, plan_pieces
-from raylm.data.sources import TEXT_CHUNK_BYTES, filesystem_for, iter_texts
+from raylm.data.sources import (TEXT_CHUNK_BYTES, filesystem_for, iter_texts, iter_token_ids,
+                                table_column)
 from raylm.errors import ConfigError
 
 # Bump when the meaning or layout of the cached data changes: old caches are then ignored.
@@ -402,6 +403,9 @@ class RustTokenizer:
         self._side = state["truncation_side"]
         self._truncating = None
 
+    def __len__(self) -> int:  # (len(tokenizer) of transformers': added tokens counted)
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
     def __call__(self, texts: list[str], truncation: bool = False,
                  max_length: Optional[int] = None, return_attention_mask: bool = False,
                  return_token_type_ids: bool = False) -> dict:
@@ -450,29 +454,23 @@ def tokenize_file(path: str, tokenizer, block_size: int, line_by_line: bool,
                   keep_linebreaks: bool = False,
                   piece: Optional[tuple] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The samples of one file (or of one piece of it: raylm.data.pieces), in order, as
-    (input_ids [n, block_size] int32, length [n]).
+    (input_ids [n, block_size] int32, length [n]). A table of token ids
+    (sources.table_column: rows tokenized already) is cut as the tokenizer's ids are.
 
     Streams: memory holds one batch of texts plus fewer than ``block_size`` carried tokens.
     """
     pending = np.empty(0, dtype=np.int32)  # tokens not yet filling a block
-    for texts in iter_texts(path, text_column, chunk_bytes=chunk_bytes,
-                            keep_linebreaks=keep_linebreaks, piece=piece):
+    for ids, lengths in _row_ids(path, tokenizer, block_size, line_by_line, text_column,
+                                 chunk_bytes, keep_linebreaks, piece):
         if line_by_line:
-            texts = [t for t in texts if t and not t.isspace()]
-            if not texts:
+            if not len(lengths):
                 continue
-            ids = tokenizer(texts, truncation=True, max_length=block_size,
-                            return_attention_mask=False,
-                            return_token_type_ids=False)["input_ids"]
-            lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
-            blocks = np.full((len(ids), block_size), pad_token_id, dtype=np.int32)
+            blocks = np.full((len(lengths), block_size), pad_token_id, dtype=np.int32)
             # Row-major fill: the first lengths[i] slots of row i get that row's tokens.
-            blocks[np.arange(block_size) < lengths[:, None]] = _flatten(ids, int(lengths.sum()))
+            blocks[np.arange(block_size) < lengths[:, None]] = ids
             yield blocks, lengths
         else:
-            ids = tokenizer(texts, return_attention_mask=False,
-                            return_token_type_ids=False)["input_ids"]
-            tokens = np.concatenate([pending, _flatten(ids, sum(map(len, ids)))])
+            tokens = np.concatenate([pending, ids])
             n = len(tokens) // block_size
             pending = tokens[n * block_size:].copy()
             if n:
@@ -480,6 +478,52 @@ def tokenize_file(path: str, tokenizer, block_size: int, line_by_line: bool,
                        np.full(n, block_size, dtype=np.int32))
     # What is left in `pending` is the remainder shorter than a block: dropped, as
     # run_clm's group_texts does.
+
+
+def _row_ids(path: str, tokenizer, block_size: int, line_by_line: bool,
+             text_column: Optional[str], chunk_bytes: int, keep_linebreaks: bool,
+             piece: Optional[tuple]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The token ids of a file's rows (texts tokenized, or the ids a table holds), in
+    batches: (the rows' ids one after another, int32; each row's count). --line_by_line:
+    each row truncated to ``block_size`` (as the tokenizer truncates), empty rows left
+    out."""
+    column, tokenized = table_column(path, text_column, None, piece)
+    if not tokenized:
+        for texts in iter_texts(path, column, chunk_bytes=chunk_bytes,
+                                keep_linebreaks=keep_linebreaks, piece=piece,
+                                resolved=column is not None):
+            if line_by_line:
+                texts = [t for t in texts if t and not t.isspace()]
+                if not texts:
+                    continue
+                ids = tokenizer(texts, truncation=True, max_length=block_size,
+                                return_attention_mask=False,
+                                return_token_type_ids=False)["input_ids"]
+            else:
+                ids = tokenizer(texts, return_attention_mask=False,
+                                return_token_type_ids=False)["input_ids"]
+            lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+            yield _flatten(ids, int(lengths.sum())), lengths
+        return
+    vocab, row = len(tokenizer), 0
+    for ids, lengths in iter_token_ids(path, column, piece=piece):
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            at = int(np.argmax(bad))
+            where = row + int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+            part = "" if piece is None else (
+                f" (row groups {piece[0]}-{piece[1] - 1})" if path.endswith(".parquet")
+                else f" (bytes {piece[0]}-{piece[1]})")
+            raise ConfigError(f"{path}{part}: row {where} of column '{column}' holds token id "
+                              f"{int(ids[at])}, outside the tokenizer's vocabulary of {vocab} "
+                              "(the ids must be the run's tokenizer's: --tokenizer_name)")
+        row += len(lengths)
+        if line_by_line:
+            # (each row's first block_size ids, as truncation keeps them)
+            within = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            ids, lengths = ids[within < block_size], np.minimum(lengths, block_size)
+            lengths = lengths[lengths > 0]
+        yield ids.astype(np.int32), lengths.astype(np.int32)
 
 
 def _flatten(ids: list[list[int]], total: int) -> np.ndarray:
