@@ -166,8 +166,8 @@ class TrainConfig:
         "--validation_file is given.", "data")
     text_column: Optional[str] = _f(
         None, "Column holding the text in .jsonl/.csv/.parquet files (default: 'text', "
-        "else 'input_ids' where it holds token ids (rows tokenized already), else the only "
-        "string column).", "data")
+        "else the only string column, else 'input_ids' where it holds token ids: rows "
+        "tokenized already).", "data")
     block_size: Optional[int] = _f(
         None, "Tokens per training sample. Default: min(model max positions, 1024). "
         "--max_seq_length (run_mlm's name) is the same. Under span corruption: the "

@@ -100,9 +100,17 @@ def reference_run(cfg, spec, dataset, train_ids, global_batch_size: int, steps: 
     custom = getattr(spec, "model_init", None)
     if custom:
         model = custom()
-    elif spec.pretrained_path:  # (a new head, where it has other classes: from this seed)
+    elif spec.pretrained_path:
+        # With a new head (an image classifier on other classes: --ignore_mismatched_sizes)
+        # the checkpoint's body under the head a model of the config starts with: the
+        # parameters outside the base model, drawn first from the seed.
+        fresh = auto.from_config(spec.config, dtype=torch.float32) if spec.new_head else None
         model = auto.from_pretrained(spec.pretrained_path, config=spec.config,
                                      dtype=torch.float32, ignore_mismatched_sizes=True)
+        if fresh is not None:
+            body = model.base_model_prefix + "."
+            model.load_state_dict({k: v for k, v in fresh.state_dict().items()
+                                   if not k.startswith(body)}, strict=False)
     else:
         model = auto.from_config(spec.config, dtype=torch.float32)
     if spec.lora is not None:

@@ -193,10 +193,28 @@ def test_missing_text_column_lists_the_columns(tmp_path):
         validate_files([path], None)
     assert str(e.value) == (
         f"--train_file: {path} has no 'text' column and no single string column "
-        "(columns: title (string), body (string), n (int64)); pass --text_column")
+        "(columns: title (string), body (string), n (int64)); pass --text_column (or, for "
+        "rows tokenized already, give an 'input_ids' column of lists of token ids)")
     with pytest.raises(ConfigError, match=r"has no column 'content' \(columns: title"):
         validate_files([path], "content")
     validate_files([path], "body")
+
+
+def test_token_ids_are_read_where_no_text_column_is():
+    """input_ids of token ids is the column only where no text column resolves: 'text',
+    or the only string column, comes first (a tokenizing map that kept its text)."""
+    from raylm.data.sources import resolve_text_column
+
+    ids, pair = pa.list_(pa.int64()), pa.list_(pa.int32(), 2)
+    for fields, want in [([("sentence", pa.string()), ("input_ids", ids)], "sentence"),
+                         ([("input_ids", ids), ("attention_mask", ids)], "input_ids"),
+                         ([("a", pa.string()), ("b", pa.string()), ("input_ids", ids)],
+                          "input_ids"),
+                         ([("input_ids", pair)], "input_ids")]:
+        assert resolve_text_column(pa.schema(fields), None, "t.parquet") == want, fields
+    with pytest.raises(ConfigError, match="no single string column .* for rows tokenized "):
+        resolve_text_column(pa.schema([("input_ids", pa.list_(pa.float32()))]), None,
+                            "t.parquet")
 
 
 def test_non_text_parquet_column_is_an_error(tmp_path):

@@ -204,6 +204,18 @@ def test_rows_of_token_ids_are_checked_as_files_and_train_no_tokenizer(tok, tmp_
         next(iter_texts(files[0]))
 
 
+def test_an_id_outside_the_vocabulary_names_the_file_s_row(tok, tmp_path):
+    """In a piece of a parquet file (row groups 1-2 of 2 rows each), the file's row."""
+    rows = [tok(t)["input_ids"] for t in TEXTS["a"] + TEXTS["c"]]
+    rows[3] = rows[3][:1] + [len(tok)]
+    path = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"input_ids": rows}), path, row_group_size=2)
+    with pytest.raises(ConfigError, match=rf"ids.parquet: row 3 of column 'input_ids' holds "
+                                          rf"token id {len(tok)}, outside the tokenizer's "
+                                          rf"vocabulary of {len(tok)}"):
+        list(tokenize_file(path, tok, BLOCK, False, None, 0, piece=(1, 3)))
+
+
 def test_chunked_reading_does_not_change_the_samples(tok, tmp_path):
     # A file read in tiny chunks (lines and UTF-8 characters cut at chunk boundaries) gives
     # the same samples as read whole.

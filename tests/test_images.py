@@ -554,6 +554,10 @@ def test_a_datasets_dataset_of_images_and_bad_image_datasets(ray_cluster, cache_
                                               "label": ClassLabel(names=list(CLASSES))}))
     given = given_images(hf, "train_dataset")
     assert given.classes == list(CLASSES)
+    with pytest.raises(ConfigError, match=r"train_dataset: label -1 is not one of its "
+                                          r"ClassLabel's 3 classes \(-1: a row with no label\)"):
+        given_images(hf.map(lambda r, i: {"label": -1 if i == 4 else r["label"]},
+                            with_indices=True), "train_dataset")
     built, _ = build_given_images(given, SIZE, 3, cache_root)
     assert built.num_samples == 6 and built.classes == list(CLASSES)
 
@@ -586,10 +590,11 @@ def test_a_saved_classifier_of_other_classes_trains_a_new_head(ray_cluster, imag
                                                                cache_root, tmp_path):
     """--model_name_or_path a ViT classifier of 2 other classes: one error naming
     --ignore_mismatched_sizes; with it, ZeRO-3 on dp=2 trains the checkpoint's body under
-    a new 3-class head drawn from --seed, as transformers' from_pretrained(...,
-    ignore_mismatched_sizes=True) after torch.manual_seed(seed) in one process does
-    (losses, gradient norms, weights); every rank builds that head (build_model's model
-    and ZeRO-3's tensor-at-a-time initial state are the same values)."""
+    a new 3-class head drawn from --seed, as the checkpoint loaded by transformers'
+    from_pretrained in one process under the head from_config draws after
+    torch.manual_seed(seed) trains (losses, gradient norms, weights); every rank
+    builds that head (build_model's model and ZeRO-3's tensor-at-a-time initial state are
+    the same values), for a checkpoint of the same classes in another order too."""
     from transformers import AutoModelForImageClassification, ViTConfig, ViTForImageClassification
 
     from raylm.models.loading import build_model
@@ -611,6 +616,21 @@ def test_a_saved_classifier_of_other_classes_trains_a_new_head(ray_cluster, imag
     built = build_model(spec, cfg.seed).state_dict()
     for name, value in initial_state(spec, cfg.seed):
         assert torch.equal(value, built[name]), name
+    # A checkpoint of the same classes in another order: the head is drawn anew too (not
+    # its rows under other names), as a model of the config starts; the body is its own.
+    torch.manual_seed(8)
+    other = ViTForImageClassification(ViTConfig(**sizes, id2label=dict(enumerate(
+        reversed(CLASSES)))))
+    other.save_pretrained(tmp_path / "reversed")
+    spec2 = check_inputs(dataclasses.replace(cfg, model_name_or_path=str(tmp_path / "reversed")),
+                         check_output_dir=False).spec
+    got, theirs = build_model(spec2, cfg.seed).state_dict(), other.state_dict()
+    torch.manual_seed(cfg.seed)
+    fresh = AutoModelForImageClassification.from_config(spec2.config).state_dict()
+    for name in got:
+        want = theirs if name.startswith("vit.") else fresh
+        assert torch.equal(got[name], want[name]), name
+    assert not torch.equal(got["classifier.weight"], theirs["classifier.weight"])
     reference = reference_of(dataclasses.replace(cfg, output_dir=str(tmp_path / "ref")),
                              GLOBAL_BATCH, STEPS)
     result = train(dataclasses.replace(cfg, num_workers=2, dp=2, zero_stage=3,

@@ -209,11 +209,15 @@ def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple
                 as_type = TOKEN_TYPE if ids else pa.large_string()
                 writer = pq.ParquetWriter(tmp, pa.schema([(column, as_type)]))
             kind = batch.schema.field(column).type
-            if not (kind == pa.null() or  # (a block of nulls only: null)
-                    (is_token_ids(kind) if as_type == TOKEN_TYPE else kind in STRING_TYPES)):
-                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not "
-                                  f"{'token ids' if as_type == TOKEN_TYPE else 'text'} as its "
-                                  "first rows; check --text_column")
+            if as_type != TOKEN_TYPE and kind not in STRING_TYPES + (pa.null(),):
+                # (a block of nulls only: null)
+                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
+                                  "check --text_column")
+            empty = pa.types.is_list(kind) and pa.types.is_null(kind.value_type)
+            if as_type == TOKEN_TYPE and not (is_token_ids(kind) or empty
+                                              or kind == pa.null()):  # (a block of [] only)
+                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not token ids as "
+                                  "in its first rows")
             try:
                 values = batch.column(column).cast(as_type)
             except pa.ArrowInvalid as e:  # (an id past int32: no tokenizer's)
@@ -230,7 +234,9 @@ def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple
             writer.close()
     if rows == 0:
         raise ConfigError(f"{arg} is empty (no rows)")
-    key = hashlib.sha256(column.encode() + b"\0" + lengths.digest() + data.digest())
+    # (token ids are marked: no text's rows digest as them; a text key is as it was)
+    mark = b"token ids\0" if as_type == TOKEN_TYPE else b""
+    key = hashlib.sha256(column.encode() + b"\0" + mark + lengths.digest() + data.digest())
     return key.hexdigest()[:24], rows
 
 

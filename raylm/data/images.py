@@ -405,6 +405,10 @@ def _classes(values: list, hf_names: Optional[list], classes: Optional[list],
         raise ConfigError(f"{said}: labels must be class names (str) or class ids (int), "
                           f"not {', '.join(kinds)}")
     found = sorted(set(values))
+    if hf_names and ints and not 0 <= found[0] <= found[-1] < len(hf_names):
+        odd = found[0] if found[0] < 0 else found[-1]
+        raise ConfigError(f"{said}: label {odd} is not one of its ClassLabel's "
+                          f"{len(hf_names)} classes (-1: a row with no label)")
     if classes is not None:  # (the training set's, by name)
         names_of = {v: (hf_names[v] if hf_names and ints else str(v)) for v in found}
         extra = [names_of[v] for v in found if names_of[v] not in classes]

@@ -335,8 +335,8 @@ def _table_info(path: str) -> tuple[pa.Schema, Optional[int]]:
 
 def is_token_ids(kind: pa.DataType) -> bool:
     """Whether a column of this type holds token ids (lists of integers)."""
-    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and \
-        pa.types.is_integer(kind.value_type)
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+            or pa.types.is_fixed_size_list(kind)) and pa.types.is_integer(kind.value_type)
 
 
 def _iter_column(path: str, column: str, piece: Optional[tuple] = None,
@@ -395,9 +395,9 @@ def _stream_reader(path: str, stream, column: Optional[str], ids: bool = False):
 
 def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str,
                         flag: Optional[str] = "--train_file") -> str:
-    """The column holding the text: ``text_column``, else ``text``, else ``input_ids``
-    where it holds token ids (rows tokenized already: is_token_ids), else the only string
-    one."""
+    """The column holding the text: ``text_column``, else ``text``, else the only string
+    one, else ``input_ids`` where it holds token ids (rows tokenized already:
+    is_token_ids)."""
     string_types = (pa.string(), pa.large_string(), pa.string_view())
     described = ", ".join(f"{f.name} ({f.type})" for f in schema) or "none"
     if text_column is not None:
@@ -407,15 +407,17 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
         column = text_column
     elif DEFAULT_TEXT_COLUMN in schema.names:
         column = DEFAULT_TEXT_COLUMN
-    elif TOKEN_COLUMN in schema.names and is_token_ids(schema.field(TOKEN_COLUMN).type):
-        column = TOKEN_COLUMN
     else:
         strings = [f.name for f in schema if f.type in string_types]
-        if len(strings) != 1:
+        if len(strings) == 1:
+            column = strings[0]
+        elif TOKEN_COLUMN in schema.names and is_token_ids(schema.field(TOKEN_COLUMN).type):
+            column = TOKEN_COLUMN
+        else:
             raise ConfigError(f"{_prefix(flag)}{path} has no '{DEFAULT_TEXT_COLUMN}' column "
                               f"and no single string column (columns: {described}); pass "
-                              "--text_column")
-        column = strings[0]
+                              f"--text_column (or, for rows tokenized already, give an "
+                              f"'{TOKEN_COLUMN}' column of lists of token ids)")
     # CSV and JSON values are read as strings whatever their inferred type; parquet's
     # types are real.
     column_type = schema.field(column).type
@@ -442,6 +444,20 @@ def table_column(path: str, text_column: Optional[str], flag: Optional[str] = "-
     return column, is_token_ids(schema.field(column).type)
 
 
+def first_row(path: str, piece: Optional[tuple]) -> Optional[int]:
+    """The file's row number of a piece's first row: 0 for a whole file, the rows of the
+    row groups before it for a parquet piece (its footer); None for a byte range (not
+    known without reading what is before it)."""
+    if piece is None:
+        return 0
+    if extension(path) != ".parquet":
+        return None
+    fs, fs_path = filesystem_for(path)
+    with fs.open_input_file(fs_path) as f:
+        meta = pq.ParquetFile(f).metadata
+        return sum(meta.row_group(g).num_rows for g in range(min(piece[0], meta.num_row_groups)))
+
+
 def iter_token_ids(path: str, column: str, *, flag: Optional[str] = None,
                    piece: Optional[tuple] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The rows of a column of token ids (table_column's), in order, in batches: (the
@@ -449,6 +465,7 @@ def iter_token_ids(path: str, column: str, *, flag: Optional[str] = None,
     row has none. ``piece``: as iter_texts'."""
     try:
         for array in _iter_column(path, column, piece, ids=True):
+            array = array.cast(pa.large_list(pa.int64()))  # (any list of integers)
             if array.null_count:
                 array = array.fill_null(pa.scalar([], array.type))
             offsets = array.offsets.to_numpy()

@@ -40,8 +40,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raylm.data.pieces import DEFAULT_PIECE_MB, Piece, plan_pieces
-from raylm.data.sources import (TEXT_CHUNK_BYTES, filesystem_for, iter_texts, iter_token_ids,
-                                table_column)
+from raylm.data.sources import (TEXT_CHUNK_BYTES, filesystem_for, first_row, iter_texts,
+                                iter_token_ids, table_column)
 from raylm.errors import ConfigError
 
 # Bump when the meaning or layout of the cached data changes: old caches are then ignored.
@@ -485,8 +485,8 @@ def _row_ids(path: str, tokenizer, block_size: int, line_by_line: bool,
              piece: Optional[tuple]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The token ids of a file's rows (texts tokenized, or the ids a table holds), in
     batches: (the rows' ids one after another, int32; each row's count). --line_by_line:
-    each row truncated to ``block_size`` (as the tokenizer truncates), empty rows left
-    out."""
+    each row truncated to ``block_size`` (a text by the tokenizer, a row of ids to its
+    first ``block_size``), empty rows left out."""
     column, tokenized = table_column(path, text_column, None, piece)
     if not tokenized:
         for texts in iter_texts(path, column, chunk_bytes=chunk_bytes,
@@ -511,15 +511,16 @@ def _row_ids(path: str, tokenizer, block_size: int, line_by_line: bool,
         if bad.any():
             at = int(np.argmax(bad))
             where = row + int(np.searchsorted(np.cumsum(lengths), at, side="right"))
-            part = "" if piece is None else (
-                f" (row groups {piece[0]}-{piece[1] - 1})" if path.endswith(".parquet")
-                else f" (bytes {piece[0]}-{piece[1]})")
-            raise ConfigError(f"{path}{part}: row {where} of column '{column}' holds token id "
+            start = first_row(path, piece)  # (None: a byte range's rows, counted in it)
+            part = f"row {start + where}" if start is not None else \
+                f"the row {where} of its bytes {piece[0]}-{piece[1]}"
+            raise ConfigError(f"{path}: {part} of column '{column}' holds token id "
                               f"{int(ids[at])}, outside the tokenizer's vocabulary of {vocab} "
                               "(the ids must be the run's tokenizer's: --tokenizer_name)")
         row += len(lengths)
         if line_by_line:
-            # (each row's first block_size ids, as truncation keeps them)
+            # (each row's first block_size ids, cut as they are: a tokenizer that ends a
+            # text with a special token, BERT's [SEP], keeps it when it truncates a text)
             within = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             ids, lengths = ids[within < block_size], np.minimum(lengths, block_size)
             lengths = lengths[lengths > 0]

@@ -85,17 +85,32 @@ def from_config(config, trust_remote_code: bool = False, **kwargs):
 
 def from_pretrained(spec, seed: int):
     """``spec``'s saved model (raylm.models.loading.ModelSpec) in float32, ``spec.config``
-    its config; weights the directory lacks, or holds at another size where the spec
-    asks for a new head (--ignore_mismatched_sizes), initialised as from_config's are,
-    after ``torch.manual_seed(seed)``: the same values on every rank. (The caller's
-    generator is left seeded, as build_model's from-scratch path leaves it.)"""
+    its config; weights the directory lacks are initialised as from_config's are, after
+    ``torch.manual_seed(seed)``. With ``spec.new_head`` (an image classifier on other
+    classes, --ignore_mismatched_sizes, or a checkpoint of the body alone) the head, every
+    parameter outside the base model (``base_model_prefix``), is the one from_config
+    draws after ``torch.manual_seed(seed)``, whatever the checkpoint holds there (of
+    another size, or of the same size for other classes or another order): the same on
+    every rank. (The caller's generator is left seeded, as build_model's from-scratch
+    path leaves it.)"""
     import torch
 
+    new_head = getattr(spec, "new_head", False)
+    if new_head:
+        torch.manual_seed(seed)
+        fresh = from_config(spec.config, spec.trust_remote_code,
+                            dtype=torch.float32).state_dict()
     torch.manual_seed(seed)
-    return model_class(spec.config).from_pretrained(
+    model = model_class(spec.config).from_pretrained(
         spec.weights_dir, config=spec.config, dtype=torch.float32,
-        trust_remote_code=spec.trust_remote_code,
-        ignore_mismatched_sizes=getattr(spec, "new_head", False))
+        trust_remote_code=spec.trust_remote_code, ignore_mismatched_sizes=new_head)
+    if new_head:
+        body = model.base_model_prefix + "."
+        unexpected = model.load_state_dict(
+            {k: v for k, v in fresh.items() if not k.startswith(body)}, strict=False
+        ).unexpected_keys
+        assert not unexpected, unexpected  # (the same class, built from the same config)
+    return model
 
 
 def apply_overrides(config, overrides) -> None:

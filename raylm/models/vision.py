@@ -91,6 +91,7 @@ def image_classifier(cfg, config, pretrained, classes: list) -> tuple:
                           f"in transformers (those that do: "
                           f"{', '.join(types_with_head('image_classification')[:12])}, ...)")
     labels = {i: c for i, c in enumerate(classes)}
+    # (a new head: drawn as from_config draws it, raylm.models.auto.from_pretrained)
     new_head = bool(pretrained) and not is_head(config, "image_classification")
     if pretrained and not new_head:
         names = [str(config.id2label.get(i, "")) for i in range(config.num_labels)]
