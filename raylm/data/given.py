@@ -2,8 +2,8 @@
 
 A ``ray.data.Dataset`` (anything Ray Data reads or maps) or a Hugging Face
 ``datasets.Dataset`` (the HF Trainer's ``train_dataset``), holding a text column
-(``--text_column``; default ``text``, else ``input_ids`` where it holds token ids, rows
-tokenized already, else its only string column). Each is written,
+(``--text_column``; default ``text``, else its only string column, else ``input_ids``
+where it holds token ids: rows tokenized already). Each is written,
 on the driver, before any rank starts, as one parquet file of that column under the data
 cache; from there on it is a file like any --train_file: tokenized into the block cache by
 Ray Data, each sample once per epoch in the seeded, layout-independent order, resumable.
@@ -48,7 +48,6 @@ log = logging.getLogger("raylm")
 
 EXPORT_DIR = "given-datasets"
 ROW_GROUP = 65_536  # rows per row group of an export
-STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 TOKEN_TYPE = pa.large_list(pa.int32())  # an export's column of token ids
 
 
@@ -190,7 +189,7 @@ def _users_error(e: BaseException) -> str:
 def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple[str, int]:
     """(digest of the rows, number of rows): the text column of ``tables`` (arrow tables
     or record batches, in row order) written to ``tmp``."""
-    from raylm.data.sources import is_token_ids, resolve_text_column
+    from raylm.data.sources import STRING_TYPES, is_token_ids, resolve_text_column
 
     # The digest: of the column's name, the values' lengths (-1 for a null) and their
     # bytes, each in row order across batches; and the file's row groups are ROW_GROUP
@@ -209,15 +208,14 @@ def _write_rows(tables, arg: str, text_column: Optional[str], tmp: str) -> tuple
                 as_type = TOKEN_TYPE if ids else pa.large_string()
                 writer = pq.ParquetWriter(tmp, pa.schema([(column, as_type)]))
             kind = batch.schema.field(column).type
-            if as_type != TOKEN_TYPE and kind not in STRING_TYPES + (pa.null(),):
-                # (a block of nulls only: null)
-                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
-                                  "check --text_column")
-            empty = pa.types.is_list(kind) and pa.types.is_null(kind.value_type)
-            if as_type == TOKEN_TYPE and not (is_token_ids(kind) or empty
-                                              or kind == pa.null()):  # (a block of [] only)
+            # (a block of nulls only: null; of empty lists only: list<null>)
+            if as_type == TOKEN_TYPE and not (is_token_ids(kind) or kind == pa.null() or (
+                    pa.types.is_list(kind) and pa.types.is_null(kind.value_type))):
                 raise ConfigError(f"{arg}: column '{column}' holds {kind}, not token ids as "
                                   "in its first rows")
+            if as_type != TOKEN_TYPE and kind not in STRING_TYPES + (pa.null(),):
+                raise ConfigError(f"{arg}: column '{column}' holds {kind}, not text; "
+                                  "check --text_column")
             try:
                 values = batch.column(column).cast(as_type)
             except pa.ArrowInvalid as e:  # (an id past int32: no tokenizer's)

@@ -41,6 +41,7 @@ SUPPORTED_EXTENSIONS = TEXT_EXTENSIONS + TABLE_EXTENSIONS
 UTF8_EXTENSIONS = TEXT_EXTENSIONS + (".jsonl", ".json", ".csv")
 
 DEFAULT_TEXT_COLUMN = "text"
+STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())  # a column of text
 # A table of rows tokenized already (a Hugging Face dataset after its tokenizing map): a
 # column of lists of token ids, taken in place of text where there is no text column.
 TOKEN_COLUMN = "input_ids"
@@ -398,7 +399,6 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
     """The column holding the text: ``text_column``, else ``text``, else the only string
     one, else ``input_ids`` where it holds token ids (rows tokenized already:
     is_token_ids)."""
-    string_types = (pa.string(), pa.large_string(), pa.string_view())
     described = ", ".join(f"{f.name} ({f.type})" for f in schema) or "none"
     if text_column is not None:
         if text_column not in schema.names:
@@ -408,7 +408,7 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
     elif DEFAULT_TEXT_COLUMN in schema.names:
         column = DEFAULT_TEXT_COLUMN
     else:
-        strings = [f.name for f in schema if f.type in string_types]
+        strings = [f.name for f in schema if f.type in STRING_TYPES]
         if len(strings) == 1:
             column = strings[0]
         elif TOKEN_COLUMN in schema.names and is_token_ids(schema.field(TOKEN_COLUMN).type):
@@ -421,7 +421,7 @@ def resolve_text_column(schema: pa.Schema, text_column: Optional[str], path: str
     # CSV and JSON values are read as strings whatever their inferred type; parquet's
     # types are real.
     column_type = schema.field(column).type
-    if extension(path) == ".parquet" and column_type not in string_types \
+    if extension(path) == ".parquet" and column_type not in STRING_TYPES \
             and not is_token_ids(column_type):
         raise ConfigError(f"{_prefix(flag)}{path}: column '{column}' holds {column_type}, "
                           "neither text nor token ids; check --text_column")

@@ -489,6 +489,7 @@ def _row_ids(path: str, tokenizer, block_size: int, line_by_line: bool,
     first ``block_size``), empty rows left out."""
     column, tokenized = table_column(path, text_column, None, piece)
     if not tokenized:
+        cut = dict(truncation=True, max_length=block_size) if line_by_line else {}
         for texts in iter_texts(path, column, chunk_bytes=chunk_bytes,
                                 keep_linebreaks=keep_linebreaks, piece=piece,
                                 resolved=column is not None):
@@ -496,12 +497,8 @@ def _row_ids(path: str, tokenizer, block_size: int, line_by_line: bool,
                 texts = [t for t in texts if t and not t.isspace()]
                 if not texts:
                     continue
-                ids = tokenizer(texts, truncation=True, max_length=block_size,
-                                return_attention_mask=False,
-                                return_token_type_ids=False)["input_ids"]
-            else:
-                ids = tokenizer(texts, return_attention_mask=False,
-                                return_token_type_ids=False)["input_ids"]
+            ids = tokenizer(texts, return_attention_mask=False, return_token_type_ids=False,
+                            **cut)["input_ids"]
             lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
             yield _flatten(ids, int(lengths.sum())), lengths
         return
