@@ -4,7 +4,8 @@ choices it makes, and planning a 70B model on 1024 workers in seconds.
 Memory is checked against measurements of real training (raylm.runtime.memory): one rank
 in this process, and both ranks of a 2-stage 1F1B pipeline in two torch.distributed gloo
 processes, for a GPT-2 (dropout on: SDPA's math path keeps the attention scores) and a
-Llama (grouped-query attention, fused SDPA, gated MLP). No Ray.
+Llama (grouped-query attention, fused SDPA, gated MLP), also with heads x head_dim wider
+than its hidden size. No Ray.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ MODELS = {
     "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=64,
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
                   max_position_embeddings=SEQ, vocab_size=VOCAB),
+    # Queries and attention output 8x wider than the hidden size (heads x head_dim =
+    # 512), as any Llama config whose hidden size --config_overrides makes smaller has
+    # them (the default head_dim of 128 stays, as in run_clm); Qwen3 and Gemma set
+    # head_dim apart too
+    "llama-wide": dict(model_type="llama", num_hidden_layers=2, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                       intermediate_size=176, max_position_embeddings=SEQ, vocab_size=VOCAB),
+}
+# Checked in one process only (not cut into stages or split over tp here): Qwen3, whose
+# per-head RMSNorms of the queries and keys keep tensors of their own
+ONE_PROCESS = {
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=176, max_position_embeddings=SEQ, vocab_size=VOCAB),
 }
 TOLERANCE = 0.15
 LLAMA_70B = ("hidden_size=8192,num_hidden_layers=80,num_attention_heads=64,"
@@ -51,7 +66,7 @@ TINY_LLAMA = ("num_hidden_layers=4,hidden_size=32,num_attention_heads=4,"
 def _config(name):
     from transformers import AutoConfig
 
-    kw = dict(MODELS[name])
+    kw = dict(MODELS.get(name) or ONE_PROCESS[name])
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
@@ -114,7 +129,7 @@ def _assert_close(err: dict, where: str):
 
 
 # -- memory: prediction vs measurement --------------------------------------------------
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-wide", "qwen3"])
 def test_single_rank_memory_matches_a_measured_run(name):
     model = _model(name)
     opt = _optimizer(model)
@@ -131,7 +146,7 @@ def test_single_rank_memory_matches_a_measured_run(name):
     _assert_close(err, name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3"])
 def test_bf16_memory_matches_a_measured_run(name):
     """Under torch.autocast(bf16) with fp32 master weights: the states are fp32's, the
     activations kept for backward (fp32 norms and residual stream, bf16 matmul inputs
@@ -159,8 +174,9 @@ def test_bf16_memory_matches_a_measured_run(name):
     assert predicted.activations < 0.9 * fp32.activations and fp32.weight_copies == 0
 
 
-@pytest.mark.parametrize("name,bf16", [("gpt2", False), ("llama", False), ("llama", True)],
-                         ids=["gpt2", "llama", "llama-bf16"])
+@pytest.mark.parametrize("name,bf16", [("gpt2", False), ("llama", False), ("llama", True),
+                                       ("llama-wide", False)],
+                         ids=["gpt2", "llama", "llama-bf16", "llama-wide"])
 def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name, bf16):
     """Activation checkpointing, each mode on the same model, data and dropout draws:
     the same loss and gradients as keeping everything (fp32: the recomputed forward is

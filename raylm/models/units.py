@@ -56,6 +56,20 @@ def distinct_params(modules) -> dict:
     return out
 
 
+def attention_width(config, hidden: int) -> int:
+    """The width of a token's queries and attention output: heads x head_dim. Often the
+    hidden size, but not where the config sets ``head_dim`` apart (Qwen3, Gemma, Mistral
+    Nemo, and any Llama-type config given a smaller hidden size by --config_overrides,
+    which keeps the default config's head_dim, as run_clm's update_from_string does) or
+    T5's ``d_kv``."""
+    heads = next((v for v in (getattr(config, a, None) for a in
+                              ("num_attention_heads", "n_head", "num_heads"))
+                  if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    head_dim = next((v for v in (getattr(config, a, None) for a in ("head_dim", "d_kv"))
+                     if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    return heads * head_dim if heads and head_dim else hidden
+
+
 def matmul_flops(params) -> float:
     # Forward multiply-adds of the weight matrices: 2 FLOPs per weight element per token.
     return float(sum(2 * p.numel() for p in params if p.ndim >= 2))
@@ -69,9 +83,10 @@ def family_units(model: nn.Module, family: Family, seq_len: int) -> tuple:
     blocks = []
     for i, blk in enumerate(model.get_submodule(family.layers)):
         ps = list(distinct_params([blk]).values())
-        # attention scores and their weighted sum: 2 x 2 x seq_len x hidden per token
+        # attention scores and their weighted sum: 2 x 2 x seq_len x heads x head_dim
+        # per token
         blocks.append(_unit(f"{family.layers}.{i}", ps,
-                            matmul_flops(ps) + 4.0 * seq_len * hidden))
+                            matmul_flops(ps) + 4.0 * seq_len * attention_width(cfg, hidden)))
     head_modules = [model.get_submodule(p) for p in family.final] + \
         [model.get_submodule(family.head)]
     head = distinct_params(head_modules)
@@ -110,7 +125,8 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
     blocks = []
     for name in names:
         ps = list(distinct_params([model.get_submodule(name)]).values())
-        blocks.append(_unit(name, ps, matmul_flops(ps) + 4.0 * seq_len * hidden))
+        blocks.append(_unit(name, ps, matmul_flops(ps)
+                            + 4.0 * seq_len * attention_width(cfg, hidden)))
     head = distinct_params([model.get_output_embeddings()])
     in_blocks = distinct_params(model.get_submodule(n) for n in names)
     # Everything outside the blocks and the head (embeddings, position tables, final

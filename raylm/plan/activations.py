@@ -5,13 +5,19 @@ Counted as autograd saves them in fp32 training with eager PyTorch and Hugging F
 modules (checked tensor by tensor with raylm.runtime.memory.ActivationMeter on GPT-2 and
 Llama; tests/test_planner.py holds the prediction to the measurement):
 
+h is the hidden size, d = heads x head_dim the width of the queries and the attention
+output (h for GPT-2; wider where the config sets head_dim apart: Qwen3, Gemma, or a Llama
+config given a smaller hidden size by --config_overrides, which keeps the default
+head_dim, as run_clm does; measured: the planner had predicted half of such a first
+pipeline stage's activations when it took d for h).
+
 GPT-2-style block (pre-LayerNorm, fused qkv, non-gated MLP), per token, in elements:
   * LayerNorm x2: its input (h) and mean/rstd (2)                        -> 2h + 4
   * inputs of c_attn and c_fc (the LayerNorm outputs)                    -> 2h
-  * attention, fused kernel (SDPA's flash/efficient path): the qkv output (3h, q/k/v are
-    views of it), the output (h, also c_proj's input) and the logsumexp (a)   -> 4h + a
+  * attention, fused kernel (SDPA's flash/efficient path): the qkv output (3d, q/k/v are
+    views of it), the output (d, also c_proj's input) and the logsumexp (a)   -> 4d + a
     attention, math path (eager, or SDPA on CPU with attention dropout > 0): q, k, v
-    copies (3h), the merged output (h), and per key position the softmax output (a per
+    copies (3d), the merged output (d), and per key position the softmax output (a per
     token per position), with dropout also its mask and the dropped probabilities
   * MLP: the activation's saved tensors (gelu_new, HF's tanh formula in Python: 4 of
     size I; F.gelu/relu/silu: 1) and c_proj's input (I)
@@ -20,8 +26,10 @@ GPT-2-style block (pre-LayerNorm, fused qkv, non-gated MLP), per token, in eleme
 Llama-style block (pre-RMSNorm, separate q/k/v with kv heads, rotary, gated MLP):
   * RMSNorm x2: input (h), normalised input (h), rsqrt (1)               -> 4h + 2
   * inputs of the q/k/v and gate/up projections                         -> 2h
-  * attention, fused: q after rotary (h), k and v (kv_heads x head_dim each), output
-    (h), logsumexp (a); math path: q, repeated k and v, output (4h) and the scores
+  * attention, fused: q after rotary (d), k and v (kv_heads x head_dim each), output
+    (d), logsumexp (a); math path: q, repeated k and v, output (4d) and the scores;
+    Qwen3's per-head RMSNorms of q and k: their inputs and outputs (2d + 2 x kv_heads x
+    head_dim) and a rsqrt per head (a + kv_heads)
   * gated MLP: gate output, activation output, up output, down's input  -> 4I
   * rotary cos/sin, once per micro-batch and stage: 2 x seq x head_dim
 Around the blocks:
@@ -41,7 +49,7 @@ Under activation checkpointing (raylm.parallel.recompute) a block keeps, per tok
   * full: its input (h; sequence-sharded under sequence parallelism)
   * selective: its input, and the outputs of its matrix multiplies (column-parallel:
     qkv or q/k/v, fc or gate/up, divided by tp; row-parallel: the two projections back
-    to h, whole), of the fused attention kernel (output h and logsumexp a, divided by
+    to h, whole), of the fused attention kernel (output d and logsumexp a, divided by
     tp; the math path's attention is element-wise and batched products: recomputed),
     and under tensor parallelism of its collectives (without sequence parallelism two
     all-reduced outputs of h; with it two all-gathered inputs of h and two
@@ -87,6 +95,8 @@ ACT_SAVED = {"gelu_new": 4, "gelu_python_tanh": 4, "gelu_accurate": 4, "gelu_fas
              "quick_gelu": 2, "relu2": 2, "mish": 3, "gelu_10": 2}
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "granite")
+# RMSNorm on each head's queries and keys before rotary (measured on Qwen3)
+QK_NORM = ("qwen3",)
 
 
 @dataclass(frozen=True)
@@ -218,7 +228,10 @@ def attention_path(config, dropout: float, use_gpu: bool) -> str:
 def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
                intermediate: int, vocab: int, use_gpu: bool = False) -> ActivationRecipe:
     h, a, I = hidden, heads, intermediate
-    kvd = kv_heads * head_dim
+    # q and the attention output are heads x head_dim wide, the hidden size only where the
+    # config makes them so (Qwen3, Gemma, or a Llama config given a smaller hidden size
+    # by --config_overrides, which keeps its head_dim, are wider)
+    qd, kvd = heads * head_dim, kv_heads * head_dim
     llama = getattr(config, "model_type", None) in LLAMA_LIKE
     resid_p = float(_first(config, ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout",
                                     "dropout", "dropout_rate"), 0.0) or 0.0)
@@ -230,13 +243,18 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
         resid_p = embd_p = 0.0  # no dropout on the residual stream
     path = attention_path(config, attn_p, use_gpu)
     scores = score_masks = 0.0
-    kept_attn = h + a if path == "fused" else 0.0  # the kernel's output and logsumexp
+    kept_attn = qd + a if path == "fused" else 0.0  # the kernel's output and logsumexp
     if path == "fused":
-        attn = (2 * h + 2 * kvd + a) if llama else (4 * h + a)
+        attn = (2 * qd + 2 * kvd + a) if llama else (4 * qd + a)
     else:
-        attn = 4 * h
+        attn = 4 * qd
         scores = 1.0 + (1.0 if attn_p > 0 else 0.0)  # softmax output (+ dropped probs)
         score_masks = 1.0 if attn_p > 0 else 0.0
+    # per-head RMSNorms of q and k: each keeps its input and normalised output and one
+    # rsqrt per head (under autocast the input and rsqrt fp32, the output low)
+    qk_norm = (2 * (qd + kvd) + a + kv_heads
+               if getattr(config, "model_type", None) in QK_NORM else 0)
+    attn += qk_norm
     act = _act_saved(config)
     gated = llama or bool(getattr(config, "is_gated_act", False))
     mlp = (act + 3) * I if gated else (act + 1) * I
@@ -251,9 +269,10 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
         head_seq=head_norm, head_full=h, vocab=vocab,
         per_stage=2 * head_dim if llama else 0.0,
         hidden=h, kept_full=2 * h,  # the attention output and MLP down projections
-        kept_split=((h + 2 * kvd) if llama else 3 * h) + (2 * I if gated else I) + kept_attn,
+        kept_split=((qd + 2 * kvd) if llama else 3 * qd) + (2 * I if gated else I) + kept_attn,
         cast_full=(5 * h if llama else 2 * h),  # q, k, v, gate, up; or qkv and fc
-        split_fp32=a if path == "fused" else (0.0 if use_gpu else 3 * h),
+        split_fp32=(a if path == "fused" else (0.0 if use_gpu else 3 * qd))
+        + (qk_norm - qd - kvd if qk_norm else 0),
         lse=a if path == "fused" else 0.0,
         description=(f"{'llama' if llama else 'gpt2'}-style block, attention {path}"
                      f"{', dropout' if resid_p > 0 or attn_p > 0 else ''}"))
