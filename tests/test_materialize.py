@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from raylm.models.loading import ModelSpec, build_model, resolve_model
 from raylm.models.materialize import initial_state
+from tests.gloo_ranks import run_ranks
 
 SEED = 1234
 V = 101
@@ -358,3 +359,88 @@ def test_no_more_than_a_module_is_ever_allocated(model, tmp_path):
         meta = build_model(spec, SEED, device="meta")
     assert peak.peak < model_bytes / 4
     assert all(p.device.type == "meta" for p in meta.parameters())
+
+
+# -- layouts that split the model build only their share -----------------------------------
+WORLD = 4  # pp=2 x tp=2: each rank holds a quarter of the model
+
+
+def _split_rank(rank: int, port: int, out_dir: str, queue) -> None:
+    """One of four gloo ranks: RankWorker.build for pp=2 x tp=2 (raylm's own Llama stages,
+    transformers' tp plan; no ZeRO) of an 8-block Llama, the heap's peak measured over the
+    build; returns the peak, what the rank holds, and whether each weight it holds is
+    build_model's."""
+    import traceback
+
+    try:
+        import importlib
+
+        importlib.import_module("transformers.models.llama.modeling_llama")  # (not measured)
+        from torch.distributed.tensor import DTensor
+
+        from raylm.config import TrainConfig
+        from raylm.plan.layout import plan_run
+        from raylm.runtime.engine import builds_on_meta, initial_model
+        from raylm.runtime.memory import state_bytes
+        from raylm.runtime.worker import RankWorker
+
+        spec = _eight_blocks()
+        cfg = TrainConfig(model_type="llama", block_size=64, per_device_train_batch_size=1,
+                          gradient_accumulation_steps=2, num_workers=WORLD, pp=2, tp=2,
+                          output_dir=out_dir)
+        plan, _ = plan_run(cfg, WORLD, spec, 64)
+        worker = RankWorker(rank, WORLD, 1)
+        worker.join(f"127.0.0.1:{port}", plan, 120)
+        settings = {**cfg.to_dict(), "faults": (), "steps_per_epoch": 1,
+                    "profile_dir": out_dir}
+        with PeakHeap() as peak:
+            worker.build(spec, None, settings, 1)
+        engine = worker.engine
+        held = state_bytes(engine.model, engine.optimizer, engine.grad_sync.held_gradients())
+        whole = build_model(spec, cfg.seed)
+        expected = dict(whole.named_parameters())
+        equal = True
+        for name, p in engine.model.named_parameters():
+            value = p.full_tensor() if isinstance(p, DTensor) else p  # (every rank, in order)
+            equal = equal and torch.equal(value.detach(), expected[name].detach())
+        out = {"peak": peak.peak, "held": held["parameters"] + held["gradients"],
+               "model": sum(p.numel() * p.element_size() for p in whole.parameters()),
+               "block": sum(p.numel() * p.element_size()
+                            for p in whole.model.layers[0].parameters()),
+               "equal": equal, "on_meta": builds_on_meta(plan, spec)}
+        del whole, expected
+        if rank == 0:  # the control: a whole build, as data parallelism makes it
+            with PeakHeap() as control:
+                initial_model(spec, cfg.seed, on_meta=False)
+            out["whole_build"] = control.peak
+        queue.put((rank, out))
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def _eight_blocks():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=1024,
+                         max_position_embeddings=64, vocab_size=128)
+    return ModelSpec(config=config, pretrained_path=None, tokenizer_dir="", vocab_size=128)
+
+
+def test_a_split_layout_builds_only_its_share(tmp_path):
+    """Under pipeline and tensor parallelism without ZeRO-3 (pp=2 x tp=2 here), a rank
+    builds the model's meta-device skeleton and fills only the weights it holds, one
+    tensor of the model at a time: over the whole build (the engine's gradient buffers
+    included) the heap holds no more than the rank's parameters and gradients and one
+    block being filled, where a whole build peaks at the whole model (measured: the
+    control); and every weight it holds is build_model's (tp shards gathered back)."""
+    results, _ = run_ranks(_split_rank, WORLD, str(tmp_path), timeout=300)
+    for rank, r in sorted(results.items()):
+        assert "error" not in r, r.get("error")
+    # (the heap is the process's: other threads' frees meanwhile leave it a little short)
+    assert results[0]["whole_build"] >= 0.95 * results[0]["model"], results[0]
+    for rank, r in sorted(results.items()):
+        assert r["on_meta"] and r["equal"], (rank, r)
+        assert r["held"] < 0.6 * r["model"], (rank, r)  # a quarter, twice (+ replicated norms)
+        assert r["peak"] < r["held"] + 1.5 * r["block"], (rank, r)
+        assert r["peak"] < 0.75 * results[0]["whole_build"], (rank, r)

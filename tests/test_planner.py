@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import socket
 import time
 
 import pytest
@@ -31,6 +30,7 @@ from raylm.plan.planner import evaluate_layout, search_for_config
 from raylm.plan.shape import model_shape
 from raylm.plan.text import human_bytes
 from raylm.runtime.memory import ActivationMeter, state_bytes
+from tests.gloo_ranks import run_ranks
 
 SEQ, BATCH, VOCAB = 64, 4, 500
 MODELS = {
@@ -219,33 +219,6 @@ def test_recomputation_keeps_what_is_predicted_and_the_same_gradients(name, bf16
     assert runs["full"][2] < runs["selective"][2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_gloo_ranks(target):
-    """Run ``target(rank, port, queue)`` in two spawned processes (a gloo pair); returns
-    ({rank: result}, processes), the processes joined (killed if they hang)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results, procs
-
-
 def _pipeline_rank(rank: int, port: int, queue) -> None:
     """One rank of a 2-stage 1F1B pipeline (4 micro-batches, 2 steps) per test model:
     its measured state and peak activations."""
@@ -287,7 +260,7 @@ def test_pipeline_ranks_memory_matches_measured_runs():
     """pp=2, 1F1B, 4 micro-batches in two gloo processes: stage 0 (embeddings + block 0)
     holds 2 micro-batches at its peak, stage 1 (block 1 + head) holds 1; GPT-2's tied
     table is on both ranks."""
-    results, procs = _two_gloo_ranks(_pipeline_rank)
+    results, procs = run_ranks(_pipeline_rank, 2)
     assert [p.exitcode for p in procs] == [0, 0]
     for name in MODELS:
         predicted = _predicted(name, part_bounds=[(0, 1), (1, 2)], microbatches=4)
@@ -785,7 +758,7 @@ def test_ownership_shapes_are_the_runtimes_tensor_parallel_shards():
     gloo ranks (which also checks the global shapes and shard dims itself)."""
     from raylm.models.tensor_plans import tensor_parallel_shapes
 
-    results, procs = _two_gloo_ranks(_tp_shapes_rank)
+    results, procs = run_ranks(_tp_shapes_rank, 2)
     for name in MODELS:
         shapes = tensor_parallel_shapes(_odd_vocab_model(name, "meta"), 2)
         for rank in range(2):

@@ -442,7 +442,7 @@ def _run_private(gen: Iterator, rng: _Rng) -> Iterator:
 def meta_skeleton(spec, seed: int):
     """The model ``build_model(spec, seed)`` builds, with every parameter on the meta
     device and every buffer real (see ``raylm.models.loading.build_model``)."""
-    if _built_whole(spec):
+    if built_whole(spec):
         model = _whole_model(spec, seed)
         params_to_meta(model)
         if spec.pretrained_path:  # (its buffers: BatchNorm statistics, from the checkpoint)
@@ -474,12 +474,13 @@ def meta_skeleton(spec, seed: int):
     return model
 
 
-def _built_whole(spec) -> bool:
+def built_whole(spec) -> bool:
     """Models built whole on the CPU (under a forked generator, ``_whole_model``) rather
     than replayed from a meta-device trace: a model of the user's own (raylm cannot trace
     an arbitrary factory), and image classifiers (ViT's initialisation, ``trunc_normal_``
     on a float32 copy assigned back through ``.data``, replays to other values); both are
-    small next to what ZeRO-3 is for."""
+    small next to what ZeRO-3 is for. (Outside ZeRO-3 such models are built whole: a
+    meta skeleton would save them nothing.)"""
     return (getattr(spec, "model_init", None) is not None
             or getattr(spec, "objective", None) == "image_classification")
 
@@ -555,7 +556,7 @@ def initial_state(spec, seed: int, names: Optional[Iterable[str]] = None) -> Ite
     if spec.pretrained_path and not getattr(spec, "new_head", False):
         yield from _pretrained_state(spec, seed, names)
         return
-    if _built_whole(spec):  # (a pretrained image classifier with a new head too)
+    if built_whole(spec):  # (a pretrained image classifier with a new head too)
         state = _whole_model(spec, seed).state_dict()
         wanted = _check_names(state, names)
         for name, tensor in state.items():

@@ -865,7 +865,9 @@ class Driver:
         grown = plan.resized(plan.world_size + len(slots))
         actors = _rank_actors(grown, slots, range(plan.world_size, grown.world_size),
                               grown.world_size)
-        warm = [a.warm_up.remote(self.spec, self.cfg.seed, plan.zero_stage == 3)
+        from raylm.runtime.engine import builds_on_meta
+
+        warm = [a.warm_up.remote(self.spec, self.cfg.seed, builds_on_meta(grown, self.spec))
                 for a in actors]
         self.newcomers = (actors, pg, warm, slots)
         log.info("capacity for %d more rank(s): starting them (they join at a step "

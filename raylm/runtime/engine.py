@@ -3,15 +3,21 @@
 ``build_engine`` applies the model transforms in one order (as torchtitan's
 ``parallelize_*`` does), each a step of its own below:
 
-1. tensor parallelism: the whole model's layers (every rank built the same weights, each
-   keeps its shard; raylm.parallel.tensor);
+0. the model: whole, with its initial weights, where every rank holds all of it (data
+   parallelism) or where it must be traced whole (a pipeline of the generic export
+   split); otherwise (ZeRO-3, tensor parallelism, raylm's own pipeline stages) its
+   skeleton on the meta device, so that no rank ever allocates the whole model, the
+   weights being filled once the layout is applied (``builds_on_meta``);
+1. tensor parallelism: the model's layers (each rank keeps its shard;
+   raylm.parallel.tensor);
 2. compile (--torch_compile): each block's forward through torch.compile
    (raylm.parallel.compile);
 3. activation checkpointing: each block's forward checkpointed (raylm.parallel.recompute),
    before the cut and FSDP so that their hooks sit around it;
 4. the pipeline cut: this rank's stages of the sharded model (raylm.parallel.pipeline);
-5. ZeRO-3: FSDP2 over the dp group on the model or the stage roots, then meta-device
-   weights materialised shard by shard (raylm.parallel.zero.fsdp);
+5. ZeRO-3: FSDP2 over the dp group on the model or the stage roots;
+6. a skeleton's weights materialised, each rank filling its own shards and stages one
+   tensor of the model at a time (raylm.parallel.zero.fsdp.materialize);
 
 then the gradient sync of the ZeRO stage (raylm.parallel.zero.gradient_sync: one
 interface for all of them), AdamW through it, and the LR schedule.
@@ -45,6 +51,7 @@ from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
+from raylm.models.materialize import built_whole
 from raylm.models.objectives import objective_for, with_loss
 from raylm.models.units import has_own_stages
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
@@ -513,12 +520,25 @@ class PipelineEngine(Engine):
         return ids, labels, kwargs
 
 
+def builds_on_meta(plan, spec) -> bool:
+    """Whether a rank of ``plan`` starts from the model's meta-device skeleton rather than
+    the whole model (step 0 of ``build_engine``): under ZeRO-3 always; else where the
+    layout splits the model (tensor parallelism, a pipeline cut by raylm's own stages)
+    and the skeleton saves memory (not a model that raylm.models.materialize builds whole
+    anyway: a model of your own, an image classifier)."""
+    if plan.zero_stage == 3:
+        return True
+    traced = plan.pp > 1 and not has_own_stages(spec.config)
+    return (plan.pp > 1 or plan.tp > 1) and not traced and not built_whole(spec)
+
+
 def initial_model(spec, seed: int, on_meta: bool):
     """The model an engine starts from, the same on every rank (``seed``), on the CPU:
-    for ZeRO-3 (``on_meta``) its skeleton on the meta device, since no rank ever holds all
-    of it (the weights are materialised shard by shard once the layout is applied: step
-    5 of ``build_engine``); else the whole model. A rank that will join a running group
-    builds it while it warms up (RankWorker.warm_up), off the live ranks' pause."""
+    ``on_meta`` (``builds_on_meta``) its skeleton on the meta device, since no rank ever
+    holds all of it (the weights are materialised shard by shard once the layout is
+    applied: step 6 of ``build_engine``); else the whole model. A rank that will join a
+    running group builds it while it warms up (RankWorker.warm_up), off the live ranks'
+    pause."""
     if on_meta:
         return build_model(spec, seed, device="meta")
     return build_model(spec, seed)
@@ -531,10 +551,12 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     plan's ZeRO stage (a newcomer's warm-up; the plan may have changed since)."""
     kind = PipelineEngine if plan.pp > 1 else Engine
     e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
-    on_meta, model = warm
-    if model is None or on_meta != (e.zero_stage == 3):
-        model = initial_model(spec, cfg["seed"], e.zero_stage == 3)
-    e.model = model if e.zero_stage == 3 else model.to(device)
+    # 0. the whole model, or its skeleton
+    on_meta = builds_on_meta(plan, spec)
+    warm_meta, model = warm
+    if model is None or warm_meta != on_meta:
+        model = initial_model(spec, cfg["seed"], on_meta)
+    e.model = model if on_meta else model.to(device)
     e.model_input = getattr(model, "main_input_name", None) or "input_ids"
     # Dropout per sample where the model is whole on the rank (data parallelism): a
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
@@ -551,13 +573,16 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
         apply_compile(e.model, cfg.get("torch_compile_backend"), cfg.get("torch_compile_mode"))
     # 3. activation checkpointing (around the compiled forward)
     apply_activation_checkpointing(e.model, plan.recompute)
-    # 4. the pipeline cut (5. ZeRO-3 on its stage roots, before the runtime takes
-    #    references to the parameters)
+    # 4. the pipeline cut (5. ZeRO-3 on its stage roots and 6. the weights, before the
+    #    runtime takes references to the parameters)
     if plan.pp > 1:
-        e.pipeline = _pipeline(e)
+        e.pipeline = _pipeline(e, on_meta)
     # 5. ZeRO-3 without a pipeline: the model is the root
     elif e.zero_stage == 3:
         _shard(e, [e.model])
+    # 6. the weights of a skeleton (ZeRO-3's: in _shard)
+    elif on_meta:
+        _materialize(e)
     # Checkpoints and the saved model in the model's own (layout-free) shapes.
     e.canonical = canonical_adapter(e.model, e.tensor_parallel)
     e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group,
@@ -590,9 +615,10 @@ def _adamw(model, cfg: dict) -> tuple:
     return groups, hyper
 
 
-def _pipeline(e: Engine) -> PipelineRuntime:
-    """Cut the model to this rank's stages; tied-weight groups on every rank, in one
-    order (new_group is collective over the world)."""
+def _pipeline(e: Engine, on_meta: bool) -> PipelineRuntime:
+    """Cut the model to this rank's stages (of its skeleton when ``on_meta``: its weights
+    then filled for those stages only); tied-weight groups on every rank, in one order
+    (new_group is collective over the world)."""
     plan = e.plan
     part = Partition(bounds=[tuple(b) for b in plan.stage_bounds],
                      stage_rank=stage_ranks(plan.schedule, plan.pp, plan.virtual))
@@ -616,6 +642,8 @@ def _pipeline(e: Engine) -> PipelineRuntime:
         e.tensor_parallel = apply_tensor_parallel(e.model, e.mesh["tp"], graphs=graphs)
     if e.zero_stage == 3:
         _shard(e, list(modules))
+    elif on_meta:
+        _materialize(e)
     dims, me = plan.dims, plan.dims.coords(e.rank)
     tied_groups = {}
     for ranks in sorted({tuple(r) for r in holders.values() if len(r) > 1}):
@@ -632,15 +660,26 @@ def _pipeline(e: Engine) -> PipelineRuntime:
 def _shard(e: Engine, roots: list) -> None:
     """ZeRO-3: FSDP2 over the dp group (each rank keeps 1/dp of every tensor)."""
     # The tensor-parallel placement of each parameter, before FSDP adds the dp dim.
-    tp_layout = {n: (p.device_mesh, p.placements, p.shape)
-                 for n, p in e.model.named_parameters(remove_duplicate=False)
-                 if isinstance(p, DTensor)}
+    tp_layout = _tp_layout(e.model)
     apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload,
                mixed_precision(e.autocast, e.cfg.get("reduce_dtype")),
                reshard_after_forward=e.plan.reshard_after_forward)
+    _materialize(e, tp_layout)
+
+
+def _tp_layout(model) -> dict:
+    """Each tensor-parallel parameter's (mesh, placements, global shape)."""
+    return {n: (p.device_mesh, p.placements, p.shape)
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if isinstance(p, DTensor)}
+
+
+def _materialize(e: Engine, tp_layout: Optional[dict] = None) -> None:
+    """A skeleton's weights (nothing to do for a model built whole), before anything takes
+    references to the parameters (materialising makes new ones): each rank fills its
+    shards of the tensors its stages hold, one tensor of the model at a time."""
     if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
            for p in e.model.parameters()):
-        # Before anything takes references to the parameters (materialising makes new
-        # ones): each rank fills its shards, one tensor of the model at a time.
-        materialize(e.model, e.spec, e.cfg["seed"], e.device, tp_layout,
+        materialize(e.model, e.spec, e.cfg["seed"], e.device,
+                    _tp_layout(e.model) if tp_layout is None else tp_layout,
                     canonical_adapter(e.model, e.tensor_parallel))

@@ -103,9 +103,9 @@ class RankWorker:
     def warm_up(self, spec, seed: int, on_meta: bool) -> dict:
         """What a rank that will join a running group does before it joins, while the
         live ranks train on: the heavy imports (torch, transformers, the engine) and its
-        initial model (raylm.runtime.engine.initial_model: the whole model, or for
-        ZeRO-3 ``on_meta`` its skeleton), which ``build`` then takes instead of building
-        one while the live ranks wait."""
+        initial model (raylm.runtime.engine.initial_model: the whole model, or its
+        skeleton, ``on_meta``: raylm.runtime.engine.builds_on_meta), which ``build``
+        then takes instead of building one while the live ranks wait."""
         from raylm.runtime.engine import initial_model
 
         t0 = time.time()
