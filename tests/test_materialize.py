@@ -444,3 +444,47 @@ def test_a_split_layout_builds_only_its_share(tmp_path):
         assert r["held"] < 0.6 * r["model"], (rank, r)  # a quarter, twice (+ replicated norms)
         assert r["peak"] < r["held"] + 1.5 * r["block"], (rank, r)
         assert r["peak"] < 0.75 * results[0]["whole_build"], (rank, r)
+
+
+def test_pretrained_weights_split_layouts_read_a_tensor_at_a_time(tmp_path):
+    """Outside ZeRO-3 a split layout builds a pretrained model on the meta device only
+    where initial_state can read every weight a tensor at a time (safetensors naming
+    each); other checkpoints go to transformers' from_pretrained, whole, as before: .bin
+    files, legacy names it renames (LayerNorm gamma/beta), a body without the head the
+    task needs (from_pretrained draws it)."""
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+    from raylm.models.materialize import reads_tensor_by_tensor
+    from raylm.plan.dims import ParallelDims
+    from raylm.plan.layout import Plan
+    from raylm.runtime.engine import builds_on_meta
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, vocab_size=V)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "st", safe_serialization=True)
+    (tmp_path / "bin").mkdir()
+    config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    state = model.state_dict()
+    legacy = {k.replace("norm.weight", "norm.gamma"): v for k, v in state.items()}
+    model.save_pretrained(tmp_path / "legacy", state_dict=legacy, safe_serialization=True)
+    bert = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                      intermediate_size=64, vocab_size=V)
+    BertModel(bert).save_pretrained(tmp_path / "body", safe_serialization=True)
+
+    def spec(name, cfg=config, **kw):
+        return ModelSpec(config=cfg, pretrained_path=str(tmp_path / name) if name else None,
+                         tokenizer_dir="", vocab_size=V, **kw)
+
+    tp2 = Plan(dims=ParallelDims(tp=2), micro_batch_size=1, global_batch_size=1,
+               cpus_per_worker=1.0)
+    dp2 = Plan(dims=ParallelDims(dp=2), micro_batch_size=1, global_batch_size=2,
+               cpus_per_worker=1.0)
+    assert reads_tensor_by_tensor(spec(None)) and builds_on_meta(tp2, spec(None))
+    assert reads_tensor_by_tensor(spec("st")) and builds_on_meta(tp2, spec("st"))
+    assert not builds_on_meta(dp2, spec("st"))  # every rank holds all of it anyway
+    for name, cfg, kw in (("bin", config, {}), ("legacy", config, {}),
+                          ("body", bert, {"objective": "mlm"})):
+        assert not reads_tensor_by_tensor(spec(name, cfg, **kw)), name
+        assert not builds_on_meta(tp2, spec(name, cfg, **kw)), name

@@ -121,11 +121,21 @@ def _compare(measured: dict, predicted) -> dict:
     return err
 
 
-def _assert_close(err: dict, where: str):
+def _assert_close(err: dict, where: str, tolerance: float = TOLERANCE):
     for k in ("parameters", "gradients", "optimizer"):
         assert abs(err[k]) < 0.01, (where, k, err)
-    assert abs(err["activations"]) < TOLERANCE, (where, err)
-    assert abs(err["total"]) < TOLERANCE, (where, err)
+    assert abs(err["activations"]) < tolerance, (where, err)
+    assert abs(err["total"]) < tolerance, (where, err)
+
+
+# Models whose attention terms the tests pin: the prediction is exact to a few bytes, and
+# a term counted wrong moves it by 6% or more (measured: Qwen3's bf16 q/k norms kept in
+# fp32), which 15% would not see
+EXACT = ("llama-wide", "qwen3")
+
+
+def _tolerance(name: str) -> float:
+    return 0.02 if name in EXACT else TOLERANCE
 
 
 # -- memory: prediction vs measurement --------------------------------------------------
@@ -143,7 +153,7 @@ def test_single_rank_memory_matches_a_measured_run(name):
     measured = {**state_bytes(model, opt), "activations": meter.peak}
     err = _compare(measured, _predicted(name)[0])
     print(name, {k: f"{v:+.2%}" for k, v in err.items()})
-    _assert_close(err, name)
+    _assert_close(err, name, _tolerance(name))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3"])
@@ -168,7 +178,7 @@ def test_bf16_memory_matches_a_measured_run(name):
     err = _compare(measured, predicted)
     err["weight_copies"] = predicted.weight_copies / meter.copies_peak - 1
     print(name, "bf16", {k: f"{v:+.2%}" for k, v in err.items()})
-    _assert_close(err, f"{name} bf16")
+    _assert_close(err, f"{name} bf16", _tolerance(name))
     assert abs(err["weight_copies"]) < TOLERANCE, err
     fp32 = _predicted(name)[0]
     assert predicted.activations < 0.9 * fp32.activations and fp32.weight_copies == 0

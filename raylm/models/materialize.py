@@ -646,7 +646,8 @@ class _Checkpoint:
                 self.files = {k: "model.safetensors" for k in f.keys()}
         else:
             raise MaterializeError(f"{path} has no model.safetensors (or sharded index); "
-                                   "ZeRO stage 3 loads pretrained weights from safetensors")
+                                   "ZeRO stage 3 loads pretrained weights from safetensors "
+                                   "(save the model with safe_serialization=True)")
         self.handles: dict = {}
 
     def __contains__(self, key) -> bool:
@@ -680,6 +681,32 @@ def _tied_groups(model) -> dict:
     for n, t in model.state_dict(keep_vars=True).items():
         by_id.setdefault(id(t), []).append(n)
     return {n: group for group in by_id.values() for n in group}
+
+
+def reads_tensor_by_tensor(spec) -> bool:
+    """Whether ``initial_state`` can give ``spec``'s initial weights without the whole
+    model: from scratch, or pretrained weights in safetensors files that name every
+    weight of the model (directly or across the base-model prefix; only the file headers
+    are read). A checkpoint in ``.bin`` files, with the legacy names transformers renames
+    on load (BERT's ``LayerNorm.gamma``) or without weights the model has (a body under a
+    new head, which from_pretrained draws) is for ``build_model``."""
+    spec = without_lora(spec)
+    if not spec.pretrained_path:
+        return True
+    if built_whole(spec) or getattr(spec, "new_head", False):
+        return False
+    try:
+        ckpt = _Checkpoint(spec.weights_dir)
+    except MaterializeError:
+        return False
+    model = meta_skeleton(spec, 0)
+    groups = _tied_groups(model)
+    try:
+        return all(any(_checkpoint_key(model, ckpt, n) is not None for n in groups[name])
+                   for name, t in model.state_dict(keep_vars=True).items()
+                   if t.device.type == "meta")  # (a buffer the file lacks: its built value)
+    finally:
+        ckpt.close()
 
 
 def _pretrained_state(spec, seed, names) -> Iterator:

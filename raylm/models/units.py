@@ -61,13 +61,17 @@ def attention_width(config, hidden: int) -> int:
     hidden size, but not where the config sets ``head_dim`` apart (Qwen3, Gemma, Mistral
     Nemo, and any Llama-type config given a smaller hidden size by --config_overrides,
     which keeps the default config's head_dim, as run_clm's update_from_string does) or
-    T5's ``d_kv``."""
-    heads = next((v for v in (getattr(config, a, None) for a in
-                              ("num_attention_heads", "n_head", "num_heads"))
-                  if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
-    head_dim = next((v for v in (getattr(config, a, None) for a in ("head_dim", "d_kv"))
+    T5's ``d_kv``. Where queries and keys are not as wide as values (DeepSeek's latent
+    attention: ``qk_head_dim`` 192, ``v_head_dim`` 128, its ``head_dim`` the rotary part
+    alone), the mean of the two: the scores take one, the weighted sum the other."""
+    def first(names):
+        return next((v for v in (getattr(config, a, None) for a in names)
                      if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
-    return heads * head_dim if heads and head_dim else hidden
+
+    heads = first(("num_attention_heads", "n_head", "num_heads"))
+    qk, v = first(("qk_head_dim",)), first(("v_head_dim",))
+    head_dim = (qk + v) / 2 if qk and v else first(("head_dim", "d_kv"))
+    return int(heads * head_dim) if heads and head_dim else hidden
 
 
 def matmul_flops(params) -> float:

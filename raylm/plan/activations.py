@@ -85,6 +85,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raylm.errors import ConfigError
+from raylm.models.units import attention_width
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation checkpointing, least first
 FLOAT = 4  # fp32
@@ -231,7 +232,7 @@ def recipe_for(config, hidden: int, heads: int, kv_heads: int, head_dim: int,
     # q and the attention output are heads x head_dim wide, the hidden size only where the
     # config makes them so (Qwen3, Gemma, or a Llama config given a smaller hidden size
     # by --config_overrides, which keeps its head_dim, are wider)
-    qd, kvd = heads * head_dim, kv_heads * head_dim
+    qd, kvd = attention_width(config, heads * head_dim), kv_heads * head_dim
     llama = getattr(config, "model_type", None) in LLAMA_LIKE
     resid_p = float(_first(config, ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout",
                                     "dropout", "dropout_rate"), 0.0) or 0.0)

@@ -51,7 +51,7 @@ from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_
 from raylm.data.reader import PAD_ID
 from raylm.models.dropout import SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
-from raylm.models.materialize import built_whole
+from raylm.models.materialize import built_whole, reads_tensor_by_tensor
 from raylm.models.objectives import objective_for, with_loss
 from raylm.models.units import has_own_stages
 from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_async
@@ -524,12 +524,15 @@ def builds_on_meta(plan, spec) -> bool:
     """Whether a rank of ``plan`` starts from the model's meta-device skeleton rather than
     the whole model (step 0 of ``build_engine``): under ZeRO-3 always; else where the
     layout splits the model (tensor parallelism, a pipeline cut by raylm's own stages)
-    and the skeleton saves memory (not a model that raylm.models.materialize builds whole
-    anyway: a model of your own, an image classifier)."""
+    and the skeleton saves memory: not a model that raylm.models.materialize builds whole
+    anyway (a model of your own, an image classifier), nor pretrained weights it cannot
+    read a tensor at a time (``reads_tensor_by_tensor``: transformers' from_pretrained
+    loads those, whole)."""
     if plan.zero_stage == 3:
         return True
     traced = plan.pp > 1 and not has_own_stages(spec.config)
-    return (plan.pp > 1 or plan.tp > 1) and not traced and not built_whole(spec)
+    return ((plan.pp > 1 or plan.tp > 1) and not traced and not built_whole(spec)
+            and reads_tensor_by_tensor(spec))
 
 
 def initial_model(spec, seed: int, on_meta: bool):
@@ -547,8 +550,9 @@ def initial_model(spec, seed: int, on_meta: bool):
 def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int,
                  line_by_line: bool = False, warm=(None, None)) -> Engine:
     """The rank's engine for ``plan`` (see the module docstring for the order), from
-    ``warm`` = (on_meta, model) when it was built earlier by ``initial_model`` for this
-    plan's ZeRO stage (a newcomer's warm-up; the plan may have changed since)."""
+    ``warm`` = (on_meta, model) when it was built earlier by ``initial_model`` (a
+    newcomer's warm-up; taken when its ``on_meta`` is this plan's ``builds_on_meta``: the
+    plan may have changed since)."""
     kind = PipelineEngine if plan.pp > 1 else Engine
     e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
     # 0. the whole model, or its skeleton
