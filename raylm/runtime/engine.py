@@ -7,7 +7,8 @@
    parallelism) or where it must be traced whole (a pipeline of the generic export
    split); otherwise (ZeRO-3, tensor parallelism, raylm's own pipeline stages) its
    skeleton on the meta device, so that no rank ever allocates the whole model, the
-   weights being filled once the layout is applied (``builds_on_meta``);
+   weights being filled once the layout is applied (``builds_on_meta``, which also
+   keeps the whole build where a skeleton would save nothing);
 1. tensor parallelism: the model's layers (each rank keeps its shard;
    raylm.parallel.tensor);
 2. compile (--torch_compile): each block's forward through torch.compile
