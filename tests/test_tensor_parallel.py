@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import traceback
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raylm.errors import ConfigError
+from tests.gloo_ranks import free_port
 from tests.numerics import assert_weights_match
 from tests.reference import reference_threads
 
@@ -228,12 +228,6 @@ def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
 # Two spawned groups (2 and 4 ranks) run every multi-process check: starting a process
 # (torch + transformers imports) costs several seconds on this machine, a check well under
 # one. Each rank records each check's outcome; the tests below read the records.
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _record(out_dir, rank, check, outcome):
     with open(os.path.join(out_dir, f"rank-{rank}.jsonl"), "a") as f:
         f.write(json.dumps({"check": check, "outcome": outcome}) + "\n")
@@ -267,7 +261,7 @@ def spawn(world: int, out_dir: str, checks: list) -> dict:
     results: dict = {}
     while checks:
         try:
-            mp.spawn(_child, args=(world, _free_port(), out_dir, checks), nprocs=world,
+            mp.spawn(_child, args=(world, free_port(), out_dir, checks), nprocs=world,
                      join=True)
         except Exception:  # the records say which check failed, and why
             pass

@@ -56,6 +56,18 @@ def distinct_params(modules) -> dict:
     return out
 
 
+HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")  # a config's attention heads
+
+
+def first_int(config, names) -> Optional[int]:
+    """The first of the config attributes ``names`` that is a positive int (None: none)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def attention_width(config, hidden: int) -> int:
     """The width of a token's queries and attention output: heads x head_dim. Often the
     hidden size, but not where the config sets ``head_dim`` apart (Qwen3, Gemma, Mistral
@@ -64,13 +76,9 @@ def attention_width(config, hidden: int) -> int:
     T5's ``d_kv``. Where queries and keys are not as wide as values (DeepSeek's latent
     attention: ``qk_head_dim`` 192, ``v_head_dim`` 128, its ``head_dim`` the rotary part
     alone), the mean of the two: the scores take one, the weighted sum the other."""
-    def first(names):
-        return next((v for v in (getattr(config, a, None) for a in names)
-                     if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
-
-    heads = first(("num_attention_heads", "n_head", "num_heads"))
-    qk, v = first(("qk_head_dim",)), first(("v_head_dim",))
-    head_dim = (qk + v) / 2 if qk and v else first(("head_dim", "d_kv"))
+    heads = first_int(config, HEAD_ATTRS)
+    qk, v = first_int(config, ("qk_head_dim",)), first_int(config, ("v_head_dim",))
+    head_dim = (qk + v) / 2 if qk and v else first_int(config, ("head_dim", "d_kv"))
     return int(heads * head_dim) if heads and head_dim else hidden
 
 

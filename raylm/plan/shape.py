@@ -15,22 +15,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.models.tensor_plans import is_lora_layer, tensor_parallel_shapes
-from raylm.models.units import Unit, attention_width, has_own_stages, model_units
+from raylm.models.units import (HEAD_ATTRS, Unit, attention_width, first_int, has_own_stages,
+                                model_units)
 from raylm.plan.activations import ActivationRecipe, recipe_for
 
 HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model")
-HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")
 LAYER_ATTRS = ("num_hidden_layers", "n_layer", "num_layers")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
 INTERMEDIATE_ATTRS = ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "ffn_hidden_size")
-
-
-def first_int(config, names) -> Optional[int]:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 @dataclass(frozen=True)
