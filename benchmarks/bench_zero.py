@@ -66,7 +66,8 @@ from benchmarks.bench_layouts import (add_run_args, apply_preset, overrides,  # 
 STAGES = (0, 1, 2, 3)
 DPS = (2, 4)
 # (name, stage, dp, --reshard_after_forward); stage3k: ZeRO-3 keeping the gathered
-# parameters through each step (one all-gather a step instead of two per micro-batch).
+# parameters and unsharded gradients through each step (one all-gather and one
+# reduce-scatter a step instead of two all-gathers and a reduce-scatter per micro-batch).
 RUNS = tuple((f"stage{s}-dp{d}", s, d, True) for d in DPS for s in STAGES) + tuple(
     (f"stage3k-dp{d}", 3, d, False) for d in DPS)
 KINDS = ("parameters", "gradients", "optimizer")

@@ -433,10 +433,11 @@ class TrainConfig:
         None, "With ZeRO-3 (FSDP2's option of the same name): True frees each block's "
         "gathered parameters after its forward and gathers them again for its backward, "
         "in every micro-batch (ZeRO-3's memory: two blocks gathered at a time). False keeps "
-        "them gathered from the step's first forward to its last backward: one all-gather "
-        "per step instead of two per micro-batch, for the memory of every gathered "
-        "parameter during the step (between steps, and in checkpoints, the state stays "
-        "sharded). Unset: False where that fits --worker_memory_gb, without a pipeline "
+        "them gathered from the step's first forward to its last backward, and their "
+        "gradients unsharded until then: one all-gather and one reduce-scatter per step "
+        "instead of two all-gathers and a reduce-scatter per micro-batch, for the memory "
+        "of every gathered parameter and its gradient during the step (between steps, "
+        "and in checkpoints, the state stays sharded). Unset: False where that fits --worker_memory_gb, without a pipeline "
         "(--pp > 1) or --cpu_offload, else True (see `raylm plan`).", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "

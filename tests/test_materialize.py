@@ -446,45 +446,124 @@ def test_a_split_layout_builds_only_its_share(tmp_path):
         assert r["peak"] < 0.75 * results[0]["whole_build"], (rank, r)
 
 
-def test_pretrained_weights_split_layouts_read_a_tensor_at_a_time(tmp_path):
-    """Outside ZeRO-3 a split layout builds a pretrained model on the meta device only
-    where initial_state can read every weight a tensor at a time (safetensors naming
-    each); other checkpoints go to transformers' from_pretrained, whole, as before: .bin
-    files, legacy names it renames (LayerNorm gamma/beta), a body without the head the
-    task needs (from_pretrained draws it)."""
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+def _checkpoints(root) -> dict:
+    """Pretrained directories of a tiny Llama in four forms (the last its body alone,
+    without the causal LM's head): name -> (config, ModelSpec keywords)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, vocab_size=V)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root / "st", safe_serialization=True)
+    (root / "bin").mkdir()
+    config.save_pretrained(root / "bin")
+    torch.save(model.state_dict(), root / "bin" / "pytorch_model.bin")
+    state = model.state_dict()
+    legacy = {k.replace("norm.weight", "norm.gamma"): v for k, v in state.items()}
+    model.save_pretrained(root / "legacy", state_dict=legacy, safe_serialization=True)
+    LlamaModel(config).save_pretrained(root / "body", safe_serialization=True)
+    return {name: (config, {}) for name in ("st", "bin", "legacy", "body")}
+
+
+def _spec(root, name, forms) -> ModelSpec:
+    config, kw = forms[name]
+    return ModelSpec(config=config, pretrained_path=str(root / name), tokenizer_dir="",
+                     vocab_size=V, **kw)
+
+
+def test_pretrained_weights_split_layouts_read_a_tensor_at_a_time(tmp_path):
+    """A split layout builds a pretrained model on the meta device only where
+    initial_state can read every weight a tensor at a time (safetensors naming each);
+    other checkpoints go to transformers' from_pretrained, whole, as before: .bin files,
+    legacy names it renames (LayerNorm gamma/beta), a body without the head the task
+    needs (from_pretrained draws it). ZeRO-3 too: it loads those whole, then shards."""
     from raylm.models.materialize import reads_tensor_by_tensor
     from raylm.plan.dims import ParallelDims
     from raylm.plan.layout import Plan
     from raylm.runtime.engine import builds_on_meta
 
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, vocab_size=V)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(tmp_path / "st", safe_serialization=True)
-    (tmp_path / "bin").mkdir()
-    config.save_pretrained(tmp_path / "bin")
-    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
-    state = model.state_dict()
-    legacy = {k.replace("norm.weight", "norm.gamma"): v for k, v in state.items()}
-    model.save_pretrained(tmp_path / "legacy", state_dict=legacy, safe_serialization=True)
-    bert = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                      intermediate_size=64, vocab_size=V)
-    BertModel(bert).save_pretrained(tmp_path / "body", safe_serialization=True)
-
-    def spec(name, cfg=config, **kw):
-        return ModelSpec(config=cfg, pretrained_path=str(tmp_path / name) if name else None,
-                         tokenizer_dir="", vocab_size=V, **kw)
-
+    forms = _checkpoints(tmp_path)
+    scratch = ModelSpec(config=forms["st"][0], pretrained_path=None, tokenizer_dir="",
+                        vocab_size=V)
     tp2 = Plan(dims=ParallelDims(tp=2), micro_batch_size=1, global_batch_size=1,
                cpus_per_worker=1.0)
     dp2 = Plan(dims=ParallelDims(dp=2), micro_batch_size=1, global_batch_size=2,
                cpus_per_worker=1.0)
-    assert reads_tensor_by_tensor(spec(None)) and builds_on_meta(tp2, spec(None))
-    assert reads_tensor_by_tensor(spec("st")) and builds_on_meta(tp2, spec("st"))
-    assert not builds_on_meta(dp2, spec("st"))  # every rank holds all of it anyway
-    for name, cfg, kw in (("bin", config, {}), ("legacy", config, {}),
-                          ("body", bert, {"objective": "mlm"})):
-        assert not reads_tensor_by_tensor(spec(name, cfg, **kw)), name
-        assert not builds_on_meta(tp2, spec(name, cfg, **kw)), name
+    zero3 = Plan(dims=ParallelDims(dp=2), micro_batch_size=1, global_batch_size=2,
+                 cpus_per_worker=1.0, zero_stage=3)
+    st = _spec(tmp_path, "st", forms)
+    assert reads_tensor_by_tensor(scratch) and builds_on_meta(tp2, scratch)
+    assert builds_on_meta(zero3, scratch)
+    assert reads_tensor_by_tensor(st) and builds_on_meta(tp2, st) and builds_on_meta(zero3, st)
+    assert not builds_on_meta(dp2, st)  # every rank holds all of it anyway
+    for name in ("bin", "legacy", "body"):
+        spec = _spec(tmp_path, name, forms)
+        assert not reads_tensor_by_tensor(spec), name
+        assert not builds_on_meta(tp2, spec), name
+        assert not builds_on_meta(zero3, spec), name
+
+
+def _zero3_rank(rank: int, port: int, root: str, queue) -> None:
+    """One of two gloo ranks: RankWorker.build under ZeRO-3 (dp=2) from each pretrained
+    form; whether every weight, gathered back, is build_model's (from_pretrained's), and
+    what the rank holds of the parameters against the whole model."""
+    import traceback
+    from pathlib import Path
+
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from raylm.config import TrainConfig
+        from raylm.plan.layout import plan_run
+        from raylm.runtime.engine import builds_on_meta
+        from raylm.runtime.memory import state_bytes
+        from raylm.runtime.worker import RankWorker
+
+        root = Path(root)
+        forms = _checkpoints(root / f"rank{rank}")
+        out = {}
+        worker = None
+        for name in ("st", "bin", "legacy", "body"):
+            spec = _spec(root / f"rank{rank}", name, forms)
+            cfg = TrainConfig(model_type="llama", block_size=16, zero_stage=3,
+                              per_device_train_batch_size=1, num_workers=2,
+                              output_dir=str(root / "out"))
+            plan, _ = plan_run(cfg, 2, spec, 16)
+            if worker is None:
+                worker = RankWorker(rank, 2, 1)
+                worker.join(f"127.0.0.1:{port}", plan, 120)
+            settings = {**cfg.to_dict(), "faults": (), "steps_per_epoch": 1,
+                        "profile_dir": str(root / "out")}
+            worker.build(spec, None, settings, 1)
+            engine = worker.engine
+            whole = build_model(spec, cfg.seed)
+            expected = dict(whole.named_parameters())
+            equal = True
+            for n, p in engine.model.named_parameters():
+                value = p.full_tensor() if isinstance(p, DTensor) else p  # (every rank)
+                equal = equal and torch.equal(value.detach(), expected[n].detach())
+            held = state_bytes(engine.model, engine.optimizer,
+                               engine.grad_sync.held_gradients())["parameters"]
+            out[name] = {"equal": equal, "on_meta": builds_on_meta(plan, spec),
+                         "zero": plan.zero_stage, "held": held,
+                         "model": sum(p.numel() * p.element_size()
+                                      for p in whole.parameters())}
+        queue.put((rank, out))
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def test_zero3_loads_other_checkpoints_whole_then_shards_them(tmp_path):
+    """ZeRO-3 on dp=2 from a pretrained directory in each form: safetensors naming every
+    weight read a tensor at a time into the skeleton; .bin files, legacy names and a
+    body without the LM head loaded whole by from_pretrained, then sharded.
+    Either way every weight, gathered back, is from_pretrained's and a rank holds half
+    of the parameters (2 gloo ranks, RankWorker.build)."""
+    results, _ = run_ranks(_zero3_rank, 2, str(tmp_path), timeout=300)
+    for rank, r in sorted(results.items()):
+        assert "error" not in r, r.get("error")
+        for name, got in r.items():
+            assert got["zero"] == 3 and got["equal"], (rank, name, got)
+            assert got["on_meta"] == (name == "st"), (rank, name, got)
+            assert got["held"] <= 0.55 * got["model"], (rank, name, got)

@@ -338,6 +338,13 @@ def test_zero_stages_shard_states_over_dp():
     biggest = max(u.params for u in shape.blocks)
     assert (kept.parameters, kept.gradients, kept.optimizer) == (psi, psi, 2 * psi)
     assert kept.workspace - m3.workspace == 4 * psi - 2 * 4 * biggest
+    # With more than one micro-batch a step their gradients accumulate unsharded too (4
+    # bytes each, in place of one block's), reduce-scattered once at the last backward.
+    def four(**kw):
+        return rank_memory(shape, part, Layout(dims=ParallelDims(dp=4), micro_batch_size=BATCH,
+                                               microbatches=4, zero_stage=3, **kw), hw)[0]
+    kept4, m34 = four(reshard_after_forward=False), four()
+    assert kept4.workspace - m34.workspace == pytest.approx(8 * psi - 3 * 4 * biggest)
 
 
 def test_tensor_parallel_shards_matrices_and_activations():

@@ -51,8 +51,10 @@ Limits (each is detected and raised as MaterializeError, never silently wrong): 
 whose construction needs the *values* of tensors it creates (``.item()`` on them) cannot
 be traced on the meta device; one whose construction draws random numbers on an
 explicit CPU device (the trace would consume them) cannot be replayed exactly; a
-pretrained directory must hold safetensors weights for every state-dict entry (or its
-tied partner; a missing persistent buffer takes its built value).
+pretrained directory is read a tensor at a time only where its safetensors weights name
+every state-dict entry (or its tied partner; a missing persistent buffer takes its built
+value): ``reads_tensor_by_tensor`` says so, and the engine loads other checkpoints whole
+(``build_model``, transformers' from_pretrained) before it shards them.
 """
 
 from __future__ import annotations
@@ -645,9 +647,9 @@ class _Checkpoint:
             with safe_open(single, framework="pt") as f:
                 self.files = {k: "model.safetensors" for k in f.keys()}
         else:
-            raise MaterializeError(f"{path} has no model.safetensors (or sharded index); "
-                                   "ZeRO stage 3 loads pretrained weights from safetensors "
-                                   "(save the model with safe_serialization=True)")
+            raise MaterializeError(f"{path} has no model.safetensors (or sharded index): "
+                                   "its weights are not read a tensor at a time "
+                                   "(reads_tensor_by_tensor; build_model loads them whole)")
         self.handles: dict = {}
 
     def __contains__(self, key) -> bool:
@@ -689,11 +691,12 @@ def reads_tensor_by_tensor(spec) -> bool:
     weight of the model (directly or across the base-model prefix; only the file headers
     are read). A checkpoint in ``.bin`` files, with the legacy names transformers renames
     on load (BERT's ``LayerNorm.gamma``) or without weights the model has (a body under a
-    new head, which from_pretrained draws) is for ``build_model``."""
+    new head, which from_pretrained draws) is for ``build_model``. (A pretrained image
+    classifier is built whole from its config, its weights then read as here.)"""
     spec = without_lora(spec)
     if not spec.pretrained_path:
         return True
-    if built_whole(spec) or getattr(spec, "new_head", False):
+    if getattr(spec, "new_head", False):
         return False
     try:
         ckpt = _Checkpoint(spec.weights_dir)

@@ -10,7 +10,9 @@ Memory per rank, fp32 training with AdamW (Adam moments exp_avg and exp_avg_sq):
       zero_stage 1: optimizer 8 Psi / dp               (ZeRO, Rajbhandari et al. 2020)
       zero_stage 2: gradients 4 Psi / dp too
       zero_stage 3: parameters 4 Psi / dp too, plus two blocks gathered at a time
-                    (--reshard_after_forward False: all Psi gathered during a step)
+                    (--reshard_after_forward False, and under a pipeline: all Psi
+                    gathered during a step, and their gradients unsharded, 4 Psi,
+                    when a rank runs more than one micro-batch a step)
 * mixed precision (--bf16/--fp16, ``Hardware.compute_bytes`` 2): the states stay fp32
   (master weights, gradients, AdamW); activations as raylm.plan.activations lays out
   (norms and the residual stream fp32, matmul inputs and outputs in 2 bytes); autocast's
@@ -54,7 +56,9 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
   and backward (prefetched: what the forward's third of the compute, and the backward's
   two thirds, do not hide counts) and reduce-scatters every micro-batch's gradients, with
   no all-gather after the step (--reshard_after_forward False: the first forward's
-  all-gather only, once a step, and the gathered parameters held through the step);
+  all-gather only and the last backward's reduce-scatter, once a step each, the gathered
+  parameters and unsharded gradients held through the step; a pipeline's schedule
+  reduce-scatters once a step too);
 * the optimizer step and gradient clipping stream ~32 bytes per parameter it updates;
 * activation checkpointing: full adds each block's forward again, selective its
   element-wise ops, memory-bound (``recompute_time``).
@@ -236,20 +240,21 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):
             work += recomputed
         copies = 0.0
-        if zero >= 3 and pp > 1:
+        biggest = max((u.params for u in shape.blocks), default=0)
+        if zero >= 3 and (pp > 1 or not layout.reshard_after_forward):
             # torch's pipeline schedule runs every backward but the step's last without
             # resharding or reducing (PipelineStage.backward_maybe_with_nosync): the
             # stage's parameters end up gathered, whatever --reshard_after_forward, and
             # its gradients accumulate unsharded (fp32) until one reduce-scatter after
-            # the last micro-batch.
-            work += low * psi + FP32 * trained_psi
+            # the last micro-batch. --reshard_after_forward False does the same without
+            # a pipeline (raylm.parallel.zero.fsdp.FSDPGradients); with one micro-batch a
+            # step its one backward reduces each block's gradient as it comes.
+            unsharded = trained_psi if pp > 1 or m > 1 else biggest / tp
+            work += low * psi + FP32 * unsharded
         elif zero >= 3:
             # Two blocks gathered (in the compute dtype under mixed precision), one
-            # block's gradient (fp32); --reshard_after_forward False: every parameter
-            # the rank holds gathered, from the step's first forward to its last backward.
-            biggest = max((u.params for u in shape.blocks), default=0)
-            gathered = psi if not layout.reshard_after_forward else 2 * biggest / tp
-            work += low * gathered + FP32 * biggest / tp
+            # block's gradient (fp32).
+            work += low * 2 * biggest / tp + FP32 * biggest / tp
         elif low < FP32:
             copies = low * cast_params(shape, part, stages) / tp
         if pp > 1:  # torch pipelining's receive buffers, one per micro-batch
@@ -345,7 +350,10 @@ def step_time(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware,
         tail = allreduce_time(min(grads, BUCKET_BYTES), dp, dp_bw, dp_lat) / 2
         backward = 2 / 3 * compute  # one micro-batch's backward on the slowest rank
         hidden = (lambda t: max(t - backward, tail)) if pp == 1 else (lambda t: t)
-        scatters = 1 if zero == 1 else m  # stage 1: once, at the last micro-batch
+        # Stage 1, and stage 3 accumulating its gradients unsharded (under a pipeline,
+        # or with --reshard_after_forward False): once, at the last micro-batch.
+        once = zero == 1 or (zero >= 3 and (pp > 1 or not layout.reshard_after_forward))
+        scatters = 1 if once else m
         dp_c = scatters * hidden(half) + (half if zero in (1, 2) else 0.0)
         dp_c += gathered_once  # --reshard_after_forward False: the step's one gather
     updated = max(r.param_count for r in ranks) / (dp if layout.zero_stage >= 1 else 1)

@@ -316,8 +316,9 @@ def _lowest_stage(c: Candidate, shape: ModelShape, part, hw: Hardware, zero) -> 
 
 
 def _keep_gathered(c: Candidate, shape: ModelShape, part, hw: Hardware) -> Candidate:
-    """``c`` at ZeRO-3 with its parameters kept gathered through each step
-    (--reshard_after_forward False: one all-gather per step instead of two per
+    """``c`` at ZeRO-3 with its parameters kept gathered and their gradients unsharded
+    through each step (--reshard_after_forward False: one all-gather and one
+    reduce-scatter per step instead of two all-gathers and a reduce-scatter per
     micro-batch, never slower in the cost model) when that still fits; ``c`` otherwise,
     and always with a pipeline (its schedule keeps them gathered through the step
     anyway, whatever the flag)."""

@@ -523,14 +523,17 @@ class PipelineEngine(Engine):
 
 def builds_on_meta(plan, spec) -> bool:
     """Whether a rank of ``plan`` starts from the model's meta-device skeleton rather than
-    the whole model (step 0 of ``build_engine``): under ZeRO-3 always; else where the
+    the whole model (step 0 of ``build_engine``): under ZeRO-3, unless pretrained weights
+    cannot be read a tensor at a time (``reads_tensor_by_tensor``: transformers'
+    from_pretrained loads those, whole, and FSDP shards the loaded model); else where the
     layout splits the model (tensor parallelism, a pipeline cut by raylm's own stages)
     and the skeleton saves memory: not a model that raylm.models.materialize builds whole
-    anyway (a model of your own, an image classifier), nor pretrained weights it cannot
-    read a tensor at a time (``reads_tensor_by_tensor``: transformers' from_pretrained
-    loads those, whole)."""
+    anyway (a model of your own, an image classifier), nor such pretrained weights."""
     if plan.zero_stage == 3:
-        return True
+        # (pretrained weights it cannot read a tensor at a time: loaded whole, as
+        # transformers' from_pretrained loads them, then sharded by FSDP)
+        return (not spec.pretrained_path or getattr(spec, "new_head", False)
+                or reads_tensor_by_tensor(spec))
     traced = plan.pp > 1 and not has_own_stages(spec.config)
     return ((plan.pp > 1 or plan.tp > 1) and not traced and not built_whole(spec)
             and reads_tensor_by_tensor(spec))

@@ -18,7 +18,8 @@ def gradient_sync(stage: int, model, dp_group, reduce_dtype=None,
     (in ``reduce_dtype`` when given: bf16 on the wire), 1 reduce-scatters them once per
     step, 2 after every micro-batch into partitions, 3 is FSDP's (the model must be
     sharded with apply_fsdp already, whose policy holds its reduce dtype;
-    ``keep_gathered``: its parameters stay gathered through a step's micro-batches)."""
+    ``keep_gathered``: its parameters stay gathered, and its gradients unsharded, through a
+    step's micro-batches)."""
     if stage == 3:
         return FSDPGradients(model, dp_group, keep_gathered)
     params = list(model.parameters())
