@@ -25,6 +25,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from raylm.compat import watch_torchvision  # noqa: E402
+
+# transformers imports torchvision where it is installed (raylm[vision], the test extras):
+# raylm's fix for a torchvision whose C++ operators do not load with this torch, as in
+# every raylm process (the baseline itself uses no raylm code to train).
+watch_torchvision()
+
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The flags every baseline takes (bench_throughput.py passes the same to each)."""

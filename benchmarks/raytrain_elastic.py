@@ -83,6 +83,10 @@ os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
 def train_loop_per_worker(cfg: dict) -> None:
     t_fn_start = time.time()  # before the imports: a new worker process pays for them
     import torch
+
+    from raylm.compat import watch_torchvision
+
+    watch_torchvision()  # (transformers imports torchvision where installed: raylm.compat)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import ray.train

@@ -420,7 +420,7 @@ def test_rows_of_token_ids_are_the_texts_they_came_from(lines, ray_cluster, cach
     """Rows tokenized already (an input_ids column of lists of ids, no text column, as a
     tokenizing map leaves a datasets.Dataset; a Ray Dataset of them too) are cut into the
     samples their texts would give: the same block cache; an id the tokenizer does not
-    have is one error naming its row."""
+    have is one error naming the argument and the row."""
     import ray
     from datasets import Dataset
 
@@ -447,9 +447,9 @@ def test_rows_of_token_ids_are_the_texts_they_came_from(lines, ray_cluster, cach
         [{"input_ids": r} for r in encoded["input_ids"]], override_num_blocks=3)), texts)
     bad = [list(r) for r in encoded["input_ids"]]
     bad[7][1] = len(tok) + 5
-    with pytest.raises(ConfigError, match=rf"row 7 of column 'input_ids' holds token id "
-                                          rf"{len(tok) + 5}, outside the tokenizer's "
-                                          rf"vocabulary of {len(tok)}"):
+    with pytest.raises(ConfigError, match=rf"^train_dataset: row 7 of column 'input_ids' "
+                                          rf"holds token id {len(tok) + 5}, outside the "
+                                          rf"tokenizer's vocabulary of {len(tok)}"):
         samples(Dataset.from_dict({"input_ids": bad}))
 
 

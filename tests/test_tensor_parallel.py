@@ -39,9 +39,10 @@ MAX_NORM = 0.5  # small enough that clipping is active
 
 # -- tiny models -------------------------------------------------------------------------
 def configs() -> dict:
-    from transformers import (BertConfig, GPT2Config, GPTJConfig, GPTNeoConfig, GPTNeoXConfig,
-                              LlamaConfig, MiniCPM3Config, Olmo2Config, Phi3Config,
-                              Qwen3Config, RobertaConfig, T5Config)
+    from transformers import (BertConfig, DeiTConfig, Dinov2Config, GPT2Config, GPTJConfig,
+                              GPTNeoConfig, GPTNeoXConfig, LlamaConfig, MiniCPM3Config,
+                              Olmo2Config, Phi3Config, Qwen3Config, RobertaConfig, T5Config,
+                              ViTConfig)
 
     small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
@@ -85,6 +86,14 @@ def configs() -> dict:
         "minicpm3": MiniCPM3Config(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4,
                                    qk_rope_head_dim=4, v_head_dim=8,
                                    **{**small, "num_key_value_heads": 4}),
+        # image classifiers under raylm's ViT-like plans (the classifier head whole);
+        # Dinov2's SwiGLU MLP matches no entry and stays whole
+        **{name: cls(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                     intermediate_size=64, image_size=16, patch_size=8, num_labels=5,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
+           for name, cls, kw in (("vit", ViTConfig, {}), ("deit", DeiTConfig, {}),
+                                 ("dinov2", Dinov2Config, {}),
+                                 ("dinov2_swiglu", Dinov2Config, {"use_swiglu_ffn": True}))},
         # embedding_rowwise in transformers' plan (transformers >= 5.24 has one)
         "gptj": GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=64,
                            vocab_size=V, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -92,11 +101,20 @@ def configs() -> dict:
     }
 
 
+def is_image(config) -> bool:
+    return config.model_type in IMAGE_FAMILIES
+
+
 def build(name: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config = configs()[name]
     torch.manual_seed(seed)
+    if is_image(config):  # the class raylm's image runs build (DeiT has two)
+        from raylm.models.auto import from_config, set_head
+
+        set_head(config, "image_classification")
+        return from_config(config, False, dtype=torch.float32)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     return auto.from_config(config, dtype=torch.float32)
 
@@ -104,17 +122,30 @@ def build(name: str, seed: int = 0):
 def objective_of(config):
     """The objective these tests split random blocks with: T5 on block continuation
     (span corruption needs a tokenizer's sentinels; the layouts treat both alike)."""
-    from raylm.models.objectives import objective_for
+    from raylm.models.objectives import Augment, objective_for
 
+    if is_image(config):
+        from raylm.models.auto import set_head
+
+        set_head(config, "image_classification")  # (as raylm's image runs name it)
+        return objective_for(config, "image_classification", Augment(seed=0, flip=False))
     return objective_for(config, "seq2seq" if config.is_encoder_decoder else None)
 
 
 def batches(config, n: int, seed: int = 1) -> list:
     """n batches of (model inputs, labels), some labels ignored; as raylm's objectives
-    split packed blocks."""
+    split packed blocks (images: random pixels, one row's label ignored as a filler
+    row's is)."""
     g = torch.Generator().manual_seed(seed)
     objective = objective_of(config)
     out = []
+    if is_image(config):
+        for _ in range(n):
+            pixels = torch.randn(BATCH, 3, config.image_size, config.image_size, generator=g)
+            labels = torch.randint(0, config.num_labels, (BATCH,), generator=g)
+            labels[0] = -100
+            out.append(({"pixel_values": pixels}, labels))
+        return out
     for _ in range(n):
         ids = torch.randint(3, V, (BATCH, SEQ * (2 if config.is_encoder_decoder else 1)),
                             generator=g)
@@ -158,7 +189,8 @@ def train(model, data, tps=None, dp_group=None, steps=STEPS):
         ctx = tps.loss_context() if tps is not None else contextlib.nullcontext()
         with ctx:
             for i, (inputs, labels) in enumerate(micro):
-                logits = model(**inputs, use_cache=False).logits
+                extra = {} if "pixel_values" in inputs else {"use_cache": False}
+                logits = model(**inputs, **extra).logits
                 loss = objective.loss_sum(logits, labels)
                 assert type(loss) is torch.Tensor and loss.requires_grad
                 loss_sum += loss.detach()
@@ -207,7 +239,8 @@ def parity(name, mesh, sequence_parallel=False, dp_group=None, dp_rank=0, dp=1):
         train(exact, data)
     model = build(name)
     tps = apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
-    assert tps.vocab_size == V and tps.padded_vocab_size % mesh.size() == 0
+    if not is_image(ref.config):
+        assert tps.vocab_size == V and tps.padded_vocab_size % mesh.size() == 0
     # dp: each replica takes its share of every step's micro-batches
     mine = [micro[dp_rank::dp] for micro in data]
     seen: list = []
@@ -307,6 +340,22 @@ def job_parity(rank, world, name, sequence_parallel=False):
     parity(name, tp, sequence_parallel=sequence_parallel, dp_group=dp_group)
 
 
+def job_image_parity(rank, world, name):
+    """An image classifier under raylm's plan: one process's losses, gradient norms and
+    weights; its blocks' attention projections split over tp (and the MLP's, where it
+    is two layers), the classifier head whole."""
+    from torch.distributed.tensor import DTensor
+
+    tp, dp_group = tp_mesh(world)
+    model, _, _ = parity(name, tp, dp_group=dp_group)
+    split = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    assert any(n.endswith("attention.q_proj.weight") for n in split), sorted(split)
+    assert any(n.endswith("attention.o_proj.weight") for n in split), sorted(split)
+    mlp = any(".mlp.fc1." in n for n in split)
+    assert mlp == (not model.config.use_swiglu_ffn if name.startswith("dinov2") else True)
+    assert not any(n.startswith("classifier") for n in split), sorted(split)
+
+
 def job_gpt2_save_pretrained(rank, world, out_dir):
     """Ties, padding and masking at tp=2; the gathered state is an ordinary HF model."""
     from transformers import AutoModelForCausalLM
@@ -402,7 +451,8 @@ def job_fsdp_tp_grads(rank, world, name):
         objective = objective_of(model.config)
         with tps.loss_context() if tps is not None else contextlib.nullcontext():
             for inputs, labels in micro:
-                logits = model(**inputs, use_cache=False).logits
+                extra = {} if "pixel_values" in inputs else {"use_cache": False}
+                logits = model(**inputs, **extra).logits
                 (objective.loss_sum(logits, labels) / total).backward()
 
     ref = build(name, seed=7)
@@ -735,6 +785,8 @@ def _planned(name) -> bool:
 
 FAMILIES = ("gpt2", "llama", "gpt_neo", "bert", "roberta", "t5", "gpt_neox", "qwen3", "phi3",
             "olmo2", "minicpm3") + (("gptj",) if _planned("gptj") else ())
+IMAGE_FAMILIES = ("vit", "deit", "dinov2")  # model types
+IMAGE_CONFIGS = IMAGE_FAMILIES + ("dinov2_swiglu",)
 SP_FAMILIES = ("gpt2", "llama", "gpt_neo")
 
 
@@ -763,6 +815,7 @@ def runs(tmp_path_factory):
     two += [(f"tp2 sp {n}", "job_parity", (n, True)) for n in SP_FAMILIES]
     two.append(("tp2 sp dropout", "job_sp_dropout", ()))
     two.append(("tp2 masked odd length", "job_masked_odd_length", ()))
+    two += [(f"tp2 {n}", "job_image_parity", (n,)) for n in IMAGE_CONFIGS]
     two.append(("tp2 styles", "job_styles", ()))
     two.append(("tp2 stage graphs", "job_stage_graphs", ()))
     for name in CKPT_MODELS:
@@ -802,6 +855,13 @@ def expect(results, check):
 def test_parity_tp2(runs, family):
     """Loss, gradient norm and weights after AdamW steps equal one process's."""
     expect(runs, f"tp2 {family}")
+
+
+@pytest.mark.parametrize("name", IMAGE_CONFIGS)
+def test_image_classifier_parity_tp2(runs, name):
+    """ViT, DeiT and Dinov2 (with its SwiGLU MLP too, which stays whole) under raylm's
+    plans: loss, gradient norm and weights after AdamW steps equal one process's."""
+    expect(runs, f"tp2 {name}")
 
 
 @pytest.mark.parametrize("family", SP_FAMILIES)
@@ -871,12 +931,12 @@ def test_canonical_form_without_tp():
 
 
 def test_check_tensor_parallel_errors():
-    from transformers import BertConfig, LlamaConfig
+    from transformers import BeitConfig, BertConfig, LlamaConfig
 
     from raylm.models.tensor_plans import check_tensor_parallel
 
     cfg = configs()
-    for name in FAMILIES:  # every test model with a plan here splits 2 ways
+    for name in FAMILIES + IMAGE_CONFIGS:  # every test model with a plan here splits 2 ways
         check_tensor_parallel(cfg[name], 2, False)
     check_tensor_parallel(cfg["gpt2"], 4, True)
     check_tensor_parallel(cfg["llama"], 2, True)
@@ -902,6 +962,8 @@ def test_check_tensor_parallel_errors():
     odd.base_model_tp_plan = {"layers.*.mlp.up_proj": "colwise_sideways"}  # a style from
     m = error(odd, 2)                                                    # the future
     assert "'colwise_sideways'" in m and "raylm translates colwise, rowwise" in m
+    # BEiT's relative position bias is a table per head: no plan splits its heads yet
+    assert "no tensor-parallel plan" in error(BeitConfig(num_attention_heads=4), 2)
     m = error(BertConfig(num_attention_heads=4), 2, sp=True)
     assert "--sequence_parallel" in m and "bert" in m
     check_tensor_parallel(cfg["llama"], 1, True)  # tp=1: nothing to split

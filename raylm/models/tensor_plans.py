@@ -156,6 +156,18 @@ for _stack in ("encoder", "decoder"):
     _T5_LAYERS[f"{_stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = \
         "embedding_colwise_local"
 
+
+def _vit_like(layers: str) -> Plan:
+    """The plan of a ViT-like encoder whose blocks are ``layers``.*: each block's
+    attention heads (q, k, v column-parallel, o row-parallel) and MLP split."""
+    return Plan(layers={f"{layers}.*.attention.q_proj": "colwise",
+                        f"{layers}.*.attention.k_proj": "colwise",
+                        f"{layers}.*.attention.v_proj": "colwise",
+                        f"{layers}.*.attention.o_proj": "rowwise",
+                        f"{layers}.*.mlp.fc1": "colwise", f"{layers}.*.mlp.fc2": "rowwise"},
+                vocabulary=False)
+
+
 # raylm's own plans, for families transformers has no base_model_tp_plan for.
 RAYLM_PLANS = {
     "gpt2": Plan(
@@ -176,14 +188,15 @@ RAYLM_PLANS = {
     ),
     "bert": _BERT,
     "roberta": _BERT,
-    # ViT (an image classifier): its attention splits heads by view(..., -1, head_dim),
-    # so the local projections need no sizes changed; the classifier head stays whole.
-    "vit": Plan(layers={"layers.*.attention.q_proj": "colwise",
-                        "layers.*.attention.k_proj": "colwise",
-                        "layers.*.attention.v_proj": "colwise",
-                        "layers.*.attention.o_proj": "rowwise",
-                        "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"},
-                vocabulary=False),
+    # ViT and its kin (image classifiers): their attention splits heads by view(..., -1,
+    # head_dim), so the local projections need no sizes changed; the classifier head
+    # stays whole. (Dinov2's SwiGLU MLP, use_swiglu_ffn, fuses its gate and up
+    # projections in one layer, which a column split would mix: it matches no entry and
+    # stays whole on every rank.) BEiT is not here: its relative position bias is a
+    # table per head that a head split would have to cut too.
+    "vit": _vit_like("layers"),
+    "deit": _vit_like("layers"),
+    "dinov2": _vit_like("encoder.layer"),
     "t5": Plan(layers=_T5_LAYERS,
                local_attrs={"*.block.*.layer.*.SelfAttention": ("n_heads", "inner_dim"),
                             "*.block.*.layer.*.EncDecAttention": ("n_heads", "inner_dim")}),

@@ -301,6 +301,17 @@ def _given_files(cfg: TrainConfig, datasets: dict, given: dict, root: str
     return train, evals, names
 
 
+def _naming_the_argument(e: ConfigError, files: list, inputs) -> ConfigError:
+    """An error in a dataset given to train() (its rows, as raylm exported them to a file)
+    named by the argument the user gave it as, not by the export file."""
+    for arg, given in (("train_dataset", inputs.train_files),
+                       ("eval_dataset", inputs.eval_files)):
+        text = str(e)
+        if arg in inputs.given and files == given and text.startswith(f"{files[0]}: "):
+            return ConfigError(f"{arg}: {text[len(files[0]) + 2:]}")
+    return e
+
+
 def eval_set_names(specs: list[str]) -> list[str]:
     """A metric name for each --validation_file: its file or directory name without the
     extension, in letters, digits and underscores (a glob's fixed part); made unique
@@ -591,12 +602,15 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     from raylm.data.tokenized import build_tokenized_dataset
 
     def build(files):
-        return build_tokenized_dataset(
-            files, inputs.spec.tokenizer_dir, inputs.block_size,
-            line_by_line=cfg.line_by_line, text_column=cfg.text_column,
-            cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
-            keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
-            before_tokenizing=_release_kept_ranks, piece_mb=cfg.piece_size_mb)
+        try:
+            return build_tokenized_dataset(
+                files, inputs.spec.tokenizer_dir, inputs.block_size,
+                line_by_line=cfg.line_by_line, text_column=cfg.text_column,
+                cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
+                keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
+                before_tokenizing=_release_kept_ranks, piece_mb=cfg.piece_size_mb)
+        except ConfigError as e:
+            raise _naming_the_argument(e, files, inputs) from None
 
     if inputs.images is not None:
         return _image_data(cfg, inputs)
