@@ -288,8 +288,18 @@ def main(argv=None) -> int:
         if a in best and b in best:
             rb = best[a]["tokens_per_s"] / best[b]["tokens_per_s"]
             rm = med[a] / med[b]
-            ratios[f"{a}/{b}"] = {"best": rb, "median": rm}
-            print(f"{a} / {b}: {rb:.3f} (best rounds), {rm:.3f} (median rounds)"
+            # Paired by round (the rows of a round run one after the other, so a slow
+            # spell of the machine moves both): each round's ratio, and in how many
+            # rounds the goal was met; a goal met in every round of 3 or more is a
+            # difference the machine's drift did not make.
+            paired = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b])]
+            ratios[f"{a}/{b}"] = {"best": rb, "median": rm, "per_round": paired}
+            met = (f", goal met in {sum(r >= goal for r in paired)} of {len(paired)} rounds"
+                   if goal else "")
+            print(f"{a} / {b}: {rb:.3f} (best rounds), {rm:.3f} (median rounds); per round "
+                  + ", ".join(f"{r:.3f}" for r in paired)
+                  + (f" (median {statistics.median(paired):.3f}{met})" if len(paired) > 1
+                     else met)
                   + (f"   goal >= {goal}" if goal else "   (fused AdamW on / off)"))
     if "raylm-2" in runs and "raytrain-2" in runs and runs["raylm-2"] and runs["raytrain-2"]:
         calls = [statistics.median(x["run_wall_s"] for x in runs[n])

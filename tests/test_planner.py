@@ -311,6 +311,37 @@ def test_state_bytes_counts_a_tied_table_once():
     assert state_bytes(model) == {"parameters": 4 * n, "gradients": 0, "optimizer": 0}
 
 
+def test_attention_free_blocks_count_no_attention_flops():
+    """A block's forward FLOPs per token are its matrices' plus, where it attends, 4 x
+    seq x heads x head_dim for the scores and their weighted sum: none in a Mamba
+    block (whose config has heads, Mamba2's, but no attention), and half the layers'
+    worth in a hybrid raylm cannot cut (Jamba, attention every other layer here)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, JambaConfig, Mamba2Config
+
+    from raylm.models.units import distinct_params, matmul_flops
+
+    def built(config):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return model, model_shape(model, SEQ)
+
+    def matmuls(model, unit):
+        return matmul_flops(distinct_params([model.get_submodule(unit.name)]).values())
+
+    mamba, shape = built(Mamba2Config(hidden_size=64, num_hidden_layers=2, vocab_size=101,
+                                      num_heads=4, head_dim=32, n_groups=1, state_size=8))
+    assert all(u.flops == matmuls(mamba, u) for u in shape.blocks)
+    gpt2, shape = built(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101))
+    assert all(u.flops == matmuls(gpt2, u) + 4 * SEQ * 64 for u in shape.blocks)
+    jamba, shape = built(JambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=101,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, attn_layer_period=2,
+                                     attn_layer_offset=1, expert_layer_period=100,
+                                     num_experts=1, mamba_d_state=8))
+    per = shape.blocks[0].params  # (one unit per layer: raylm cannot cut it)
+    assert all(u.flops == 2 * per + 4 * SEQ * 64 * 0.5 for u in shape.blocks)
+
+
 # -- the cost model's formulas -----------------------------------------------------------
 def test_zero_stages_shard_states_over_dp():
     shape = model_shape(_model("llama", "meta"), SEQ)

@@ -82,6 +82,36 @@ def attention_width(config, hidden: int) -> int:
     return int(heads * head_dim) if heads and head_dim else hidden
 
 
+def _named_like(m, words) -> bool:
+    return any(w in type(m).__name__ for w in words)
+
+
+def attends(module: "nn.Module") -> bool:
+    """Whether ``module`` computes attention scores, by its modules' classes: not where a
+    state-space mixer (Mamba's ``MambaMixer``, ``Mamba2Mixer``) holds no attention module
+    (``...Attention``, ``...Attn``): a Mamba block, or a hybrid's (Jamba's) Mamba layers.
+    Anything else counts as attending, a block of unknown make included (a model of your
+    own's), as before."""
+    mods = list(module.modules())
+    return (not any(_named_like(m, ("Mixer",)) for m in mods)
+            or any(_named_like(m, ("Attention", "Attn")) for m in mods))
+
+
+def attention_layers(model: "nn.Module", layers: int) -> float:
+    """The share of a model's ``layers`` that attend (see ``attends``), for a model raylm
+    cannot cut into blocks: its outermost attention modules over ``layers``, where it has
+    state-space mixers; 1 otherwise."""
+    if not any(_named_like(m, ("Mixer",)) for m in model.modules()):
+        return 1.0
+    outer, inside = 0, set()
+    for name, m in model.named_modules():
+        if _named_like(m, ("Attention", "Attn")) and not any(
+                name.startswith(p + ".") for p in inside):
+            outer += 1
+            inside.add(name)
+    return min(1.0, outer / max(1, layers))
+
+
 def matmul_flops(params) -> float:
     # Forward multiply-adds of the weight matrices: 2 FLOPs per weight element per token.
     return float(sum(2 * p.numel() for p in params if p.ndim >= 2))
@@ -136,9 +166,10 @@ def model_units(model: nn.Module, seq_len: int) -> tuple:
                    if isinstance(getattr(cfg, a, None), int)), 0)
     blocks = []
     for name in names:
-        ps = list(distinct_params([model.get_submodule(name)]).values())
-        blocks.append(_unit(name, ps, matmul_flops(ps)
-                            + 4.0 * seq_len * attention_width(cfg, hidden)))
+        block = model.get_submodule(name)
+        ps = list(distinct_params([block]).values())
+        scores = 4.0 * seq_len * attention_width(cfg, hidden) if attends(block) else 0.0
+        blocks.append(_unit(name, ps, matmul_flops(ps) + scores))
     head = distinct_params([model.get_output_embeddings()])
     in_blocks = distinct_params(model.get_submodule(n) for n in names)
     # Everything outside the blocks and the head (embeddings, position tables, final

@@ -33,7 +33,9 @@ Step time per optimizer step (one rank's view; ranks of a pipeline wait for the 
 
 * compute: 3 x forward FLOPs (forward + backward) of the rank's stages, per token, over
   tp, / worker FLOP/s (the precision's: raylm.plan.hardware); forward FLOPs per token are the partition's unit FLOPs (2 per
-  weight of every matrix, 4 x seq x hidden for attention scores);
+  weight of every matrix, 4 x seq x heads x head_dim for attention scores and their
+  weighted sum, in the blocks that attend: not a Mamba block's state-space mixer,
+  raylm.models.units.attends);
 * tensor parallelism: 4 all-reduces of a micro-batch's activations (matmul outputs: in
   the compute dtype) per block (2 forward,
   2 backward; reduce-scatter + all-gather under sequence parallelism move as much), one

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raylm.models.tensor_plans import is_lora_layer, tensor_parallel_shapes
-from raylm.models.units import (HEAD_ATTRS, Unit, attention_width, first_int, has_own_stages,
-                                model_units)
+from raylm.models.units import (HEAD_ATTRS, Unit, attention_layers, attention_width, first_int,
+                                has_own_stages, model_units)
 from raylm.plan.activations import ActivationRecipe, recipe_for
 
 HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model")
@@ -105,9 +105,9 @@ def model_shape(model, seq_len: int, use_gpu: bool = False) -> ModelShape:
     except Exception:  # a model raylm cannot cut: one unit per layer count, no pipeline
         layers = first_int(config, LAYER_ATTRS) or 1
         per = total // layers
-        blocks = [Unit(f"layer {i}", per,
-                       2.0 * per + 4.0 * seq_len * attention_width(config, hidden))
-                  for i in range(layers)]
+        scores = 4.0 * seq_len * attention_width(config, hidden) * attention_layers(
+            model, layers)  # (a hybrid's Mamba layers have none: Jamba)
+        blocks = [Unit(f"layer {i}", per, 2.0 * per + scores) for i in range(layers)]
         embed, head = Unit("embeddings", 0, 0.0), Unit("head", total - per * layers, 0.0)
         block_split = tuple(0 for _ in blocks)
         cuttable = False
