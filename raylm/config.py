@@ -437,8 +437,9 @@ class TrainConfig:
         "gradients unsharded until then: one all-gather and one reduce-scatter per step "
         "instead of two all-gathers and a reduce-scatter per micro-batch, for the memory "
         "of every gathered parameter and its gradient during the step (between steps, "
-        "and in checkpoints, the state stays sharded). Unset: False where that fits --worker_memory_gb, without a pipeline "
-        "(--pp > 1) or --cpu_offload, else True (see `raylm plan`).", "cluster")
+        "and in checkpoints, the state stays sharded). Unset: False where that fits "
+        "--worker_memory_gb, without a pipeline (--pp > 1) or --cpu_offload, else True "
+        "(see `raylm plan`).", "cluster")
     max_failures: int = _f(
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")

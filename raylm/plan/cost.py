@@ -226,6 +226,7 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
                                               layout.sequence_parallel, hw.mask_bytes,
                                               layout.recompute, low)
     last = part.num_stages - 1
+    biggest = max((u.params for u in shape.blocks), default=0)  # (ZeRO-3's unit)
     out = []
     for r, (total, split, trained) in enumerate(_rank_stage_params(shape, part, pp)):
         psi = (total - split) + split / tp  # elements this rank holds
@@ -242,7 +243,6 @@ def rank_memory(shape: ModelShape, part: Partition, layout: Layout, hw: Hardware
         if any(part.bounds[s][1] > part.bounds[s][0] for s in stages):
             work += recomputed
         copies = 0.0
-        biggest = max((u.params for u in shape.blocks), default=0)
         if zero >= 3 and (pp > 1 or not layout.reshard_after_forward):
             # torch's pipeline schedule runs every backward but the step's last without
             # resharding or reducing (PipelineStage.backward_maybe_with_nosync): the

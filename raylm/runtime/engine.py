@@ -532,8 +532,7 @@ def builds_on_meta(plan, spec) -> bool:
     if plan.zero_stage == 3:
         # (pretrained weights it cannot read a tensor at a time: loaded whole, as
         # transformers' from_pretrained loads them, then sharded by FSDP)
-        return (not spec.pretrained_path or getattr(spec, "new_head", False)
-                or reads_tensor_by_tensor(spec))
+        return getattr(spec, "new_head", False) or reads_tensor_by_tensor(spec)
     traced = plan.pp > 1 and not has_own_stages(spec.config)
     return ((plan.pp > 1 or plan.tp > 1) and not traced and not built_whole(spec)
             and reads_tensor_by_tensor(spec))

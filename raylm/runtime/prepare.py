@@ -304,9 +304,9 @@ def _given_files(cfg: TrainConfig, datasets: dict, given: dict, root: str
 def _naming_the_argument(e: ConfigError, files: list, inputs) -> ConfigError:
     """An error in a dataset given to train() (its rows, as raylm exported them to a file)
     named by the argument the user gave it as, not by the export file."""
+    text = str(e)
     for arg, given in (("train_dataset", inputs.train_files),
                        ("eval_dataset", inputs.eval_files)):
-        text = str(e)
         if arg in inputs.given and files == given and text.startswith(f"{files[0]}: "):
             return ConfigError(f"{arg}: {text[len(files[0]) + 2:]}")
     return e
