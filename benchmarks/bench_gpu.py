@@ -12,9 +12,10 @@ Rows (one GPU; raylm: one rank actor holding it, NCCL as its process group):
                            the same model, seed, blocks and order as raylm; bf16 under
                            torch.autocast with fp32 weights, as raylm's --bf16; the compile
                            row wraps the whole model in torch.compile
-  raylm-fp32, raylm-bf16, raylm-fp16, raylm-bf16-compile
+  raylm-fp32, raylm-bf16, raylm-fp16, raylm-bf16-compile, raylm-bf16-compile-model
                            raylm train(..., use_gpu=True) with the default fused AdamW;
-                           the compile row compiles each block (--torch_compile)
+                           the compile rows: --torch_compile (each block's forward), and
+                           with --torch_compile_scope model (the whole forward and loss)
 
 Per row: tokens/s from the median steady-state step time (raylm: the driver's wall time
 of a step, from sending it to having the rank's answer, so raylm's per-step round trip is
@@ -53,7 +54,7 @@ sys.path.insert(0, REPO)
 from benchmarks.bench_throughput import config_overrides, median_parts, summarize  # noqa: E402
 
 ROWS = ("plain-fp32", "raylm-fp32", "plain-bf16", "raylm-bf16", "raylm-fp16",
-        "plain-bf16-compile", "raylm-bf16-compile")
+        "plain-bf16-compile", "raylm-bf16-compile", "raylm-bf16-compile-model")
 
 
 def parse_args(argv=None):
@@ -78,6 +79,13 @@ def parse_args(argv=None):
     ap.add_argument("--cpus", type=int, default=8, help="CPUs of the local Ray cluster")
     ap.add_argument("--json", default=None, help="also write every row's figures here")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="GPT-2's residual and embedding dropout (default 0: every row then "
+                    "computes the plain loop's losses). Above 0 raylm draws per-sample "
+                    "masks and the plain loop torch's own, so the loss columns are n/a")
+    ap.add_argument("--attn_dropout", type=float, default=None,
+                    help="attention dropout (default: --dropout); above 0 raylm runs "
+                    "eager attention (its per-sample masks cannot enter sdpa's kernel)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the same rows on CPU ranks, a dry run of this script on a "
                     "machine without a GPU (no speed to read there)")
@@ -89,7 +97,8 @@ def parse_args(argv=None):
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.dropout = 0.0  # (every row then computes the same losses)
+    if args.attn_dropout is None:
+        args.attn_dropout = args.dropout
     return args
 
 
@@ -136,7 +145,9 @@ def run_raylm(args, name, cache, work) -> tuple[dict, object]:
         disable_tqdm=True, validation_split_percentage=0.0, logging_steps=10**6,
         save_steps=10**6, report_to=["none"], num_workers=1, cpus_per_worker=4,
         use_gpu=args.device == "cuda", bf16=precision == "bf16", fp16=precision == "fp16",
-        torch_compile=name.endswith("-compile"), profile=args.profile, profile_steps=3)
+        torch_compile="-compile" in name,
+        torch_compile_scope="model" if name.endswith("-model") else "blocks",
+        profile=args.profile, profile_steps=3)
     t0 = time.time()
     result = train(cfg)
     wall = time.time() - t0
@@ -179,7 +190,7 @@ def print_kernels(results: dict, rows: list) -> None:
     """Each raylm row's GPU time per step against the plain loop's in the same precision:
     the totals, and the kernels whose time differs most."""
     for name in rows:
-        ref_name = "plain-" + name.split("-", 1)[-1]
+        ref_name = "plain-" + name.split("-", 1)[-1].removesuffix("-model")
         r, ref = results.get(name), results.get(ref_name)
         if not name.startswith("raylm") or not r or not ref or "trace" not in r:
             continue
@@ -324,6 +335,51 @@ def two_ranks_one_gpu(args, cache, work) -> str:
         return "HUNG: no answer in 90 s"
 
 
+def check_masks(args) -> str:
+    """raylm's per-sample dropout masks on the GPU (Triton's kernel) against the CPU's
+    (numpy's), bit for bit, and one dropout of a residual-stream activation timed: raylm's
+    per-sample dropout against torch's own on the same tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    from raylm.models.dropout import SampleDropout, _kernel
+
+    ids = list(range(args.global_batch))
+    shape = (args.global_batch, args.block_size, args.n_embd)
+    x = torch.randn(shape, device="cuda")
+    with SampleDropout(42, 7, ids):
+        gpu = F.dropout(x, 0.1).cpu()
+    with SampleDropout(42, 7, ids):
+        cpu = F.dropout(x.cpu(), 0.1)
+    same = torch.equal(gpu != 0, cpu != 0)
+
+    def row_draws(device):  # stochastic depth's draws: 12 calls of one value per row
+        with SampleDropout(42, 7, ids):
+            return torch.stack([torch.empty(len(ids), 1, 1, device=device).bernoulli_(0.8)
+                                .cpu() for _ in range(12)])
+
+    first = row_draws("cuda")  # (its calls past the last context's count: a copy each)
+    rows_cpu = row_draws("cpu")
+    rows_same = torch.equal(first, rows_cpu) and torch.equal(row_draws("cuda"), rows_cpu)
+
+    def timed(fn, n=50):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n * 1e3
+
+    def ours():
+        with SampleDropout(42, 7, ids):
+            F.dropout(x, 0.1)
+
+    return (f"per-sample dropout masks: GPU ({'Triton' if _kernel() else 'torch int64'}) "
+            f"equal the CPU's: {same}, row draws too: {rows_same}; one dropout of {tuple(shape)} fp32: raylm "
+            f"{timed(ours):.3f} ms, torch's own {timed(lambda: F.dropout(x, 0.1)):.3f} ms")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
@@ -409,22 +465,27 @@ def main(argv=None) -> int:
                 notes.append("export check FAILED:\n" + traceback.format_exc()[-2000:])
         if cuda:
             notes.append("2 GPU ranks on 1 GPU: " + two_ranks_one_gpu(args, cache, work))
+            try:
+                notes.append(check_masks(args))
+            except Exception:
+                notes.append("mask check FAILED:\n" + traceback.format_exc()[-2000:])
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"{'row':<19} {'s/step':>8} {'tokens/s':>10} {'mfu':>6} {'vs plain':>8} "
+    print(f"{'row':<25} {'s/step':>8} {'tokens/s':>10} {'mfu':>6} {'vs plain':>8} "
           f"{'max |dloss|':>11} {'max |dgnorm|':>12} {'loss first -> last':>19} {'call s':>7}")
     for name in rows:
         if name not in results:
-            print(f"{name:<19} FAILED")
+            print(f"{name:<25} FAILED")
             continue
         r = results[name]
-        ref = results.get("plain-" + name.split("-", 1)[-1])
+        ref = results.get("plain-" + name.split("-", 1)[-1].removesuffix("-model"))
         ratio = dl = dg = "n/a"
         if ref and ref is not r:
             ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}"
+        if ref and ref is not r and not (args.dropout or args.attn_dropout):
             n = min(len(r["losses"]), len(ref["losses"]))
             dl = f"{max(abs(a - b) for a, b in zip(r['losses'][:n], ref['losses'][:n])):.1e}"
             pairs = [(a, b) for a, b in zip(r["grad_norms"][:n], ref["grad_norms"][:n])
@@ -433,21 +494,21 @@ def main(argv=None) -> int:
                 dg = f"{max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs):.1e}"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
         call = f"{r['whole_call_s']:.0f}" if "whole_call_s" in r else ""
-        print(f"{name:<19} {r['median_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+        print(f"{name:<25} {r['median_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
               f"{ratio:>8} {dl:>11} {dg:>12} "
               f"{r['losses'][0]:>8.3f} -> {r['losses'][-1]:.3f} {call:>7}")
     print("(max |dgnorm|: relative to the plain loop's gradient norm)")
     print()
     print("where a step goes (ms, medians over the timed steps)")
     keys = sorted({k for r in results.values() for k in r["parts"]})
-    print(f"{'row':<19} " + " ".join(f"{k[:-2]:>14}" for k in keys) + f" {'rest':>8}")
+    print(f"{'row':<25} " + " ".join(f"{k[:-2]:>14}" for k in keys) + f" {'rest':>8}")
     for name in rows:
         if name in results:
             r = results[name]
             cells = [f"{r['parts'][k] * 1000:>14.2f}" if k in r["parts"] else f"{'-':>14}"
                      for k in keys]
             rest = r["median_s"] - sum(r["parts"].values())
-            print(f"{name:<19} " + " ".join(cells) + f" {rest * 1000:>8.2f}")
+            print(f"{name:<25} " + " ".join(cells) + f" {rest * 1000:>8.2f}")
     print()
     for line in notes:
         print(line)

@@ -102,8 +102,10 @@ def parse_args(argv=None):
 
 def config_overrides(args) -> str:
     d = args.dropout
+    a = getattr(args, "attn_dropout", None)
     return (f"n_layer={args.n_layer},n_embd={args.n_embd},n_head={args.n_head},"
-            f"n_positions={args.block_size},resid_pdrop={d},embd_pdrop={d},attn_pdrop={d}")
+            f"n_positions={args.block_size},resid_pdrop={d},embd_pdrop={d},"
+            f"attn_pdrop={d if a is None else a}")
 
 
 def train_config(args, workers: int, out: str, cache: str, optim: str = "adamw_torch_fused"):

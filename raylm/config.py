@@ -395,11 +395,18 @@ class TrainConfig:
         "--worker_memory_gb (see `raylm plan`).", "cluster",
         choices=("none", "selective", "full"))
     torch_compile: bool = _f(
-        False, "Compile each transformer block's forward with torch.compile (identical "
-        "blocks share one graph; embeddings, head, schedule and FSDP stay eager). Works "
-        "with every layout, ZeRO stage, activation checkpointing and --bf16/--fp16, except "
-        "pipelines of models cut by torch.export (one error). Dropout then draws its masks "
-        "in the compiled graph, per rank.", "cluster")
+        False, "Compile with torch.compile: each transformer block's forward (identical "
+        "blocks share one graph; embeddings, head, schedule and FSDP stay eager), or the "
+        "rank's whole forward and loss (--torch_compile_scope model). Works with every layout, ZeRO stage, activation "
+        "checkpointing and --bf16/--fp16, except pipelines of models cut by torch.export "
+        "(one error). Dropout then draws its masks in the compiled graph, per rank.",
+        "cluster")
+    torch_compile_scope: str = _f(
+        "blocks", "What --torch_compile compiles: blocks (each transformer block's "
+        "forward; every layout) or model (the rank's whole forward, and its loss, as "
+        "graphs of their own: where the rank holds the whole model with nothing wrapping "
+        "its blocks, i.e. no pipeline, no tensor parallelism, ZeRO 0-2 and no activation "
+        "checkpointing; it compiles for longer).", "cluster", choices=("blocks", "model"))
     torch_compile_backend: Optional[str] = _f(
         None, "--torch_compile's backend (default: inductor).", "cluster")
     torch_compile_mode: Optional[str] = _f(

@@ -364,6 +364,10 @@ def test_zero_flag_conflict_is_one_line_from_the_command(tmp_path, capsys, corpu
       "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
       "max_position_embeddings=64"],
      "--torch_compile with --pp 2: raylm cuts 'gpt_neox' into stages by tracing it"),
+    (["--torch_compile", "--torch_compile_scope", "model", "--num_workers", "2",
+      "--tp", "2", "--cpus_per_worker", "0.5"],
+     "--torch_compile_scope model compiles the rank's whole forward, and this layout has "
+     "--tp 2"),
     (["--tp", "2", "--pp", "2", "--num_workers", "4", "--cpus_per_worker", "0.5",
       "--gradient_accumulation_steps", "2", "--model_type", "gpt_neox", "--config_overrides",
       "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -273,3 +275,58 @@ def test_stochastic_depth_is_per_sample():
     assert whole[2] == {6} and whole[3] == 0
     plain = run([IDS], train=False)
     assert any((plain[0][k] - whole[0][k]).abs() > DIFFERENT for k in IDS)
+
+
+def _lowbias32(x: int) -> int:
+    """The mask's 32-bit hash in Python integers (the reference for every implementation)."""
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def test_mask_keys_and_hash_match_their_definition():
+    """Each row's key is mix_seed(seed, step, id, call) (negative filler ids too), and
+    element j of row b is kept when lowbias32(lowbias32(j ^ lo) ^ hi) >> 8 >= p * 2**24:
+    the numpy mask (CPU) and the int64 torch mask (a GPU without Triton) give exactly
+    the Python reference's bits, with no int64 overflow on the way."""
+    import numpy as np
+
+    from raylm.models.dropout import _keep_numpy, _keep_torch
+
+    sd = SampleDropout(7, 3, [10, -1, 12, 2**40])
+    keys = sd.keys(5)
+    assert [int(k) for k in keys] == [mix_seed(7, 3, s, 5) for s in (10, -1, 12, 2**40)]
+    n, thresh = 3000, math.ceil(0.3 * 2**24)
+    reference = np.array([[_lowbias32(_lowbias32(j ^ (int(k) & 0xFFFFFFFF)) ^ (int(k) >> 32))
+                           >> 8 >= thresh for j in range(n)] for k in keys])
+    lo = torch.tensor([int(k) & 0xFFFFFFFF for k in keys])
+    hi = torch.tensor([int(k) >> 32 for k in keys])
+    assert np.array_equal(_keep_numpy(keys, n, thresh), reference)
+    assert np.array_equal(_keep_torch(lo, hi, n, thresh).numpy(), reference)
+    assert abs(reference.mean() - 0.7) < 0.02
+    # A mask through F.dropout is that mask, scaled.
+    x = torch.ones(4, 3, 1000)
+    with SampleDropout(7, 3, [10, -1, 12, 2**40]) as sd:
+        sd.calls = 5
+        y = F.dropout(x, 0.3)
+    assert torch.equal(y.view(4, -1) != 0, torch.from_numpy(reference))
+
+
+def test_keys_packed_for_a_device_are_the_keys():
+    """Off the CPU a context puts its calls' keys on the device in one copy: the packed
+    halves and row uniforms are those of keys() for every call index."""
+    import numpy as np
+
+    sd = SampleDropout(3, 9, [4, -2, 7])
+    packed = sd._pack(np.arange(6, dtype=np.uint64)).numpy()
+    assert packed.shape == (3, 6, 3)
+    for index in range(6):
+        keys = sd.keys(index)
+        assert [int(k) for k in keys] == [mix_seed(3, 9, s, index) for s in (4, -2, 7)]
+        lo, hi = packed[0, index].astype(np.uint64), packed[1, index].astype(np.uint64)
+        assert np.array_equal(lo | (hi << np.uint64(32)), keys)
+        uniform = packed[2, index].view(np.float64)
+        assert np.array_equal(uniform, (keys >> np.uint64(11)).astype(np.float64) / 2**53)

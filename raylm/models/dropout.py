@@ -8,8 +8,10 @@ then computes different losses from a run that never changed.
 Inside ``with SampleDropout(seed, step, sample_ids):`` every dropout with ``training=True``
 and ``p > 0`` on a tensor whose dim 0 is the batch (size ``len(sample_ids)``) is replaced:
 row ``b`` is multiplied by ``keep / (1 - p)``, where ``keep`` is a Bernoulli(1 - p) mask
-drawn on CPU from a ``torch.Generator`` seeded by a hash of ``(seed, step, sample_ids[b],
-call_index)``. ``call_index`` counts the dropouts applied inside the context (0, 1, ...),
+drawn from a key hashed from ``(seed, step, sample_ids[b], call_index)``: element ``j`` of
+the row is kept when a 32-bit hash of ``(key, j)`` is at or above ``p`` (a counter-based
+draw, computed where the tensor is: in one Triton kernel on a GPU, in torch integer
+operations elsewhere, the same bits on either). ``call_index`` counts the dropouts applied inside the context (0, 1, ...),
 so each layer gets its own mask; the model must make the same dropout calls in the same
 order for every sample (true of Hugging Face models, given batch-first activations).
 Rows with negative ids are filler; their masks are arbitrary but deterministic.
@@ -31,8 +33,10 @@ Activation checkpointing recomputes a block's forward in backward, outside the c
 
 from __future__ import annotations
 
+import math
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -51,17 +55,31 @@ _UNHANDLED = {F.dropout1d: ("training", True), F.dropout2d: ("training", True),
               F.feature_alpha_dropout: ("training", False)}
 for _name in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
     _UNHANDLED[getattr(torch, _name)] = _UNHANDLED[getattr(torch, _name + "_")] = ("train", None)
+_WATCHED = frozenset([*_REPLACED, *_UNHANDLED, torch.Tensor.bernoulli_,
+                      F.scaled_dot_product_attention])
+
+
+_GAMMA, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x = (x + _GAMMA) & _M64
+    x = ((x ^ (x >> 30)) * _MUL1) & _M64
+    x = ((x ^ (x >> 27)) * _MUL2) & _M64
     return x ^ (x >> 31)
 
 
+def _splitmix64_rows(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` of every value of a uint64 array (numpy's uint64 arithmetic wraps
+    modulo 2**64: the same values, without a Python loop over the rows)."""
+    x = x + np.uint64(_GAMMA)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_MUL1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_MUL2)
+    return x ^ (x >> np.uint64(31))
+
+
 def mix_seed(seed: int, step: int, sample_id: int, call_index: int) -> int:
-    """A 64-bit generator seed from the four integers (splitmix64 chained over them).
+    """A 64-bit key from the four integers (splitmix64 chained over them).
 
     Hand-written because torch has no per-sample RNG for dropout and Python's ``hash`` is
     neither stable for tuples across versions nor well mixed; the sum of the integers or a
@@ -71,6 +89,86 @@ def mix_seed(seed: int, step: int, sample_id: int, call_index: int) -> int:
     for v in (seed, step, sample_id, call_index):
         h = _splitmix64(h ^ (int(v) & _M64))
     return h
+
+
+# lowbias32's multipliers (C. Wellons' hash prospector); the second as its negative
+# residue modulo 2**32, so that a 32-bit value times either stays inside int64.
+_M32, _HASH1, _HASH2 = 0xFFFFFFFF, 0x7FEB352D, 0x846CA68B - (1 << 32)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 tensors holding 32-bit values (dropout_kernel's ``_hash32``)."""
+    x = x ^ (x >> 16)
+    x = (x * _HASH1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _HASH2) & _M32
+    return x ^ (x >> 16)
+
+
+def _keep_torch(lo: torch.Tensor, hi: torch.Tensor, n: int, thresh: int) -> torch.Tensor:
+    """[B, n] bool: element j of row b kept (its hash's top 24 bits at or above
+    ``thresh``), from row b's key halves ``lo[b]``, ``hi[b]`` (int64 tensors, on the
+    device the mask is for: a GPU without Triton)."""
+    j = torch.arange(n, dtype=torch.int64, device=lo.device)
+    h = _hash32(_hash32(j ^ lo[:, None]) ^ hi[:, None])
+    return (h >> 8) >= thresh
+
+
+def _hash32_numpy(x: np.ndarray) -> np.ndarray:
+    """lowbias32 in place on a uint32 array (numpy's uint32 arithmetic wraps)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_HASH1)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(_HASH2 & _M32)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _keep_numpy(keys: np.ndarray, n: int, thresh: int) -> np.ndarray:
+    """``_keep_torch``'s mask on the CPU, in 32-bit numpy (two to four times faster
+    there than int64 torch, and than drawing from a generator per row)."""
+    lo, hi = (keys & np.uint64(_M32)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
+    x = _hash32_numpy(np.arange(n, dtype=np.uint32)[None, :] ^ lo[:, None])
+    x ^= hi[:, None]
+    return (_hash32_numpy(x) >> np.uint32(8)) >= np.uint32(thresh)
+
+
+def _kernel():
+    """dropout_kernel's ``scaled_mask``, or None where Triton is not installed."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from raylm.models.dropout_kernel import scaled_mask
+        except ImportError:
+            scaled_mask = False
+        _KERNEL = scaled_mask
+    return _KERNEL or None
+
+
+_KERNEL = None
+
+
+def _halves(keys: np.ndarray) -> np.ndarray:
+    """[2, ...] int64: the keys' low and high 32 bits."""
+    return np.stack([keys & np.uint64(_M32), keys >> np.uint64(32)]).astype(np.int64)
+
+
+def keep_scaled(keys: np.ndarray, x: torch.Tensor, p: float, halves=None) -> torch.Tensor:
+    """The dropout mask of ``x`` (rows: dim 0) from each row's 64-bit key: ``1 / (1 -
+    p)`` where kept, else 0, in x's dtype and shape, computed on x's device (off the CPU
+    from ``halves``, the keys' (low, high) 32 bits there, when given)."""
+    n = x.numel() // max(x.shape[0], 1)
+    thresh = math.ceil(p * (1 << 24))  # kept: a uniform 24-bit draw >= p
+    if x.device.type == "cpu":
+        keep = torch.from_numpy(_keep_numpy(keys, n, thresh)).view(x.shape)
+        return keep.to(dtype=x.dtype).div_(1.0 - p)
+    lo, hi = halves if halves is not None else _on(x.device, torch.from_numpy(_halves(keys)))
+    kernel = _kernel() if x.device.type == "cuda" else None
+    if kernel is not None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return kernel(out, lo, hi, n, thresh, 1.0 / (1.0 - p))
+    keep = _keep_torch(lo, hi, n, thresh).view(x.shape)
+    return keep.to(dtype=x.dtype).div_(1.0 - p)
 
 
 def _arg(args, kwargs, index, name, default):
@@ -98,8 +196,11 @@ class SampleDropout(TorchFunctionMode):
         self.sample_ids = [int(i) for i in sample_ids]
         self.calls = 0
         self.fallbacks = 0
+        self._rows = None  # each row's key before the call index (keys())
+        self._device = None  # (device, the first calls' key halves and draws there)
 
     _open: list = []  # the contexts open now, innermost last
+    _expected = 0  # the most calls a context has made: what the next one puts on a device
 
     def __enter__(self):
         SampleDropout._open.append(self)
@@ -107,6 +208,7 @@ class SampleDropout(TorchFunctionMode):
 
     def __exit__(self, *exc):
         SampleDropout._open.remove(self)
+        SampleDropout._expected = max(SampleDropout._expected, self.calls)
         return super().__exit__(*exc)
 
     @classmethod
@@ -119,11 +221,13 @@ class SampleDropout(TorchFunctionMode):
         (a checkpointed block recomputed in backward: its dropouts were calls
         ``calls``, ``calls + 1``, ... the first time)."""
         again = SampleDropout(self.seed, self.step, self.sample_ids)
-        again.calls = calls
+        again.calls, again._rows, again._device = calls, self._rows, self._device
         return again
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _WATCHED:  # (every torch call of the forward comes through here)
+            return func(*args, **kwargs)
         if func in _REPLACED:
             train_name, train_default, inplace = _REPLACED[func]
             p = float(_arg(args, kwargs, 1, "p", 0.5))
@@ -153,19 +257,55 @@ class SampleDropout(TorchFunctionMode):
             return func(*args, **kwargs)  # torch's own (it also raises for a bad p)
         if p == 1.0:  # as torch: multiply by zero
             return x.mul_(0.0) if inplace else x * 0.0
-        g = torch.Generator(device="cpu")
-        keep = torch.empty(x.shape, dtype=torch.bool)
-        for b, sid in enumerate(self.sample_ids):
-            g.manual_seed(mix_seed(self.seed, self.step, sid, index))
-            keep[b] = torch.rand(x.shape[1:], generator=g) >= p
-        mask = _on(x.device, keep).to(dtype=x.dtype).div_(1.0 - p)
+        if x.numel() // x.shape[0] > 1 << 32:  # (j must fit the hash's 32 bits)
+            self.fallbacks += 1
+            return func(*args, **kwargs)
+        drawn = self._drawn(index, x.device)
+        if drawn is None:
+            mask = keep_scaled(self.keys(index), x, p)
+        else:
+            mask = keep_scaled(None, x, p, (drawn[0], drawn[1]))
         return x.mul_(mask) if inplace else x * mask
 
+    def keys(self, index: int) -> np.ndarray:
+        """Each row's key for call ``index``: ``mix_seed(seed, step, sample_ids[b],
+        index)`` for every b (uint64), the (seed, step, id) part mixed once a context."""
+        return self._keys(np.array([index], dtype=np.uint64))[0]
+
+    def _keys(self, indices: np.ndarray) -> np.ndarray:
+        """[len(indices), B] uint64: ``keys`` of several calls."""
+        if self._rows is None:
+            prefix = _splitmix64(_splitmix64(self.seed & _M64) ^ (self.step & _M64))
+            ids = np.array(self.sample_ids, dtype=np.int64).view(np.uint64)
+            self._rows = _splitmix64_rows(np.uint64(prefix) ^ ids)
+        return _splitmix64_rows(self._rows[None, :] ^ indices[:, None])
+
+    def _drawn(self, index: int, device):
+        """(low key halves, high halves, row uniforms) of call ``index`` on ``device``
+        (each [B]) when it is not the CPU, else None. The first ``_expected`` calls'
+        (as many as the last forward made) go there in one copy when the context first
+        draws, rather than a copy per call: on a GPU a model whose step is bound by the
+        host's launches then pays one copy per micro-batch (a later call: one more)."""
+        if device.type == "cpu":
+            return None
+        if self._device is None or self._device[0] != device:
+            first = np.arange(max(SampleDropout._expected, index + 1), dtype=np.uint64)
+            self._device = (device, _on(device, self._pack(first)), first.size)
+        if index < self._device[2]:
+            return self._device[1][:, index]
+        return _on(device, self._pack(np.array([index], dtype=np.uint64)))[:, 0]
+
+    def _pack(self, indices: np.ndarray) -> torch.Tensor:
+        """[3, len(indices), B] int64 (CPU): the calls' keys' low and high 32 bits and
+        the rows' uniforms (float64 bits: the top 53 bits of the key over 2**53)."""
+        keys = self._keys(indices)
+        uniform = (keys >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return torch.from_numpy(np.concatenate([_halves(keys), uniform.view(np.int64)[None]]))
 
     def _row_draw(self, func, args, kwargs, x, p):
         """``x.bernoulli_(p)`` on one value per row ([B, 1, ...]): stochastic depth's
         draw (torchvision's ``stochastic_depth`` in row mode, timm's ``drop_path``), each
-        row's from its sample's generator as for a dropout mask."""
+        row's from its sample's key as for a dropout mask."""
         index = self.calls
         self.calls += 1
         if (type(x) is not torch.Tensor or x.dim() == 0 or x.shape[0] != len(self.sample_ids)
@@ -173,19 +313,21 @@ class SampleDropout(TorchFunctionMode):
                 or not 0 <= p <= 1 or kwargs.get("generator") is not None):
             self.fallbacks += 1
             return func(*args, **kwargs)
-        # One uniform per row: the top 53 bits of the row's mixed seed (no generator per
-        # row: a torch.Generator seeded 64 times per call doubled the step time of a
-        # small Swin on a GPU, whose step is bound by the host's launches).
-        keep = [float((mix_seed(self.seed, self.step, sid, index) >> 11) * 2.0 ** -53 < p)
-                for sid in self.sample_ids]
-        return x.copy_(_on(x.device, torch.tensor(keep, dtype=x.dtype)).view(x.shape))
+        # One uniform per row: the top 53 bits of the row's key (no generator per row: a
+        # torch.Generator seeded 64 times per call doubled the step time of a small Swin
+        # on a GPU, whose step is bound by the host's launches).
+        drawn = self._drawn(index, x.device)
+        if drawn is None:
+            uniform = (self.keys(index) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+            return x.copy_(torch.from_numpy(uniform < p).view(x.shape))
+        return x.copy_((drawn[2].view(torch.float64) < p).view(x.shape))
 
 
 def _on(device, t: torch.Tensor) -> torch.Tensor:
-    """A mask drawn on the CPU, on ``device``: to a GPU through pinned memory without
-    waiting (a pageable copy makes the host wait for the GPU's queue to drain at every
-    dropout, and a model whose step is bound by its launches then runs at its copies'
-    pace)."""
+    """A CPU tensor (keys, or row draws) on ``device``: to a GPU through pinned memory
+    without waiting (a pageable copy makes the host wait for the GPU's queue to drain at
+    every dropout, and a model whose step is bound by its launches then runs at its
+    copies' pace)."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

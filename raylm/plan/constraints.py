@@ -60,10 +60,25 @@ def recompute_problem(recompute: str, pp: int, schedule: str, own_stages: bool,
     return ""
 
 
-def compile_problem(compile: bool, pp: int, own_stages: bool, model_type: str) -> str:
+def compile_problem(compile: bool, pp: int, own_stages: bool, model_type: str,
+                    scope: str = "blocks", tp: int = 1, zero_stage: int = 0,
+                    recompute: str = "none") -> str:
     """--torch_compile compiles each block's forward (raylm.parallel.compile): the generic
-    pipeline split traces the model with torch.export into graphs with no blocks left."""
-    if not compile or pp <= 1 or own_stages:
+    pipeline split traces the model with torch.export into graphs with no blocks left.
+    --torch_compile_scope model compiles the rank's whole forward, which needs the whole
+    model on the rank with nothing wrapping its blocks."""
+    if not compile:
+        return ""
+    if scope == "model":
+        wrapped = [f for f, on in (
+            (f"--pp {pp}", pp > 1), (f"--tp {tp}", tp > 1),
+            ("ZeRO-3", zero_stage == 3),
+            (f"--activation_checkpointing {recompute}", recompute != "none")) if on]
+        if wrapped:
+            return ("--torch_compile_scope model compiles the rank's whole forward, and "
+                    f"this layout has {', '.join(wrapped)} (the rank holds a part of the "
+                    "model, or its blocks are wrapped); use --torch_compile_scope blocks")
+    if pp <= 1 or own_stages:
         return ""
     return (f"--torch_compile with --pp {pp}: raylm cuts '{model_type}' into stages by "
             "tracing it with torch.export, whose graphs have no blocks to compile; use one "

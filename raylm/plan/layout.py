@@ -231,7 +231,8 @@ def plan_run(cfg, capacity: int, spec, seq_len: int, hw=None, search=None,
     problem = (reduce_dtype_problem(getattr(cfg, "reduce_dtype", "float32"), plan.zero_stage)
                or recompute_problem(plan.recompute, plan.pp, plan.schedule, own, model_type)
                or compile_problem(getattr(cfg, "torch_compile", False), plan.pp, own,
-                                  model_type))
+                                  model_type, getattr(cfg, "torch_compile_scope", "blocks"),
+                                  plan.tp, plan.zero_stage, plan.recompute))
     if problem:
         raise ConfigError(problem)
     if plan.pp == 1:

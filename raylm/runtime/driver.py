@@ -961,6 +961,7 @@ class Driver:
                           "replica_trained": m.get("replica_trained"),
                           "checkpointed_blocks": m.get("checkpointed_blocks"),
                           "compiled_graphs": m.get("compiled_graphs"),
+                          "compiled": m.get("compiled"),
                           # The ZeRO paper's per-rank model states for the elements the
                           # rank's replica holds (fp32, AdamW).
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,

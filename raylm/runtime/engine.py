@@ -59,7 +59,7 @@ from raylm.parallel.data import all_reduce_max, all_reduce_sum, all_reduce_sum_a
 from raylm.parallel.checkpoint_form import canonical_adapter, init_optimizer_state
 from raylm.parallel.mesh import sharded_axes
 from raylm.parallel.pipeline.runtime import PipelineRuntime
-from raylm.parallel.compile import apply_compile
+from raylm.parallel.compile import apply_compile, apply_compile_model
 from raylm.parallel.recompute import apply_activation_checkpointing
 from raylm.parallel.pipeline.stages import cut
 from raylm.parallel.tensor import apply_tensor_parallel
@@ -97,6 +97,8 @@ class Engine:
         # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
         self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
+        self.loss_fn = None  # the objective's loss compiled (--torch_compile_scope model)
+        self.compiled = None  # what --torch_compile compiled: model or blocks
         self.export_planner = None  # kept between exports
         # Mixed precision (raylm.runtime.precision): autocast's dtype (None: fp32); the
         # step's loss scale (fp16; the driver's) and whether its gradients overflowed.
@@ -219,7 +221,7 @@ class Engine:
     def loss_sum(self, batch: dict, step):
         """Forward one micro-batch; its summed token loss and its labels."""
         logits, labels = self.forward(batch, step)
-        return self.objective.loss_sum(logits, labels), labels
+        return (self.loss_fn or self.objective.loss_sum)(logits, labels), labels
 
     def forward(self, batch: dict, step):
         """The logits of one micro-batch, and its labels."""
@@ -575,9 +577,15 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     traced = plan.pp > 1 and not has_own_stages(spec.config)
     if plan.tp > 1 and not traced:
         e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)
-    # 2. compile each block's forward (of its DTensor parameters under tp)
+    # 2. compile the whole forward and the loss, or each block's forward (of its
+    #    DTensor parameters under tp)
     if cfg.get("torch_compile"):
-        apply_compile(e.model, cfg.get("torch_compile_backend"), cfg.get("torch_compile_mode"))
+        how = (cfg.get("torch_compile_backend"), cfg.get("torch_compile_mode"))
+        e.compiled = cfg.get("torch_compile_scope") or "blocks"  # (checked: layout.py)
+        if e.compiled == "model":
+            e.loss_fn = apply_compile_model(e.model, e.objective.loss_sum, *how)
+        else:
+            apply_compile(e.model, *how)
     # 3. activation checkpointing (around the compiled forward)
     apply_activation_checkpointing(e.model, plan.recompute)
     # 4. the pipeline cut (5. ZeRO-3 on its stage roots and 6. the weights, before the

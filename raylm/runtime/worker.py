@@ -522,6 +522,7 @@ class RankWorker:
                          "weight_copies": meter.copies_peak,
                          "checkpointed_blocks": checkpointed_blocks(self.engine.model),
                          "compiled_graphs": compiled_graphs(),
+                         "compiled": self.engine.compiled,
                          "coords": self.plan.dims.coords(self.rank)}
 
     def state_digest(self) -> str:
