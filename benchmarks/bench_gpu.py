@@ -86,6 +86,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn_dropout", type=float, default=None,
                     help="attention dropout (default: --dropout); above 0 raylm runs "
                     "eager attention (its per-sample masks cannot enter sdpa's kernel)")
+    ap.add_argument("--per_sample_attention_dropout", default="true",
+                    choices=("true", "false"), help="raylm's flag: false keeps sdpa, whose "
+                    "attention dropout is then per rank")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the same rows on CPU ranks, a dry run of this script on a "
                     "machine without a GPU (no speed to read there)")
@@ -145,6 +148,7 @@ def run_raylm(args, name, cache, work) -> tuple[dict, object]:
         disable_tqdm=True, validation_split_percentage=0.0, logging_steps=10**6,
         save_steps=10**6, report_to=["none"], num_workers=1, cpus_per_worker=4,
         use_gpu=args.device == "cuda", bf16=precision == "bf16", fp16=precision == "fp16",
+        per_sample_attention_dropout=args.per_sample_attention_dropout == "true",
         torch_compile="-compile" in name,
         torch_compile_scope="model" if name.endswith("-model") else "blocks",
         profile=args.profile, profile_steps=3)

@@ -227,11 +227,22 @@ def test_fallbacks_are_counted():
 
 
 def test_sdpa_attention_dropout_is_counted():
+    """Attention dropout inside sdpa's kernel cannot be per-sample: it is counted, and
+    per_sample_dropout switches such a model to eager attention unless told to keep the
+    fused kernel (--per_sample_attention_dropout False)."""
+    from raylm.models.dropout import per_sample_dropout
+
     model = _gpt2("sdpa")
+    assert per_sample_dropout(model, attention_too=False)  # the other dropouts still are
+    assert model.config._attn_implementation == "sdpa"
     x = torch.stack(list(_tokens().values()))
     with SampleDropout(0, 0, IDS) as sd:
         model(input_ids=x)
     assert sd.calls == 5 and sd.fallbacks == 2  # attention dropout inside the sdpa kernel
+    assert per_sample_dropout(model) and model.config._attn_implementation == "eager"
+    with SampleDropout(0, 0, IDS) as sd:
+        model(input_ids=x)
+    assert sd.calls == 7 and sd.fallbacks == 0
 
 
 def test_stochastic_depth_is_per_sample():

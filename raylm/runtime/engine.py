@@ -571,7 +571,8 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
     # (Under compile the masks are the compiled graph's, per rank.)
     if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
-        e.sample_dropout = per_sample_dropout(e.model)
+        e.sample_dropout = per_sample_dropout(
+            e.model, cfg.get("per_sample_attention_dropout", True))
     # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
     #    4., since torch.export traces the model whole)
     traced = plan.pp > 1 and not has_own_stages(spec.config)
