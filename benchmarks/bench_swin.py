@@ -31,7 +31,7 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> fl
     import torch
 
     from digits_vit import SWIN
-    from raylm.models.dropout import SampleDropout
+    from raylm.models.dropout import DropoutSites, SampleDropout
     from raylm.models.torchvision_models import TorchvisionClassifier, parse_overrides
 
     torch.manual_seed(0)
@@ -40,8 +40,11 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> fl
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
 
+    sites = DropoutSites()  # (as raylm's engine: intercepted where dropout is called)
+
     def step(i):
-        ctx = SampleDropout(0, i, list(range(batch))) if draws else contextlib.nullcontext()
+        ctx = (SampleDropout(0, i, list(range(batch)), sites) if draws
+               else contextlib.nullcontext())
         with ctx, torch.autocast(device, torch.bfloat16, enabled=bf16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()

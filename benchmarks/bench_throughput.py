@@ -74,6 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="GPT-2's resid/embd/attn dropout (default 0: then every row computes "
                     "the same losses, a check that they all train the same model)")
+    ap.add_argument("--attn_dropout", type=float, default=None,
+                    help="attention dropout alone (default: --dropout's); raylm runs eager "
+                    "attention for it (per-sample masks), the other rows sdpa")
     ap.add_argument("--global_batch", type=int, default=None,
                     help="samples per optimizer step, all ranks (default 16; quick 8)")
     ap.add_argument("--train_file", nargs="*", default=None,

@@ -55,10 +55,10 @@ def _tokens():
     return {sid: torch.randint(0, 101, (SEQ,), generator=g) for sid in IDS}
 
 
-def _per_sample_loss(model, tokens, ids, seed=7, step=3):
+def _per_sample_loss(model, tokens, ids, seed=7, step=3, sites=None):
     """Per-row summed next-token loss of one micro-batch, and the SampleDropout used."""
     x = torch.stack([tokens[i] for i in ids])
-    with SampleDropout(seed, step, ids) as sd:
+    with SampleDropout(seed, step, ids, sites=sites) as sd:
         logits = model(input_ids=x).logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                            reduction="none").view(len(ids), -1).sum(1)
@@ -341,3 +341,42 @@ def test_keys_packed_for_a_device_are_the_keys():
         assert np.array_equal(lo | (hi << np.uint64(32)), keys)
         uniform = packed[2, index].view(np.float64)
         assert np.array_equal(uniform, (keys >> np.uint64(11)).astype(np.float64) / 2**53)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt2-recomputed"])
+def test_dropout_intercepted_only_where_the_model_calls_it(family, caplog):
+    """With DropoutSites, the first forward (intercepting every torch call) finds the
+    modules that call dropout, and later forwards intercept inside those alone: the same
+    losses and gradients as intercepting everywhere (float64, to the bit), under
+    activation checkpointing's replays too; a forward that makes another number of
+    dropout calls than the first turns the scoping off, with a warning."""
+    import logging
+
+    from raylm.models.dropout import DropoutSites
+    from raylm.parallel.recompute import apply_activation_checkpointing
+
+    model = _llama() if family == "llama" else _gpt2()
+    if family == "gpt2-recomputed":
+        apply_activation_checkpointing(model, "full")
+    tokens = _tokens()
+    everywhere = _run(model, tokens, [[10, 11], [12, 13]])
+    sites = DropoutSites()
+    probe = _run(model, tokens, [[10, 11]], sites=sites)  # the probe
+    calls = 2 if family == "llama" else 7
+    assert sites.ready and sites.expected == calls and probe[2] == {calls}
+    scoped = _run(model, tokens, [[10, 11], [12, 13]], sites=sites)
+    _assert_same(everywhere, scoped, tol=0)
+    assert scoped[2] == {calls} and scoped[3] == 0
+    # The sites: GPT-2's nn.Dropout modules and both models' attention (eager attention
+    # calls F.dropout on the probabilities).
+    names = {type(m).__name__ for m in sites._sites.values()}
+    assert names == ({"LlamaAttention"} if family == "llama" else {"Dropout", "GPT2Attention"})
+    with SampleDropout(7, 3, [10, 11], sites=sites) as sd:
+        assert sd.scoped
+        F.dropout(torch.ones(2, 8), 0.5)  # outside every site: torch's own, not counted
+    assert sd.calls == 0 and not sites.ready and "made 0 dropout calls where the first made" \
+        in caplog.text
+    # From then on every call is intercepted again.
+    again = _run(model, tokens, [[10, 11], [12, 13]], sites=sites)
+    _assert_same(everywhere, again, tol=0)
+    assert not sites.ready

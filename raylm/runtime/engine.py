@@ -50,7 +50,7 @@ from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
 from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_rank_state,
                                     load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
-from raylm.models.dropout import SampleDropout, per_sample_dropout
+from raylm.models.dropout import DropoutSites, SampleDropout, per_sample_dropout
 from raylm.models.loading import build_model
 from raylm.models.materialize import built_whole, reads_tensor_by_tensor
 from raylm.models.objectives import objective_for, with_loss
@@ -97,6 +97,7 @@ class Engine:
         # count (set by forward_backward; evaluation sums plain token losses).
         self.global_tokens = 1.0
         self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
+        self.dropout_sites = None  # the modules that call dropout (DropoutSites)
         self.loss_fn = None  # the objective's loss compiled (--torch_compile_scope model)
         self.compiled = None  # what --torch_compile compiled: model or blocks
         self.export_planner = None  # kept between exports
@@ -235,7 +236,8 @@ class Engine:
         if step is not None and self.sample_dropout:
             # Dropout masks drawn per sample from (seed, step, sample id, call): the same
             # whatever the layout, so a resized run computes an unchanged run's losses.
-            with SampleDropout(self.cfg["seed"], step, batch["sample_ids"].tolist()):
+            with SampleDropout(self.cfg["seed"], step, batch["sample_ids"].tolist(),
+                               self.dropout_sites):
                 logits = self.model(**parts).logits
         else:
             logits = self.model(**parts).logits
@@ -573,6 +575,8 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
         e.sample_dropout = per_sample_dropout(
             e.model, cfg.get("per_sample_attention_dropout", True))
+        # (intercepted inside the modules that call dropout, once a forward found them)
+        e.dropout_sites = DropoutSites() if e.sample_dropout else None
     # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
     #    4., since torch.export traces the model whole)
     traced = plan.pp > 1 and not has_own_stages(spec.config)
