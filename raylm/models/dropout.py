@@ -10,18 +10,19 @@ and ``p > 0`` on a tensor whose dim 0 is the batch (size ``len(sample_ids)``) is
 row ``b`` is multiplied by ``keep / (1 - p)``, where ``keep`` is a Bernoulli(1 - p) mask
 drawn from a key hashed from ``(seed, step, sample_ids[b], call_index)``: element ``j`` of
 the row is kept when a 32-bit hash of ``(key, j)`` is at or above ``p`` (a counter-based
-draw, computed where the tensor is: in one Triton kernel on a GPU, in torch integer
-operations elsewhere, the same bits on either). ``call_index`` counts the dropouts applied inside the context (0, 1, ...),
-so each layer gets its own mask; the model must make the same dropout calls in the same
+draw, computed where the tensor is: numpy on the CPU, one Triton kernel on a GPU, torch
+integer operations on a GPU without Triton; the same bits on each). ``call_index``
+counts the dropouts applied inside the context (0, 1, ...), so each layer gets its own
+mask; the model must make the same dropout calls in the same
 order for every sample (true of Hugging Face models, given batch-first activations).
 Rows with negative ids are filler; their masks are arbitrary but deterministic.
 
 Intercepted (via ``torch.overrides.TorchFunctionMode``): ``torch.nn.functional.dropout``
 (what ``nn.Dropout`` and Hugging Face eager attention call), ``torch.dropout`` and
 ``torch.dropout_``; and stochastic depth's draw, ``Tensor.bernoulli_`` on one value per
-row (torchvision's Swin, timm's ``DropPath``): row ``b`` keeps its branch when a draw
-from the same per-sample generator is below the survival rate. Dropouts that cannot be made per-sample run as torch's own and are
-counted in ``fallbacks``: a tensor whose dim 0 is not the batch, a tensor subclass (e.g.
+row (torchvision's Swin, timm's ``DropPath``): row ``b`` keeps its branch when a uniform
+draw from its key's top 53 bits is below the survival rate. Dropouts that cannot be
+made per-sample run as torch's own and are counted in ``fallbacks``: a tensor whose dim 0 is not the batch, a tensor subclass (e.g.
 DTensor), the other random dropouts (``dropout1d/2d/3d``, ``alpha_dropout``,
 ``feature_alpha_dropout``) and ``scaled_dot_product_attention`` with ``dropout_p > 0``
 (use ``attn_implementation="eager"`` for attention dropout to be per-sample).
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SampleDropout", "mix_seed", "per_sample_dropout"]
+__all__ = ["DropoutSites", "SampleDropout", "mix_seed", "per_sample_dropout"]
 
 _M64 = (1 << 64) - 1
 
