@@ -305,7 +305,7 @@ def test_mask_keys_and_hash_match_their_definition():
     the Python reference's bits, with no int64 overflow on the way."""
     import numpy as np
 
-    from raylm.models.dropout import _keep_numpy, _keep_torch
+    from raylm.models.dropout import _keep_numpy, _keep_torch, mask_cpu, mask_device
 
     sd = SampleDropout(7, 3, [10, -1, 12, 2**40])
     keys = sd.keys(5)
@@ -317,6 +317,9 @@ def test_mask_keys_and_hash_match_their_definition():
     hi = torch.tensor([int(k) >> 32 for k in keys])
     assert np.array_equal(_keep_numpy(keys, n, thresh), reference)
     assert np.array_equal(_keep_torch(lo, hi, n, thresh).numpy(), reference)
+    # The scaled masks off the CPU (torch's operations, where no Triton) and on it: equal.
+    x = torch.ones(4, 3, 1000)
+    assert torch.equal(mask_device(lo, hi, x, 0.3), mask_cpu(keys, x, 0.3))
     assert abs(reference.mean() - 0.7) < 0.02
     # A mask through F.dropout is that mask, scaled.
     x = torch.ones(4, 3, 1000)

@@ -45,6 +45,8 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.module import (register_module_forward_hook,
+                                     register_module_forward_pre_hook)
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["DropoutSites", "SampleDropout", "mix_seed", "per_sample_dropout"]
@@ -133,7 +135,7 @@ def _hash32_numpy(x: np.ndarray) -> np.ndarray:
 def _keep_numpy(keys: np.ndarray, n: int, thresh: int) -> np.ndarray:
     """``_keep_torch``'s mask on the CPU, in 32-bit numpy (two to four times faster
     there than int64 torch, and than drawing from a generator per row)."""
-    lo, hi = (keys & np.uint64(_M32)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
+    lo, hi = _halves(keys).astype(np.uint32)
     x = _hash32_numpy(np.arange(n, dtype=np.uint32)[None, :] ^ lo[:, None])
     x ^= hi[:, None]
     return (_hash32_numpy(x) >> np.uint32(8)) >= np.uint32(thresh)
@@ -159,16 +161,27 @@ def _halves(keys: np.ndarray) -> np.ndarray:
     return np.stack([keys & np.uint64(_M32), keys >> np.uint64(32)]).astype(np.int64)
 
 
-def keep_scaled(keys: np.ndarray, x: torch.Tensor, p: float, halves=None) -> torch.Tensor:
-    """The dropout mask of ``x`` (rows: dim 0) from each row's 64-bit key: ``1 / (1 -
-    p)`` where kept, else 0, in x's dtype and shape, computed on x's device (off the CPU
-    from ``halves``, the keys' (low, high) 32 bits there, when given)."""
-    n = x.numel() // max(x.shape[0], 1)
-    thresh = math.ceil(p * (1 << 24))  # kept: a uniform 24-bit draw >= p
-    if x.device.type == "cpu":
-        keep = torch.from_numpy(_keep_numpy(keys, n, thresh)).view(x.shape)
-        return keep.to(dtype=x.dtype).div_(1.0 - p)
-    lo, hi = halves if halves is not None else _on(x.device, torch.from_numpy(_halves(keys)))
+def _threshold(x: torch.Tensor, p: float) -> tuple:
+    """(elements per row of ``x``, the 24-bit threshold a kept element's draw reaches)."""
+    return x.numel() // max(x.shape[0], 1), math.ceil(p * (1 << 24))
+
+
+def _scaled(keep: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
+    return keep.view(x.shape).to(dtype=x.dtype).div_(1.0 - p)
+
+
+def mask_cpu(keys: np.ndarray, x: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout mask of a CPU tensor ``x`` (rows: dim 0) from each row's 64-bit key:
+    ``1 / (1 - p)`` where kept, else 0, in x's dtype and shape."""
+    n, thresh = _threshold(x, p)
+    return _scaled(torch.from_numpy(_keep_numpy(keys, n, thresh)), x, p)
+
+
+def mask_device(lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
+    """``mask_cpu``'s mask, bit for bit, of ``x`` off the CPU, from the keys' low and high
+    32 bits (int64, on x's device): one Triton kernel on a GPU, else torch's integer
+    operations."""
+    n, thresh = _threshold(x, p)
     # (float64 masks by torch: the kernel's scale is a float32, which a float64 mask's
     # division by 1 - p is not)
     kernel = _kernel() if x.device.type == "cuda" and x.dtype != torch.float64 else None
@@ -180,8 +193,7 @@ def keep_scaled(keys: np.ndarray, x: torch.Tensor, p: float, halves=None) -> tor
             return kernel(out, lo, hi, n, thresh, scale)
         except Exception as e:  # a GPU Triton cannot build for: the same bits by torch
             _give_up_kernel(e)
-    keep = _keep_torch(lo, hi, n, thresh).view(x.shape)
-    return keep.to(dtype=x.dtype).div_(1.0 - p)
+    return _scaled(_keep_torch(lo, hi, n, thresh), x, p)
 
 
 def _give_up_kernel(error: Exception) -> None:
@@ -320,10 +332,8 @@ class SampleDropout(TorchFunctionMode):
             self.fallbacks += 1
             return func(*args, **kwargs)
         drawn = self._drawn(index, x.device)
-        if drawn is None:
-            mask = keep_scaled(self.keys(index), x, p)
-        else:
-            mask = keep_scaled(None, x, p, (drawn[0], drawn[1]))
+        mask = (mask_cpu(self.keys(index), x, p) if drawn is None
+                else mask_device(drawn[0], drawn[1], x, p))
         return x.mul_(mask) if inplace else x * mask
 
     def keys(self, index: int) -> np.ndarray:
@@ -416,9 +426,6 @@ class DropoutSites:
     def start_probe(self) -> None:
         if self.ready or self._off:
             return
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
-
         self.probing, self._stack, self._sites = True, [], {}
         self._global = [register_module_forward_pre_hook(self._push),
                         register_module_forward_hook(self._pop, always_call=True)]
