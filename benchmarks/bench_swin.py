@@ -67,8 +67,8 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> fl
 
 
 def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str) -> tuple:
-    """(median ms per step over the second half of the steps, forward+backward ms) of
-    raylm on one rank."""
+    """(median ms per step over the second half of the steps, {part: median ms} of the
+    step's breakdown) of raylm on one rank."""
     from digits_vit import SWIN
     from raylm import TrainConfig, train
 
@@ -82,9 +82,10 @@ def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str) -> tu
         disable_tqdm=True, bf16=bf16))
     late = result.history[len(result.history) // 2:]
     step = statistics.median(h["step_time_s"] for h in late)
-    fwd = statistics.median(h["breakdown"]["forward_backward_s"] for h in late
-                            if h.get("breakdown"))
-    return 1000 * step, 1000 * fwd
+    parts = [h["breakdown"] for h in late if h.get("breakdown")]
+    keys = sorted({k for b in parts for k in b})
+    return 1000 * step, {k[:-2] if k.endswith("_s") else k:
+                         1000 * statistics.median(b.get(k, 0.0) for b in parts) for k in keys}
 
 
 def main(argv=None) -> int:
@@ -114,14 +115,15 @@ def main(argv=None) -> int:
                                                  args.bf16)}
     ray.init(num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
-    rows["raylm"], fwd = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
+    rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
     ray.shutdown()
     base = rows["plain"]
     print(f"digits Swin, batch {args.batch}, {args.device}, "
           f"{'bf16' if args.bf16 else 'fp32'}, {args.steps} steps")
     for name, ms in rows.items():
         print(f"  {name:<26} {ms:8.2f} ms/step   {base / ms:5.2f} of the plain loop")
-    print(f"  raylm's forward+backward   {fwd:8.2f} ms")
+    print("  raylm's step (medians, ms): " + ", ".join(f"{k} {v:.2f}"
+                                                      for k, v in parts.items()))
     print(json.dumps({k: round(v, 3) for k, v in rows.items()}))
     return 0
 
