@@ -136,6 +136,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     scale = cfg.initial_loss_scale
     assert [h["loss_scale"] for h in hist] == [scale, 2 * scale, scale]
     assert hist[-1]["loss_scale_after"] == {"scale": 2 * scale, "good": 0}
+    # Step 2 went out as soon as step 1 answered, its scale from step 1's state after (no
+    # checkpoint or evaluation was due between them); step 3 waited for step 2's save.
+    assert result.metrics["steps_sent_ahead"] == 1
     # A checkpoint keeps the scale after its step (a restore or resume goes on from it).
     state = read_trainer_state(CheckpointManager(cfg.output_dir).path_for(2))
     assert state["loss_scale"] == {"scale": scale, "good": 0}

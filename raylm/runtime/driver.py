@@ -137,6 +137,7 @@ class Driver:
         self.growth_pgs: list = []
         self.newcomers = None
         self.grow_check_s = 1.0  # how often the step loop looks for new capacity
+        self.sent_ahead = 0  # steps sent before the driver's work on the step before
         self.last_grow_check = 0.0
         self.pg = None
         # Where each rank actor sits, parallel to self.workers: (placement group, bundle).
@@ -413,14 +414,15 @@ class Driver:
         timeout_s = timeout_s or self.cfg.collective_timeout_s + 60
         pending = list(refs)
         deadline = time.time() + timeout_s
+        got = {}
         try:
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1,
                                           timeout=max(0.0, deadline - time.time()))
                 if not ready:
                     raise WorkerFailure(f"no answer from the ranks in {timeout_s:.0f} s")
-                ray.get(ready[0])  # raises if that rank failed
-            return ray.get(refs)
+                got[ready[0]] = ray.get(ready[0])  # raises if that rank failed
+            return [got[ref] for ref in refs]
         except (RayActorError, RayTaskError, GetTimeoutError) as e:
             raise WorkerFailure(_first_line(e)) from e
 
@@ -561,6 +563,8 @@ class Driver:
             "train_tokens_per_second": tokens / train_runtime if train_runtime > 0 else 0.0,
             "failures": run.failures,
             "world_size": run.plan.world_size,
+            # steps sent to the ranks as soon as the step before answered (_run_steps)
+            "steps_sent_ahead": self.sent_ahead,
             "startup_s": {**self.startup, **({"first_step": trained[0]["step_time_s"]}
                                              if trained else {})},
         })
@@ -629,24 +633,44 @@ class Driver:
         def stream_wait():
             return data.stream.stats.wait_s if data.stream is not None else 0.0
 
+        def send(step, scale):
+            """Send ``step`` to every rank (with the last step's commit); the driver's
+            wait for the stream's blocks meanwhile."""
+            waited = stream_wait()
+            self.inflight = submit(step, scale.scale if scale else 1.0)
+            return stream_wait() - waited
+
+        def may_send_ahead(step):
+            """Whether the step after ``step`` done ones can be sent as soon as ``step``'s
+            answers are in, before the driver's own work on them (the record, the log,
+            the progress bar, the look for room to grow): nothing is due between the two
+            steps that reads or changes the ranks' state or the plan (an evaluation, a
+            checkpoint, newcomers to take in, a callback, the run's end). The ranks get
+            the same calls in the same order either way: only the driver's own work
+            moves off the step boundary, which the ranks sit idle through."""
+            return (step < steps and not self.callbacks and self.newcomers is None
+                    and not evaluates_after(step) and not saves_after(step))
+
         t_last = time.time()
         self.last_grow_check = time.time()
+        sent, ahead = None, (None, 0.0)  # the step sent ahead, (its scale, stream wait)
         while run.step < steps:
-            if self._grow_at_boundary():
-                self._resize_event(plan.world_size)
-                return  # the caller runs the remaining steps under the larger plan
-            # Every rank prepares the step (forward, backward, gradient sync, clip); once
-            # all have, it is committed: each rank applies it first thing in its next
-            # call, the next step's or a commit of its own. A step that fails on any rank
-            # commits on none.
-            scale = self._loss_scale()
-            waited = stream_wait()
-            try:
-                self.inflight = submit(run.step, scale.scale if scale else 1.0)
-            except DataStreamError:
-                self._stop_on_data_error(sampler, fingerprint)
-                raise
-            waited = stream_wait() - waited
+            if sent == run.step:
+                scale, waited = ahead
+            else:
+                if self._grow_at_boundary():
+                    self._resize_event(plan.world_size)
+                    return  # the caller runs the remaining steps under the larger plan
+                # Every rank prepares the step (forward, backward, gradient sync, clip);
+                # once all have, it is committed: each rank applies it first thing in
+                # its next call, the next step's or a commit of its own. A step that
+                # fails on any rank commits on none.
+                scale = self._loss_scale()
+                try:
+                    waited = send(run.step, scale)
+                except DataStreamError:
+                    self._stop_on_data_error(sampler, fingerprint)
+                    raise
             results = self._wait(self.inflight)
             self.uncommitted = run.step
             run.step += 1
@@ -654,6 +678,17 @@ class Driver:
             overflow = _overflow(results)
             now = time.time()
             wall, t_last = now - t_last, now
+            data_error = None
+            if may_send_ahead(run.step):
+                # fp16: the next step's scale is this step's state after (_loss_scale)
+                after = scale.after(overflow, cfg.loss_scale_window) if scale else None
+                try:
+                    ahead, sent = (after, send(run.step, after)), run.step
+                    self.sent_ahead += 1
+                except DataStreamError as e:  # raised once this step is recorded
+                    data_error = e
+                else:  # (no newcomers: this only looks for room, and may start some)
+                    self._grow_at_boundary()
             # Throughput counts the tokens the model read: a causal LM's labels are its
             # inputs (shifted), masked LM's and span corruption's a sample of them.
             read = (len(sampler.global_batch(run.step - 1)) * self.block_size
@@ -723,6 +758,9 @@ class Driver:
                     f"{entry['tokens_per_second']:,.0f} tokens/s"
                     + (f"  mfu {mfu:.1%}" if mfu is not None else ""))
                 window_tokens, window_start, window_steps = 0, time.time(), 0
+            if data_error is not None:
+                self._stop_on_data_error(sampler, fingerprint)
+                raise data_error
             if evaluates_after(run.step):
                 self.best.observe(run.step, self._eval(data))
             if saves_after(run.step):
