@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,8 +27,11 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
 
-def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> float:
-    """ms per step of a plain loop: forward, loss, backward, clip, fused AdamW."""
+def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool,
+             trace: str | None = None) -> float:
+    """ms per step of a plain loop: forward, loss, backward, clip, fused AdamW.
+    ``trace``: first trace 3 steps with torch.profiler into that file (as raylm's
+    --profile traces its steps; not the timed ones)."""
     import torch
 
     from digits_vit import SWIN
@@ -58,6 +62,17 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> fl
     for i in range(warm):
         step(i)
     sync()
+    if trace:
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                on_trace_ready=lambda p: p.export_chrome_trace(trace)) as prof:
+            for i in range(5):
+                step(warm + i)
+                prof.step()
+        sync()
     t = time.perf_counter()
     for i in range(steps):
         loss = step(warm + i)
@@ -66,9 +81,11 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool) -> fl
     return 1000 * (time.perf_counter() - t) / steps
 
 
-def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str) -> tuple:
+def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str,
+             trace: str | None = None) -> tuple:
     """(median ms per step over the second half of the steps, {part: median ms} of the
-    step's breakdown) of raylm on one rank."""
+    step's breakdown) of raylm on one rank; ``trace``: its --profile trace of steps 3-5
+    copied to that file."""
     from digits_vit import SWIN
     from raylm import TrainConfig, train
 
@@ -79,7 +96,9 @@ def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str) -> tu
         output_dir=out, use_gpu=device == "cuda", num_workers=1,
         per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
         logging_steps=1, save_steps=10 ** 6, do_eval=False, report_to=["none"],
-        disable_tqdm=True, bf16=bf16))
+        disable_tqdm=True, bf16=bf16, profile=bool(trace), profile_steps=3))
+    if trace:
+        shutil.copy(os.path.join(result.output_dir, "profile", "rank-0.json"), trace)
     late = result.history[len(result.history) // 2:]
     step = statistics.median(h["step_time_s"] for h in late)
     parts = [h["breakdown"] for h in late if h.get("breakdown")]
@@ -96,6 +115,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--images", help="the digits folder written already (its train/), "
                     "where scikit-learn is not installed")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="trace 3 steps of the plain loop with the draws and of raylm with "
+                    "torch.profiler into DIR (plain-draws.json, raylm.json) and print the "
+                    "host's ops per step of each, the ops whose count differs most and, "
+                    "on a GPU, where the GPU sits idle (bench_gpu.py's reading)")
     args = ap.parse_args(argv)
 
     import ray
@@ -110,12 +134,18 @@ def main(argv=None) -> int:
     if images is None:
         images = tempfile.mkdtemp(prefix="digits-")
         write_digits(images)
+    traces = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        traces = {k: os.path.join(args.profile, k + ".json") for k in ("plain-draws", "raylm")}
     rows = {"plain": plain_ms(args.device, args.steps, args.batch, False, args.bf16),
             "plain + per-sample draws": plain_ms(args.device, args.steps, args.batch, True,
-                                                 args.bf16)}
+                                                 args.bf16,
+                                                 traces and traces["plain-draws"])}
     ray.init(num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
-    rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
+    rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images,
+                                    traces and traces["raylm"])
     ray.shutdown()
     base = rows["plain"]
     print(f"digits Swin, batch {args.batch}, {args.device}, "
@@ -125,7 +155,44 @@ def main(argv=None) -> int:
     print("  raylm's step (medians, ms): " + ", ".join(f"{k} {v:.2f}"
                                                       for k, v in parts.items()))
     print(json.dumps({k: round(v, 3) for k, v in rows.items()}))
+    if traces:
+        print_traces(traces, args.device == "cuda")
     return 0
+
+
+def host_ops(path: str, steps: int = 3) -> dict:
+    """How many times each CPU op ran per traced step (every level of nesting)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    counts = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            counts[e["name"]] = counts.get(e["name"], 0.0) + 1.0 / steps
+    return counts
+
+
+def print_traces(traces: dict, cuda: bool) -> None:
+    """raylm's traced steps against the plain loop's with the same draws: the host's ops
+    per step, the ops whose count differs most, and on a GPU its busy and idle time."""
+    from benchmarks.bench_gpu import idle_gaps, kernel_times
+
+    mine, theirs = host_ops(traces["raylm"]), host_ops(traces["plain-draws"])
+    print(f"host ops per step: raylm {sum(mine.values()):,.0f}, plain loop with the draws "
+          f"{sum(theirs.values()):,.0f}; most different (raylm, plain):")
+    for k in sorted(set(mine) | set(theirs),
+                    key=lambda k: -abs(mine.get(k, 0.0) - theirs.get(k, 0.0)))[:12]:
+        print(f"  {mine.get(k, 0.0):>8.1f} {theirs.get(k, 0.0):>8.1f}  {k[:100]}")
+    if not cuda:
+        return
+    for name, path in traces.items():
+        _, busy = kernel_times(path)
+        g = idle_gaps(path)
+        print(f"{name}: GPU busy {busy:.2f} ms a step, idle {g['total']:.2f} ms in "
+              f"{g['count']:.0f} gaps; by region: " + ", ".join(
+                  f"{k} {v:.2f}" for k, v in sorted(g["by_region"].items(),
+                                                    key=lambda kv: -kv[1])[:6]))
+        for k, v in sorted(g["by_op"].items(), key=lambda kv: -kv[1])[:8]:
+            print(f"  {v:>8.3f} ms  {k[:100]}")
 
 
 if __name__ == "__main__":
