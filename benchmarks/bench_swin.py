@@ -26,6 +26,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
+from benchmarks.bench_gpu import kernel_times, print_idle  # noqa: E402
+from benchmarks.bench_throughput import median_parts  # noqa: E402
+
 
 def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool,
              trace: str | None = None) -> float:
@@ -101,10 +104,8 @@ def raylm_ms(device: str, steps: int, batch: int, bf16: bool, images: str,
         shutil.copy(os.path.join(result.output_dir, "profile", "rank-0.json"), trace)
     late = result.history[len(result.history) // 2:]
     step = statistics.median(h["step_time_s"] for h in late)
-    parts = [h["breakdown"] for h in late if h.get("breakdown")]
-    keys = sorted({k for b in parts for k in b})
-    return 1000 * step, {k[:-2] if k.endswith("_s") else k:
-                         1000 * statistics.median(b.get(k, 0.0) for b in parts) for k in keys}
+    parts = median_parts([h["breakdown"] for h in late if h.get("breakdown")], 0)
+    return 1000 * step, {k.removesuffix("_s"): 1000 * v for k, v in parts.items()}
 
 
 def main(argv=None) -> int:
@@ -174,8 +175,6 @@ def host_ops(path: str, steps: int = 3) -> dict:
 def print_traces(traces: dict, cuda: bool) -> None:
     """raylm's traced steps against the plain loop's with the same draws: the host's ops
     per step, the ops whose count differs most, and on a GPU its busy and idle time."""
-    from benchmarks.bench_gpu import idle_gaps, kernel_times
-
     mine, theirs = host_ops(traces["raylm"]), host_ops(traces["plain-draws"])
     print(f"host ops per step: raylm {sum(mine.values()):,.0f}, plain loop with the draws "
           f"{sum(theirs.values()):,.0f}; most different (raylm, plain):")
@@ -185,14 +184,8 @@ def print_traces(traces: dict, cuda: bool) -> None:
     if not cuda:
         return
     for name, path in traces.items():
-        _, busy = kernel_times(path)
-        g = idle_gaps(path)
-        print(f"{name}: GPU busy {busy:.2f} ms a step, idle {g['total']:.2f} ms in "
-              f"{g['count']:.0f} gaps; by region: " + ", ".join(
-                  f"{k} {v:.2f}" for k, v in sorted(g["by_region"].items(),
-                                                    key=lambda kv: -kv[1])[:6]))
-        for k, v in sorted(g["by_op"].items(), key=lambda kv: -kv[1])[:8]:
-            print(f"  {v:>8.3f} ms  {k[:100]}")
+        print(f"{name}: GPU busy {kernel_times(path)[1]:.2f} ms a step")
+    print_idle({name: {"trace": path} for name, path in traces.items()}, list(traces))
 
 
 if __name__ == "__main__":

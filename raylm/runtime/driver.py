@@ -678,10 +678,10 @@ class Driver:
             overflow = _overflow(results)
             now = time.time()
             wall, t_last = now - t_last, now
+            # fp16: the scale's state after this step (the next step's: _loss_scale)
+            after = scale.after(overflow, cfg.loss_scale_window) if scale else None
             data_error = None
             if may_send_ahead(run.step):
-                # fp16: the next step's scale is this step's state after (_loss_scale)
-                after = scale.after(overflow, cfg.loss_scale_window) if scale else None
                 try:
                     ahead, sent = (after, send(run.step, after)), run.step
                     self.sent_ahead += 1
@@ -709,7 +709,6 @@ class Driver:
                    "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
                    "world_size": plan.world_size}
             if scale is not None:  # fp16: the scale used, and the state after the step
-                after = scale.after(overflow, cfg.loss_scale_window)
                 rec.update({"loss_scale": scale.scale, "skipped": overflow,
                             "loss_scale_after": after.to_dict()})
                 if overflow:
