@@ -34,7 +34,7 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool,
              trace: str | None = None) -> float:
     """ms per step of a plain loop: forward, loss, backward, clip, fused AdamW.
     ``trace``: first trace 3 steps with torch.profiler into that file (as raylm's
-    --profile traces its steps; not the timed ones)."""
+    --profile traces its steps; not the timed ones; ``steps`` 0: only that)."""
     import torch
 
     from digits_vit import SWIN
@@ -76,6 +76,8 @@ def plain_ms(device: str, steps: int, batch: int, draws: bool, bf16: bool,
                 step(warm + i)
                 prof.step()
         sync()
+    if not steps:
+        return 0.0
     t = time.perf_counter()
     for i in range(steps):
         loss = step(warm + i)
@@ -141,12 +143,16 @@ def main(argv=None) -> int:
         traces = {k: os.path.join(args.profile, k + ".json") for k in ("plain-draws", "raylm")}
     rows = {"plain": plain_ms(args.device, args.steps, args.batch, False, args.bf16),
             "plain + per-sample draws": plain_ms(args.device, args.steps, args.batch, True,
-                                                 args.bf16,
-                                                 traces and traces["plain-draws"])}
+                                                 args.bf16)}
     ray.init(num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
-    rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images,
-                                    traces and traces["raylm"])
+    rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
+    if traces:
+        # Traced in runs of their own, after the timed ones: on the H200 the steps of a
+        # raylm run after its traced ones took 41.4 ms where a run without tracing took
+        # 24.9 (the same day, the same code).
+        plain_ms(args.device, 0, args.batch, True, args.bf16, traces["plain-draws"])
+        raylm_ms(args.device, 8, args.batch, args.bf16, images, traces["raylm"])
     ray.shutdown()
     base = rows["plain"]
     print(f"digits Swin, batch {args.batch}, {args.device}, "

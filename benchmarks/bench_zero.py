@@ -16,7 +16,7 @@ data, same seed, same global batch in micro-batches of the same size (so dp=2 ac
 twice as many per rank as dp=4), fp32, AdamW. Each rank actor gets 0.5 CPU and one torch
 thread (dp=4: 4 actors on the 2 cores).
 
-Two tables. The first, per run: tokens/s from the median steady-state step time (the
+Three tables. The first, per run: tokens/s from the median steady-state step time (the
 driver's wall time of a step; warm-up steps dropped), its ratio to stage 0 at the same dp,
 each rank's peak resident memory up to the end of the last step (the process's
 ru_maxrss: Python, torch and Ray included; the final save is after it) as max / mean over
@@ -32,6 +32,11 @@ saved (at stage 3 it comes out higher by the size of the tied embedding, vocabul
 n_embd x 4 bytes: FSDP2 keeps the root unit's gathered parameters, the head's weight
 among them, from forward to backward, and autograd saves that gathered tensor, which the
 meter does not take for a parameter).
+
+A third table: where a step goes, each part's median over the timed steps in ms (the
+slowest rank's, as metrics.jsonl's ``breakdown``: data wait, forward and backward, the
+gradient sync backward did not hide, clip, optimizer, the driver's round trip), and what
+is left of the driver's step time.
 
 Peak RSS is a high-water mark of the whole process. With glibc's default the mmap
 threshold grows as large blocks are freed, after which freed tensors stay in the heap
@@ -62,6 +67,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.bench_layouts import (add_run_args, apply_preset, overrides,  # noqa: E402
                                        run_config)  # (the same model, batch and flags)
+from benchmarks.bench_throughput import median_parts  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
 DPS = (2, 4)
@@ -116,7 +122,9 @@ def run_zero(args, name, stage, dp, reshard, cache, work) -> dict:
             "theory_total_max": max(sum(r["theory"].values()) for r in ranks),
             "ratio_min": min(ratios), "ratio_max": max(ratios),
             "activations_max": max(r["activations"] for r in ranks),
-            "ranks": ranks, "losses": [h["loss"] for h in hist]}
+            "ranks": ranks, "losses": [h["loss"] for h in hist],
+            "parts": median_parts([h["breakdown"] for h in hist if h.get("breakdown")],
+                                  args.warmup)}
 
 
 def main(argv=None) -> int:
@@ -192,6 +200,15 @@ def main(argv=None) -> int:
               f" {pair(r['held_max'], r['theory_total_max']):>15} "
               f"{r['ratio_min']:>6.3f}-{r['ratio_max']:.3f} "
               f"{r['activations_max'] / mib:>7.2f} MiB")
+    parts = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
+             "boundary_idle_s")
+    print("\nwhere a step goes, ms (medians over the timed steps; each step's slowest rank)")
+    print(f"{'run':<11} {'s/step':>7} " + " ".join(f"{p[:-2].replace('_', ' '):>16}"
+                                                  for p in parts) + f" {'rest':>8}")
+    for r in rows:
+        got = [1000 * r["parts"].get(p, 0.0) for p in parts]
+        print(f"{r['name']:<11} {r['median_s']:>7.3f} " + " ".join(f"{v:>16.1f}" for v in got)
+              + f" {1000 * r['median_s'] - sum(got):>8.1f}")
     if rows:
         psi = rows[0]["ranks"][0]["replica_elements"]
         print(f"\nPsi (parameters of one replica) = {psi:,}; theory per rank = "

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raylm.parallel.clip import reduce_partial, sharded_groups
-from raylm.parallel.data import GradientAllReduce, GradientSync, bucket_params, local_tensor
+from raylm.parallel.data import (GradientAllReduce, GradientSync, bucket_params, local_tensor,
+                                 reduce_scatter_by_all_reduce)
 from raylm.parallel.checkpoint_form import PartitionedOptimizerForm
 from raylm.plan.zero import owned_rows
 
@@ -157,6 +158,7 @@ class _Partitioned(GradientSync):
         self.layouts = [BucketLayout([local_tensor(p).shape for p in b], self.size, self.dp_rank)
                         for b in self.buckets]
         self.loss = None
+        self.sum_whole = reduce_scatter_by_all_reduce(group)
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's loss summed over dp: after the gradients, so every rank makes its
@@ -172,6 +174,12 @@ class _Partitioned(GradientSync):
         device = local_tensor(self.buckets[i][0]).device
         staging = layout.pack(grads, torch.empty(layout.section * self.size, dtype=dtype,
                                                  device=device))
+        if self.size > 1 and self.sum_whole:
+            # (see reduce_scatter_by_all_reduce) this rank's section of the whole sum: a
+            # view, read once the work is done (staging lives until then, in inflight)
+            work = dist.all_reduce(staging, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
+            return work, staging, staging.view(self.size, -1)[self.dp_rank]
         out = torch.empty(layout.section, dtype=dtype, device=device)
         work = None
         if self.size > 1:
