@@ -68,6 +68,7 @@ sys.path.insert(0, REPO)
 from benchmarks.bench_layouts import (add_run_args, apply_preset, overrides,  # noqa: E402
                                        run_config)  # (the same model, batch and flags)
 from benchmarks.bench_throughput import median_parts  # noqa: E402
+from raylm.runtime.profiling import BREAKDOWN  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
 DPS = (2, 4)
@@ -200,8 +201,7 @@ def main(argv=None) -> int:
               f" {pair(r['held_max'], r['theory_total_max']):>15} "
               f"{r['ratio_min']:>6.3f}-{r['ratio_max']:.3f} "
               f"{r['activations_max'] / mib:>7.2f} MiB")
-    parts = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
-             "boundary_idle_s")
+    parts = BREAKDOWN  # (metrics.jsonl's parts, in their order)
     print("\nwhere a step goes, ms (medians over the timed steps; each step's slowest rank)")
     print(f"{'run':<11} {'s/step':>7} " + " ".join(f"{p[:-2].replace('_', ' '):>16}"
                                                   for p in parts) + f" {'rest':>8}")

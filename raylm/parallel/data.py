@@ -246,7 +246,7 @@ def reduce_scatter_by_all_reduce(group) -> bool:
     """Whether ZeRO's gradient reduce-scatters over ``group`` (stages 1 and 2) go as an
     all-reduce of the whole buffer, each rank keeping its own section of the sum: on
     gloo, whose reduce-scatter is slower than its all-reduce of the same buffer (the
-    2-core machine, 17 MB: 4 ranks 48 against 35 ms, 2 ranks 27 against 20 ms; the
+    2-core machine, 17 MB: 4 ranks 48 against 35 ms, 2 ranks 21-28 against 14-20; the
     README's ZeRO stages). The whole buffer is there anyway (the reduce-scatter's
     input); NCCL's reduce-scatter is kept. (Stage 3's, inside FSDP2, through its
     ``set_custom_reduce_scatter``, measured no faster: 0.83 of stage 0 against 0.82.)"""

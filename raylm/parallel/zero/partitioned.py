@@ -174,7 +174,7 @@ class _Partitioned(GradientSync):
         device = local_tensor(self.buckets[i][0]).device
         staging = layout.pack(grads, torch.empty(layout.section * self.size, dtype=dtype,
                                                  device=device))
-        if self.size > 1 and self.sum_whole:
+        if self.sum_whole:  # (more than one rank, over gloo)
             # (see reduce_scatter_by_all_reduce) this rank's section of the whole sum: a
             # view, read once the work is done (staging lives until then, in inflight)
             work = dist.all_reduce(staging, op=dist.ReduceOp.SUM, group=self.group,
