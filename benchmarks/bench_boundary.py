@@ -91,8 +91,9 @@ def main(argv=None) -> int:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
+    from raylm.runtime.cluster import start_local
+
+    start_local(num_cpus=2, log_to_driver=False)  # as `raylm train` starts Ray
     try:
         print(f"{'ranks':>5} {'bare actor':>11} {'raylm':>8} {'raylm - bare':>13} "
               f"{'raylm step':>11} {'sent ahead':>11}")

@@ -68,6 +68,7 @@ def main(argv=None) -> int:
 
     from raylm import TrainConfig, keep_ranks, train
     from raylm.data.sources import builtin_sample_files
+    from raylm.runtime.cluster import start_local
     from raylm.runtime.driver import STARTUP_PARTS
 
     play = [f for f in builtin_sample_files() if f.endswith("macbeth.txt")][0]
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
         for workers in (1, 2):
             rows[f"cold-{workers}"] = [cold(os.path.join(work, f"c{workers}-{i}"), cache, play,
                                             workers) for i in range(args.runs)]
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        start_local(num_cpus=2, log_to_driver=False)  # as `raylm train` starts Ray
         train(TrainConfig(**flags(os.path.join(work, "first"), cache, play, 1)))
         for workers in (1, 2):
             runs = []

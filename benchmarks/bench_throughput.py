@@ -213,6 +213,7 @@ def main(argv=None) -> int:
     import ray
 
     from raylm.config import TrainConfig
+    from raylm.runtime.cluster import start_local, stop_ray_data_actors
     from raylm.data.sources import builtin_sample_files
     from raylm.data.tokenized import build_tokenized_dataset
     from raylm.models.loading import resolve_model
@@ -224,10 +225,10 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in rows}
 
     def start_ray():
-        # address="local": a cluster of our own even when another `ray start` cluster runs
-        # on this machine (a bare ray.init() would join that one).
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        # The local cluster `raylm train` starts for itself (a cluster of our own even when
+        # another `ray start` cluster runs on this machine; Ray's processes as raylm
+        # tunes them, raylm.runtime.cluster.start_local).
+        start_local(num_cpus=2, log_to_driver=False)
 
     try:
         # The model raylm will build, resolved by raylm itself; the baselines build the same
@@ -243,6 +244,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         ds = build_tokenized_dataset(files, spec.tokenizer_dir, args.block_size,
                                      cache_root=cache)
+        stop_ray_data_actors()  # as `raylm train` does on its own cluster, data ready
         print(f"data: {ds.num_samples} blocks of {ds.block_size} tokens "
               f"({'cached' if ds.reused else f'tokenized in {time.time() - t0:.1f} s'}); "
               f"vocab {spec.vocab_size}; model gpt2 {config_overrides(args)}; "

@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
 
+    from raylm.runtime.cluster import start_local
+
     logging.basicConfig(level=logging.WARNING)
     if args.malloc_mmap_threshold:  # inherited by the raylet ray.init starts, so by actors
         for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -147,8 +149,7 @@ def main(argv=None) -> int:
                                                  if args.malloc_mmap_threshold else ""),
           flush=True)
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        start_local(num_cpus=2, log_to_driver=False)  # as `raylm train` starts Ray
         rounds: dict = {}
         for k in range(args.rounds):
             for name, stage, dp, reshard in RUNS:

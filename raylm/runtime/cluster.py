@@ -29,10 +29,71 @@ def connect(address: str | None) -> bool:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         log.info("starting a local Ray cluster")
-        # address="local": a bare ray.init() would join any cluster that `ray start` (or
-        # another program) left running on this machine, silently.
-        ray.init(address="local", logging_level=logging.WARNING, include_dashboard=False)
+        start_local()
     return True
+
+
+# What a Ray cluster that raylm starts for itself (no --address) leaves out: what only a
+# dashboard reads, and it has none. Ray's own processes poll while the ranks train, and on
+# a machine whose cores the ranks fill that CPU comes out of the step
+# (benchmarks/bench_ray_idle.py: README, Benchmarks, "What Ray's own processes take"):
+# - enable_metrics_collection: the metrics every process exports for the dashboard's
+#   Prometheus (raylm writes its own, metrics.jsonl);
+# - task_events_report_interval_ms: task events for the State API and the timeline;
+# - REPORTER_UPDATE_INTERVAL_MS (read by the dashboard agent): its node and process stats,
+#   every 5 s by default (the agent 0.65-0.8% of one core -> 0.15-0.2%).
+# Kept: the workers Ray prestarts for a driver's first tasks, which idle on when no task
+# comes (about 1% of one core), because the first rank actor starts in one of them: 0.3 s
+# sooner (prestart_worker_first_driver off: 0.63 against 0.32-0.38 s).
+# A cluster raylm joins (--address, $RAY_ADDRESS) keeps its own settings.
+LOCAL_SYSTEM_CONFIG = {
+    "enable_metrics_collection": False,
+    "task_events_report_interval_ms": 0,
+}
+LOCAL_ENV = {"REPORTER_UPDATE_INTERVAL_MS": "60000"}
+
+
+def start_local(**init_kwargs) -> None:
+    """Start a Ray cluster of this driver's own, with LOCAL_SYSTEM_CONFIG and LOCAL_ENV
+    (a variable already set is kept); ``init_kwargs`` go to ``ray.init``."""
+    # address="local": a bare ray.init() would join any cluster that `ray start` (or
+    # another program) left running on this machine, silently.
+    kwargs = dict(address="local", logging_level=logging.WARNING, include_dashboard=False,
+                  _system_config=LOCAL_SYSTEM_CONFIG)
+    kwargs.update(init_kwargs)
+    # The agent reads the variable when the raylet starts it, during ray.init: set only
+    # for that call (the driver's own environment stays as it was).
+    added = {k: v for k, v in LOCAL_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        ray.init(**kwargs)
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+# Ray Data's detached actors (name, namespace): its stats actor and its autoscaling
+# coordinator. Ray Data starts them at a dataset's first execution and leaves them for the
+# cluster's life, and each idle Ray process polls: 0.8% of one core each on the 2-core
+# development machine while the ranks train (benchmarks/bench_ray_idle.py). Ray Data gets
+# or creates them at each use, so stopping them once the data is ready costs a later
+# execution only their start.
+RAY_DATA_ACTORS = (("datasets_stats_actor", "_dataset_stats_actor"),
+                   ("AutoscalingCoordinator", "AutoscalingCoordinator"))
+
+
+def stop_ray_data_actors() -> int:
+    """Stop Ray Data's idle actors (RAY_DATA_ACTORS); returns how many were running. For
+    a cluster this driver started, once nothing reads through Ray Data any more (on a
+    cluster others share, their datasets may be using them)."""
+    stopped = 0
+    for name, namespace in RAY_DATA_ACTORS:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            stopped += 1
+        except ValueError:  # not started: no dataset ran on this cluster
+            pass
+    return stopped
 
 
 def capacity(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:

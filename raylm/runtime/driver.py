@@ -229,6 +229,10 @@ class Driver:
             with _timed(self.startup, "data"):
                 data = prepare_data(cfg, inputs)  # (stops kept ranks before tokenizing)
             self.stream = data.stream
+            if owns_ray and data.stream is None and not asked:
+                # The data are ready and Ray Data is done with this cluster of raylm's own
+                # (with a request for workers out, its coordinator holds the request).
+                cluster.stop_ray_data_actors()
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
