@@ -19,7 +19,9 @@ global batch, fp32:
 
 and raylm's defaults off: raylm-1-loop and raylm-2-loop are (b) and (d) with
 --optim adamw_torch (torch's AdamW loop, as the plain and DDP rows use) instead of the
-default fused kernel (adamw_torch_fused) -> ratios (b)/(b-loop), (d)/(d-loop).
+default fused kernel (adamw_torch_fused) -> ratios (b)/(b-loop), (d)/(d-loop);
+raylm-1-4k and raylm-2-4k with --huge_pages false (the rank processes' allocator in the
+system's 4 KiB pages) -> (b)/(b-4k), (d)/(d-4k).
 
 Timing: steady state only. Each run does --warmup + --steps optimizer steps and the first
 --warmup are dropped. raylm's per-step time is the driver's wall time of the step
@@ -111,7 +113,8 @@ def config_overrides(args) -> str:
             f"attn_pdrop={d if a is None else a}")
 
 
-def train_config(args, workers: int, out: str, cache: str, optim: str = "adamw_torch_fused"):
+def train_config(args, workers: int, out: str, cache: str, optim: str = "adamw_torch_fused",
+                 huge_pages: bool = True):
     from raylm import TrainConfig
 
     return TrainConfig(
@@ -123,7 +126,7 @@ def train_config(args, workers: int, out: str, cache: str, optim: str = "adamw_t
         learning_rate=5e-4, seed=42, do_eval=False, disable_tqdm=True,
         validation_split_percentage=0.0,  # train on every block, as the baselines do
         logging_steps=10**6, save_steps=10**6,  # only the final save, after the timing
-        num_workers=workers, cpus_per_worker=2 / workers, optim=optim)
+        num_workers=workers, cpus_per_worker=2 / workers, optim=optim, huge_pages=huge_pages)
 
 
 def summarize(name: str, procs: str, step_times: list, warmup: int, tokens_per_step: int,
@@ -185,7 +188,8 @@ def run_raylm(args, name: str, workers: int, cache: str, work: str) -> dict:
     out_dir = os.path.join(work, f"out-{name}")
     t0 = time.time()
     optim = "adamw_torch" if name.endswith("-loop") else "adamw_torch_fused"
-    result = train(train_config(args, workers, out_dir, cache, optim))
+    result = train(train_config(args, workers, out_dir, cache, optim,
+                                huge_pages=not name.endswith("-4k")))
     wall = time.time() - t0
     hist = sorted(result.history, key=lambda h: h["step"])
     r = summarize(name, f"{workers} x {max(1, 2 // workers)} thr",
@@ -198,12 +202,13 @@ def run_raylm(args, name: str, workers: int, cache: str, work: str) -> dict:
     return r
 
 
-ORDER = ("plain", "hf-trainer", "raylm-1", "raylm-1-loop", "ddp-2", "raytrain-2", "raylm-2",
-         "raylm-2-loop")
+ORDER = ("plain", "hf-trainer", "raylm-1", "raylm-1-loop", "raylm-1-4k", "ddp-2", "raytrain-2",
+         "raylm-2", "raylm-2-loop", "raylm-2-4k")
 # (row, against, goal): the issue's goals; None: a default on against off.
 GOALS = (("raylm-1", "plain", 1.0), ("raylm-1", "hf-trainer", 1.0), ("raylm-2", "ddp-2", 1.0),
          ("raylm-2", "raytrain-2", 1.05),
-         ("raylm-1", "raylm-1-loop", None), ("raylm-2", "raylm-2-loop", None))
+         ("raylm-1", "raylm-1-loop", None), ("raylm-2", "raylm-2-loop", None),
+         ("raylm-1", "raylm-1-4k", None), ("raylm-2", "raylm-2-4k", None))
 
 
 def main(argv=None) -> int:
@@ -307,7 +312,9 @@ def main(argv=None) -> int:
                   + ", ".join(f"{r:.3f}" for r in paired)
                   + (f" (median {statistics.median(paired):.3f}{met})" if len(paired) > 1
                      else met)
-                  + (f"   goal >= {goal}" if goal else "   (fused AdamW on / off)"))
+                  + (f"   goal >= {goal}" if goal else
+                     "   (fused AdamW on / off)" if b.endswith("-loop") else
+                     "   (--huge_pages on / off)"))
     if "raylm-2" in runs and "raytrain-2" in runs and runs["raylm-2"] and runs["raytrain-2"]:
         calls = [statistics.median(x["run_wall_s"] for x in runs[n])
                  for n in ("raylm-2", "raytrain-2")]

@@ -456,6 +456,11 @@ class TrainConfig:
         3, "Worker or node failures to recover from (restart from the latest checkpoint) "
         "before the run fails.", "cluster")
     use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "cluster")
+    huge_pages: bool = _f(
+        True, "Rank processes allocate in transparent huge pages (glibc's "
+        "glibc.malloc.hugetlb=1, where the kernel's THP mode is madvise): a tenth of the "
+        "page faults on the large tensors every step frees and allocates again. false: "
+        "the system's default. A GLIBC_TUNABLES of your own is kept either way.", "cluster")
     collective_timeout_s: float = _f(
         300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
 

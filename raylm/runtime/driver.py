@@ -300,7 +300,8 @@ class Driver:
             times = {"placement": time.time() - t0}
             with _timed(times, "processes"):
                 self.slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
-                self.workers = _rank_actors(plan, self.slots, range(n), n)
+                self.workers = _rank_actors(plan, self.slots, range(n), n,
+                                            self.cfg.huge_pages)
                 self.worker_info = self._wait([w.info.remote() for w in self.workers])
         for i in self.worker_info:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
@@ -328,7 +329,8 @@ class Driver:
         the rank ``plan`` puts on its node (a tensor-parallel group on one node). False,
         with them stopped, when there are none of this shape, they cannot be placed so,
         or one does not answer."""
-        ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu)
+        ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu,
+                          self.cfg.huge_pages)
         if ranks is None:
             return False
         order = _place(plan, ranks.node_ids)
@@ -366,7 +368,8 @@ class Driver:
             node_ids=[i["node_id"] for i in self.worker_info],
             pgs=[pg for pg in [self.pg] + self.growth_pgs if pg is not None],
             cpus_per_worker=self.record.plan.cpus_per_worker,
-            use_gpu=self.record.plan.use_gpu, cluster=kept.cluster_id()))
+            use_gpu=self.record.plan.use_gpu, cluster=kept.cluster_id(),
+            huge_pages=self.cfg.huge_pages))
         self.workers, self.pg, self.growth_pgs, self.slots = [], None, [], []
         return True
 
@@ -911,7 +914,7 @@ class Driver:
             return
         grown = plan.resized(plan.world_size + len(slots))
         actors = _rank_actors(grown, slots, range(plan.world_size, grown.world_size),
-                              grown.world_size)
+                              grown.world_size, self.cfg.huge_pages)
         from raylm.runtime.engine import builds_on_meta
 
         warm = [a.warm_up.remote(self.spec, self.cfg.seed, builds_on_meta(grown, self.spec))
@@ -1447,14 +1450,16 @@ class Driver:
         load_tokenizer(self.spec.tokenizer_dir).save_pretrained(directory)
 
 
-def _rank_actors(plan: Plan, slots: list, ranks, world_size: int) -> list:
+def _rank_actors(plan: Plan, slots: list, ranks, world_size: int, huge_pages: bool) -> list:
     """Start the rank actors of ``ranks``, each in its slot of ``slots`` (placement
-    group, bundle)."""
+    group, bundle); ``huge_pages``: --huge_pages."""
     actor = ray.remote(RankWorker)
+    env = cluster.rank_runtime_env(huge_pages)
     return [actor.options(
         num_cpus=plan.cpus_per_worker, num_gpus=1 if plan.use_gpu else 0, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=bundle),
+        **({"runtime_env": env} if env else {}),
     ).remote(rank, world_size, plan.torch_threads) for rank, (pg, bundle) in zip(ranks, slots)]
 
 

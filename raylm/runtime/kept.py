@@ -36,10 +36,13 @@ class KeptRanks:
     cpus_per_worker: float
     use_gpu: bool
     cluster: tuple  # the Ray cluster and job they live in (their owner: this driver)
+    huge_pages: bool = True  # --huge_pages they were started with (their allocator's)
 
-    def fits(self, world_size: int, cpus_per_worker: float, use_gpu: bool) -> bool:
+    def fits(self, world_size: int, cpus_per_worker: float, use_gpu: bool,
+             huge_pages: bool = True) -> bool:
         return (len(self.actors) == world_size and self.cpus_per_worker == cpus_per_worker
-                and self.use_gpu == use_gpu and self.cluster == cluster_id())
+                and self.use_gpu == use_gpu and self.huge_pages == huge_pages
+                and self.cluster == cluster_id())
 
     def release(self) -> None:
         """Stop the actors and free their bundles (on the cluster they live on)."""
@@ -98,12 +101,13 @@ def offer(kept: KeptRanks) -> None:
     log.info("kept %d rank process(es) for the next run", len(kept.actors))
 
 
-def take(world_size: int, cpus_per_worker: float, use_gpu: bool) -> Optional[KeptRanks]:
+def take(world_size: int, cpus_per_worker: float, use_gpu: bool,
+         huge_pages: bool = True) -> Optional[KeptRanks]:
     """The kept ranks, if they fit a run of ``world_size`` ranks of that shape (the
     caller then owns them); otherwise they are released, and None."""
     global _kept
     kept, _kept = _kept, None
-    if kept is not None and kept.fits(world_size, cpus_per_worker, use_gpu):
+    if kept is not None and kept.fits(world_size, cpus_per_worker, use_gpu, huge_pages):
         return kept
     if kept is not None:
         kept.release()
