@@ -55,6 +55,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from raylm.runtime.cluster import start_local  # noqa: E402  (as `raylm train` starts Ray)
+
 
 class Watch:
     def __init__(self, kill_at, grow_from):
@@ -125,14 +127,14 @@ def main() -> None:
         two_nodes(args, cfg, lines)
         return
     if args.soak_only:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        start_local(num_cpus=4, log_to_driver=False)
         try:
             base = train(cfg("fault-free", max_steps=60))
         finally:
             ray.shutdown()
         soak(args, cfg, np.median([h["step_time_s"] for h in base.history[5:]]))
         return
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local(num_cpus=4, log_to_driver=False)
     try:
         base = train(cfg("fault-free"))
         watch = Watch(args.kill_at, args.grow_from)
@@ -203,7 +205,7 @@ def soak(args, cfg, step_s) -> None:
             if time.time() - self.t0 >= args.soak_minutes * 60:
                 raise SoakOver()
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local(num_cpus=4, log_to_driver=False)
     killer = Killer()
     try:
         train(cfg("soak", max_steps=10**7, max_failures=10**6), callbacks=(killer,))

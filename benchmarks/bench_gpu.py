@@ -421,9 +421,9 @@ def main(argv=None) -> int:
         flops_per_token = 3 * sum(u.flops for u in (shape.embed, *shape.blocks, shape.head))
         files = [os.path.abspath(f) for f in (args.train_file or builtin_sample_files())]
         args.train_file = files
-        ray.init(address="local", num_cpus=args.cpus, num_gpus=1 if cuda else 0,
-                 include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        from raylm.runtime.cluster import start_local  # as `raylm train` starts Ray
+
+        start_local(num_cpus=args.cpus, num_gpus=1 if cuda else 0, log_to_driver=False)
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         ds = build_tokenized_dataset(files, spec.tokenizer_dir, args.block_size,
                                      cache_root=cache)

@@ -99,8 +99,9 @@ def on_local_ray(prefix: str, body) -> list:
 
     work = tempfile.mkdtemp(prefix=prefix)
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        from raylm.runtime.cluster import start_local  # as `raylm train` starts Ray
+
+        start_local(num_cpus=2, log_to_driver=False)
         return body(os.path.join(work, "cache"), work)
     finally:
         ray.shutdown()
@@ -147,8 +148,9 @@ def main(argv=None) -> int:
           f"{args.global_batch} in micro-batches of {args.micro_batch}; {args.warmup} warm-up "
           f"+ {args.steps} timed steps; 4 rank actors x 0.5 CPU", flush=True)
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        from raylm.runtime.cluster import start_local  # as `raylm train` starts Ray
+
+        start_local(num_cpus=2, log_to_driver=False)
         for name, dp, pp, tp in LAYOUTS:
             if args.only and name not in args.only:
                 continue

@@ -144,8 +144,9 @@ def main(argv=None) -> int:
     rows = {"plain": plain_ms(args.device, args.steps, args.batch, False, args.bf16),
             "plain + per-sample draws": plain_ms(args.device, args.steps, args.batch, True,
                                                  args.bf16)}
-    ray.init(num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
+    from raylm.runtime.cluster import start_local  # as `raylm train` starts Ray
+
+    start_local(num_gpus=1 if args.device == "cuda" else 0, log_to_driver=False)
     rows["raylm"], parts = raylm_ms(args.device, args.steps, args.batch, args.bf16, images)
     if traces:
         # Traced in runs of their own, after the timed ones: on the H200 the steps of a

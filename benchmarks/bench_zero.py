@@ -87,6 +87,8 @@ def parse_args(argv=None):
                     help="run the chosen rows this many times, interleaved; the table "
                          "shows each row's median round")
     ap.add_argument("--json", default=None, help="write every run's figures to this file")
+    ap.add_argument("--huge_pages", choices=("true", "false"), default="true",
+                    help="raylm's --huge_pages for every run (default true, raylm's)")
     ap.add_argument("--malloc_mmap_threshold", type=int, default=None, metavar="BYTES",
                     help="set glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ for "
                          "the driver and every actor (e.g. 1048576), so freed tensors go back "
@@ -99,7 +101,8 @@ def run_zero(args, name, stage, dp, reshard, cache, work) -> dict:
     from raylm import train
 
     cfg = run_config(args, name, dp, cache, work, num_workers=dp, pp=1, tp=1,
-                     zero_stage=stage, reshard_after_forward=reshard)
+                     zero_stage=stage, reshard_after_forward=reshard,
+                     huge_pages=args.huge_pages == "true")
     result = train(cfg)
     hist = sorted(result.history, key=lambda h: h["step"])
     timed = hist[args.warmup:]
