@@ -60,7 +60,7 @@ LOCAL_SYSTEM_CONFIG = {
 # when a process starts, so it reaches a rank through its process's environment: the
 # processes of a cluster raylm starts inherit it from the raylet, and a rank on another
 # cluster gets it through its actor's runtime_env (rank_runtime_env). torch's own
-# THP_MEM_ALLOC_ENABLE (2 MiB-aligned tensors) measured slower than neither here.
+# THP_MEM_ALLOC_ENABLE (2 MiB-aligned tensors) measured slower than the default here.
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 LOCAL_ENV = {"REPORTER_UPDATE_INTERVAL_MS": "60000", "GLIBC_TUNABLES": HUGE_PAGES}
 _LOCAL: dict = {}  # the cluster start_local started and the variables it gave it
@@ -85,11 +85,17 @@ def start_local(**init_kwargs) -> None:
         for k in added:
             os.environ.pop(k, None)
     _LOCAL.clear()
-    _LOCAL.update(cluster=_cluster_id(), env=added)
+    _LOCAL.update(cluster=cluster_id(), env=added)
 
 
-def _cluster_id():
-    return ray.get_runtime_context().get_job_id()
+def cluster_id() -> Optional[tuple]:
+    """This driver's connection: its cluster and job. Actors die with the job that
+    started them (ray.shutdown, a new ray.init), so kept ranks (raylm.runtime.kept) are
+    of this one or gone; a cluster start_local started is this one or another."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context.gcs_address, context.get_job_id()
 
 
 def rank_runtime_env(huge_pages: bool) -> Optional[dict]:
@@ -100,7 +106,7 @@ def rank_runtime_env(huge_pages: bool) -> Optional[dict]:
     of its own for it instead of one it prestarted."""
     if "GLIBC_TUNABLES" in os.environ:
         return None
-    ours = _LOCAL.get("cluster") == _cluster_id() if ray.is_initialized() else False
+    ours = bool(_LOCAL) and _LOCAL["cluster"] == cluster_id()
     has = ours and _LOCAL["env"].get("GLIBC_TUNABLES") == HUGE_PAGES
     if huge_pages == has:
         return None

@@ -368,7 +368,7 @@ class Driver:
             node_ids=[i["node_id"] for i in self.worker_info],
             pgs=[pg for pg in [self.pg] + self.growth_pgs if pg is not None],
             cpus_per_worker=self.record.plan.cpus_per_worker,
-            use_gpu=self.record.plan.use_gpu, cluster=kept.cluster_id(),
+            use_gpu=self.record.plan.use_gpu, cluster=cluster.cluster_id(),
             huge_pages=self.cfg.huge_pages))
         self.workers, self.pg, self.growth_pgs, self.slots = [], None, [], []
         return True

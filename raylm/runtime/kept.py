@@ -23,6 +23,8 @@ from typing import Iterator, Optional
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from raylm.runtime.cluster import cluster_id
+
 log = logging.getLogger("raylm")
 
 
@@ -120,12 +122,3 @@ def release() -> None:
     kept, _kept = _kept, None
     if kept is not None:
         kept.release()
-
-
-def cluster_id() -> Optional[tuple]:
-    """This driver's connection: its cluster and job. Actors die with the job that
-    started them (ray.shutdown, a new ray.init), so kept ranks are of this one or gone."""
-    if not ray.is_initialized():
-        return None
-    context = ray.get_runtime_context()
-    return context.gcs_address, context.get_job_id()
