@@ -378,7 +378,7 @@ class PartitionedOptimizerForm:
         padded = torch.zeros((per, *local.shape[1:]), dtype=v.dtype, device=v.device)
         padded[:v.shape[0]].copy_(v)
         full = torch.empty((per * g.size, *local.shape[1:]), dtype=v.dtype, device=v.device)
-        dist.all_gather_into_tensor(full, padded, group=g.group)
+        dist.all_gather_single(full, padded, group=g.group)
         full = full[:rows].contiguous()
         self.views[key] = (v, p, full)
         return DTensor.from_local(full, p.device_mesh, p.placements, shape=p.shape,

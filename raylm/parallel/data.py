@@ -242,16 +242,43 @@ class GradientAllReduce(GradientSync):
         self.hooks = []
 
 
-def reduce_scatter_by_all_reduce(group) -> bool:
-    """Whether ZeRO's gradient reduce-scatters over ``group`` (stages 1 and 2) go as an
-    all-reduce of the whole buffer, each rank keeping its own section of the sum: on
-    gloo, whose reduce-scatter is slower than its all-reduce of the same buffer (the
-    2-core machine, 17 MB: 4 ranks 48 against 35 ms, 2 ranks 21-28 against 14-20; the
-    README's ZeRO stages). The whole buffer is there anyway (the reduce-scatter's
-    input); NCCL's reduce-scatter is kept. (Stage 3's, inside FSDP2, through its
-    ``set_custom_reduce_scatter``, measured no faster: 0.83 of stage 0 against 0.82.)"""
-    return (group is not None and dist.get_world_size(group) > 1
-            and dist.get_backend(group) == "gloo")
+class _SummedChunks:
+    """The work of ``reduce_scatter_sum`` over gloo: ``wait`` waits for the all-to-all and
+    sums the rank's received chunks into ``out``."""
+
+    def __init__(self, work, received: torch.Tensor, out: torch.Tensor, size: int):
+        self.work, self.received, self.out, self.size = work, received, out, size
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            torch.sum(self.received.view(self.size, -1), dim=0, out=self.out.view(-1))
+            self.work = self.received = None
+
+
+def reduce_scatter_sum(out: torch.Tensor, staging: torch.Tensor, group):
+    """Start summing ``staging`` (every rank's section, rank-major) over ``group`` into
+    this rank's section ``out`` (a reduce-scatter); returns its work (``wait()``), or
+    None with one rank (``out`` is a copy then).
+
+    Over gloo it is an all-to-all that gives each rank every rank's section of its own,
+    summed here when waited for. Why not gloo's reduce-scatter: gloo has none of its own
+    (torch's gloo backend all-reduces the whole buffer and keeps a section: twice the
+    bytes, every section summed on every rank), and an all-to-all moves the bytes of a
+    ring reduce-scatter in one collective. On the 2-core machine, 4 MiB: 4 ranks 6.4-8.2 ms
+    against 13-15 for the all-reduce and 8.5-14 for gloo's reduce-scatter, 2 ranks 2.5-3.3
+    against 7-8 and 4.4-7 (raylm's ZeRO stages 1 and 2 all-reduced their buckets before,
+    as the faster of those two). NCCL's reduce-scatter is kept."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        out.copy_(staging)
+        return None
+    if dist.get_backend(group) == "gloo":
+        received = torch.empty_like(staging)
+        work = dist.all_to_all_single(received, staging, group=group, async_op=True)
+        return _SummedChunks(work, received, out, size)
+    return dist.reduce_scatter_single(out, staging, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=True)
 
 
 def all_reduce_sum_async(values: list[float], group, device="cpu"):

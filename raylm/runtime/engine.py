@@ -607,7 +607,10 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     e.canonical = canonical_adapter(e.model, e.tensor_parallel)
     e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group,
                                 None if e.zero_stage == 3 else e.reduce_dtype,
-                                keep_gathered=not e.plan.reshard_after_forward)
+                                keep_gathered=not e.plan.reshard_after_forward,
+                                overlap=(plan.pp == 1 and not plan.cpu_offload
+                                         and e.reduce_dtype is None),
+                                gloo=e.device.type == "cpu")
     groups, hyper = _adamw(e.model, cfg)
     e.optimizer, e.stepper = e.grad_sync.make_optimizer(groups, **hyper)
     e.scheduler = make_scheduler(e.optimizer, cfg, total_steps)

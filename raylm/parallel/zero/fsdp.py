@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from raylm.models.units import transformer_blocks
-from raylm.parallel.data import GradientSync
+from raylm.parallel.data import GradientSync, reduce_scatter_sum
 from raylm.parallel.checkpoint_form import contiguous_stride, write_rows_back
 
 
@@ -87,17 +87,67 @@ def apply_fsdp(model: nn.Module, roots: list, dp_mesh, cpu_offload: bool = False
     return modules
 
 
+class GlooReduceScatter:
+    """FSDP2's reduce-scatter of a unit's gradients over gloo (``set_custom_reduce_scatter``):
+    raylm's ``reduce_scatter_sum`` (an all-to-all and a local sum; why, there), optionally
+    left running while backward goes on.
+
+    ``defer`` (``FSDPGradients``, where it is right): the sum waits for ``wait``, so the
+    all-to-all runs in gloo's threads while backward computes the next unit (on a GPU
+    FSDP2 overlaps its reduce-scatters on a stream of their own; a CPU has no streams
+    and each unit's reduce-scatter would block backward). Right only while FSDP2 reads
+    nothing of the output before ``wait``: each sharded gradient None (FSDP2 then views
+    the output rather than adding it into a gradient), the reduce dtype the gradients'
+    own (no cast of the output), nothing offloaded. The works keep their tensors."""
+
+    def __init__(self):
+        self.pending: list = []
+        self.defer = False
+        self.reduced = False  # since the last wait
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        import torch.distributed as dist
+
+        if op != dist.ReduceOp.SUM:  # (raylm's units sum: set_force_sum_reduction_for_comms)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op,
+                                              group=group, async_op=async_op)
+        work = reduce_scatter_sum(output_tensor, input_tensor, group)
+        self.reduced = True
+        if work is not None:
+            # (the input kept until the sum: FSDP2 drops it at the next unit's reduce)
+            self.pending.append((work, input_tensor))
+        if not self.defer:
+            self.wait()
+        return None
+
+    def wait(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
 class FSDPGradients(GradientSync):
     """The gradient sync under stage 3: FSDP reduce-scatters during backward itself; this
     sums the step's loss over dp and zeroes the (sharded) gradients in place (so they
     stay allocated, as the ZeRO accounting has them). ``keep_gathered`` (the model an
     FSDP root, its blocks sharded with reshard_after_forward False): the gathered
     parameters stay through the step's micro-batches and their gradients accumulate
-    unsharded, both reduce-scattered and freed at its last backward."""
+    unsharded, both reduce-scattered and freed at its last backward.
+
+    On CPU ranks (gloo) each reduce-scatter is an all-to-all and a sum
+    (``GlooReduceScatter``). ``overlap`` (without a pipeline, gradients reduced in
+    fp32, no offload): the step's first reduce-scatter of each unit runs in the
+    background, summed after the micro-batch's backward; the gradients are then dropped
+    after each optimizer step instead of zeroed, so that it writes them anew (as in a
+    run's first step)."""
 
     collective_forwards = True
 
-    def __init__(self, model: nn.Module, group, keep_gathered: bool = False):
+    def __init__(self, model: nn.Module, group, keep_gathered: bool = False,
+                 overlap: bool = False, gloo: bool = False):
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
 
@@ -105,6 +155,13 @@ class FSDPGradients(GradientSync):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.loss = None
+        self.comm = GlooReduceScatter() if gloo and self.size > 1 else None
+        self.overlap = overlap and self.comm is not None
+        if self.comm is not None:
+            self.comm.defer = self.overlap
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_reduce_scatter(self.comm)
         # Every FSDP unit (under a pipeline the roots are the stage modules, and torch's
         # schedule keeps them gathered between its micro-batches itself); the model,
         # when it is the root, is told when to reshard after backward.
@@ -121,6 +178,9 @@ class FSDPGradients(GradientSync):
     def reset(self) -> None:
         """A step dropped half-way: its gathered parameters and the gradients it
         accumulated unsharded freed too."""
+        if self.comm is not None:
+            self.comm.pending.clear()  # (not waited for: each work holds its tensors)
+            self.comm.reduced = False
         super().reset()
         self.release()
         for m in self.units:
@@ -145,9 +205,17 @@ class FSDPGradients(GradientSync):
         self.loss = loss_sum
         self._keep(False)  # the step's last backward frees them
 
+    def end_round(self, force: bool = False) -> None:
+        if self.overlap:
+            self.comm.wait()
+            if self.comm.reduced:  # a next backward would add into these gradients
+                self.comm.defer = False
+
     def finish(self) -> torch.Tensor:
         import torch.distributed as dist
 
+        if self.overlap:
+            self.comm.wait()
         self._keep(True)  # (for the next step: its first forward gathers them again)
         t = self.loss.detach().reshape(1).to(torch.float64).clone()
         if self.size > 1:
@@ -156,8 +224,12 @@ class FSDPGradients(GradientSync):
 
     def zero_grad(self) -> None:
         for p in self.params:
-            if p.grad is not None:
+            if self.overlap:
+                p.grad = None
+            elif p.grad is not None:
                 p.grad.zero_()
+        if self.overlap:
+            self.comm.defer, self.comm.reduced = True, False
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from raylm.parallel.clip import reduce_partial, sharded_groups
 from raylm.parallel.data import (GradientAllReduce, GradientSync, bucket_params, local_tensor,
-                                 reduce_scatter_by_all_reduce)
+                                 reduce_scatter_sum)
 from raylm.parallel.checkpoint_form import PartitionedOptimizerForm
 from raylm.plan.zero import owned_rows
 
@@ -158,7 +158,6 @@ class _Partitioned(GradientSync):
         self.layouts = [BucketLayout([local_tensor(p).shape for p in b], self.size, self.dp_rank)
                         for b in self.buckets]
         self.loss = None
-        self.sum_whole = reduce_scatter_by_all_reduce(group)
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's loss summed over dp: after the gradients, so every rank makes its
@@ -174,20 +173,9 @@ class _Partitioned(GradientSync):
         device = local_tensor(self.buckets[i][0]).device
         staging = layout.pack(grads, torch.empty(layout.section * self.size, dtype=dtype,
                                                  device=device))
-        if self.sum_whole:  # (more than one rank, over gloo)
-            # (see reduce_scatter_by_all_reduce) this rank's section of the whole sum: a
-            # view, read once the work is done (staging lives until then, in inflight)
-            work = dist.all_reduce(staging, op=dist.ReduceOp.SUM, group=self.group,
-                                   async_op=True)
-            return work, staging, staging.view(self.size, -1)[self.dp_rank]
         out = torch.empty(layout.section, dtype=dtype, device=device)
-        work = None
-        if self.size > 1:
-            work = dist.reduce_scatter_tensor(out, staging, op=dist.ReduceOp.SUM,
-                                              group=self.group, async_op=True)
-        else:
-            out.copy_(staging)
-        return work, staging, out
+        # (staging lives until the work is done, in inflight)
+        return reduce_scatter_sum(out, staging, self.group), staging, out
 
 
 class ReduceScatterGradients(_Partitioned, GradientAllReduce):
@@ -365,7 +353,7 @@ class PartitionedOptimizer:
                 if b > a:
                     layout.section_view(own, g.dp_rank, j, rank_major=False).copy_(
                         layout.own_view(t, j))
-            work = dist.all_gather_into_tensor(full, own, group=g.group, async_op=True)
+            work = dist.all_gather_single(full, own, group=g.group, async_op=True)
             inflight.append((work, full, layout, locals_))
             if len(inflight) > 2:
                 _unpack_gather(*inflight.pop(0))
