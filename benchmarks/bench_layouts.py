@@ -117,11 +117,15 @@ def write_json(args, rows: list) -> None:
 
 def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
     from raylm import train
+    from raylm.runtime.cluster import stop_ray_data_actors
     from raylm.runtime.driver import PREDICTED
 
     cfg = run_config(args, name, dp, cache, work, num_workers=4, pp=pp, tp=tp,
                      pipeline_schedule="1f1b")
     result = train(cfg)
+    # (the first run tokenized the data through Ray Data: its idle actors stopped, as
+    # `raylm train` stops them on a cluster of its own)
+    stop_ray_data_actors()
     hist = sorted(result.history, key=lambda h: h["step"])
     timed = hist[args.warmup:]
     median = statistics.median(h["step_time_s"] for h in timed)

@@ -99,11 +99,15 @@ def parse_args(argv=None):
 
 def run_zero(args, name, stage, dp, reshard, cache, work) -> dict:
     from raylm import train
+    from raylm.runtime.cluster import stop_ray_data_actors
 
     cfg = run_config(args, name, dp, cache, work, num_workers=dp, pp=1, tp=1,
                      zero_stage=stage, reshard_after_forward=reshard,
                      huge_pages=args.huge_pages == "true")
     result = train(cfg)
+    # (the first run tokenized the data through Ray Data: its idle actors stopped, as
+    # `raylm train` stops them on a cluster of its own)
+    stop_ray_data_actors()
     hist = sorted(result.history, key=lambda h: h["step"])
     timed = hist[args.warmup:]
     median = statistics.median(h["step_time_s"] for h in timed)

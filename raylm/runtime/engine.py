@@ -686,7 +686,8 @@ def _shard(e: Engine, roots: list) -> None:
     tp_layout = _tp_layout(e.model)
     apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload,
                mixed_precision(e.autocast, e.cfg.get("reduce_dtype")),
-               reshard_after_forward=e.plan.reshard_after_forward)
+               reshard_after_forward=e.plan.reshard_after_forward,
+               prefetch=e.device.type == "cpu" and e.plan.pp == 1)
     _materialize(e, tp_layout)
 
 
