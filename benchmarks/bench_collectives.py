@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,13 +22,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_pipeline import free_port  # noqa: E402
+
 KINDS = ("all_reduce", "gloo reduce_scatter", "raylm reduce_scatter_sum", "all_gather")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, n: int, port: int, sizes: list, repeat: int, queue) -> None:
@@ -89,7 +84,7 @@ def main(argv=None) -> int:
     print(f"{'procs':>5} {'MiB':>6} " + " ".join(f"{k:>25}" for k in KINDS) + "   (ms)")
     for n in args.procs:
         queue = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, n, port, args.mib, args.repeat, queue))
                  for r in range(n)]
         for p in procs:

@@ -197,8 +197,7 @@ class FSDPGradients(GradientSync):
         accumulated unsharded freed too."""
         if self.comm is not None:
             self.comm.pending.clear()  # (not waited for: each work holds its tensors)
-            self.comm.reduced = False
-        super().reset()
+        super().reset()  # (zero_grad: the next step's first reduce deferred again)
         self.release()
         for m in self.units:
             # FSDP2 has no public call that drops the gradients a no-sync backward left
