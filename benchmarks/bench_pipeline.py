@@ -310,29 +310,16 @@ def stage_costs(schedule: str, cfg: dict, v: int):
 
 
 def single_stage_order(schedule: str, p: int, m: int) -> dict:
-    """The order ScheduleGPipe and Schedule1F1B run their ops in, from their
-    _step_microbatches (their pipeline_order IR is only a drawing, and torch 2.13's 1F1B
-    one numbers the last stage's micro-batches from 1). GPipe: all forwards, then all
-    backwards. 1F1B: min(m, p - s) forwards, then backward/forward pairs, then the
-    remaining backwards."""
-    out = {}
-    for s in range(p):
-        if schedule == "gpipe":
-            out[s] = [("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)]
-            continue
-        warm = min(m, p - s)
-        acts = [("F", s, i) for i in range(warm)]
-        f, b = warm, 0
-        while True:
-            acts.append(("B", s, b))
-            b += 1
-            if f == m:
-                break
-            acts.append(("F", s, f))
-            f += 1
-        acts += [("B", s, i) for i in range(b, m)]
-        out[s] = acts
-    return out
+    """The order ScheduleGPipe and Schedule1F1B run their ops in, as raylm's CPU ranks run
+    them (raylm.parallel.pipeline.runtime: torch's order with the receives posted up
+    front; their pipeline_order IR is only a drawing, and torch 2.13's 1F1B one numbers
+    the last stage's micro-batches from 1). GPipe: all forwards, then all backwards.
+    1F1B: min(m, p - s) forwards, then backward/forward pairs, then the remaining
+    backwards."""
+    from raylm.parallel.pipeline.runtime import GLOO_CLASSES
+
+    order = GLOO_CLASSES[schedule].order
+    return {s: [(kind, s, i) for kind, i in order(s, p, m)] for s in range(p)}
 
 
 def simulate(order: dict, num_stages: int, cost) -> float:

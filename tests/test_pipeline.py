@@ -160,3 +160,42 @@ def test_checkpoint_moves_between_pipeline_layouts(reference, ray_cluster, corpu
         assert steps == list(range(2, STEPS + 1)), steps
         np.testing.assert_allclose([h["loss"] for h in resumed.history], ref_losses[1:],
                                    rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_preposted_orders_run_to_the_end_and_hold_the_expected_micro_batches(schedule):
+    """The op orders of the schedules CPU ranks run with their receives posted up front
+    (raylm.parallel.pipeline.runtime.GLOO_CLASSES), played with every dependency (a
+    forward needs the stage before's, a backward its own forward and the next stage's
+    backward; sends never block): every stage runs each forward and backward once,
+    nothing waits forever, and a stage holds at most the micro-batches its schedule
+    promises (GPipe all m, 1F1B min(m, p - s)) between a forward and its backward."""
+    from raylm.parallel.pipeline.runtime import GLOO_CLASSES
+
+    order = GLOO_CLASSES[schedule].order
+    for p in (2, 3, 4):
+        for m in (p, p + 1, 2 * p + 3):
+            todo = {s: list(order(s, p, m)) for s in range(p)}
+            for s, ops in todo.items():
+                assert sorted(ops) == sorted([("F", i) for i in range(m)]
+                                             + [("B", i) for i in range(m)]), (p, m, s)
+            done, held, peak = set(), [0] * p, [0] * p
+            while any(todo.values()):
+                moved = False
+                for s in range(p):
+                    if not todo[s]:
+                        continue
+                    kind, i = todo[s][0]
+                    if kind == "F":
+                        ready = s == 0 or ("F", s - 1, i) in done
+                    else:
+                        ready = ("F", s, i) in done and (s == p - 1 or ("B", s + 1, i) in done)
+                    if ready:
+                        todo[s].pop(0)
+                        done.add((kind, s, i))
+                        held[s] += 1 if kind == "F" else -1
+                        peak[s] = max(peak[s], held[s])
+                        moved = True
+                assert moved, f"{schedule} p={p} m={m}: stuck at {todo}"
+            want = [m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)]
+            assert peak == want, (p, m, peak)

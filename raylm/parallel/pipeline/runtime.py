@@ -19,8 +19,88 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
+# (torch's helpers for a list of P2POps: issue them without coalescing, wait for them)
+from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
+
 from raylm.parallel.data import local_tensor
 from raylm.plan.partition import Partition
+
+
+class _PrepostedReceives:
+    """A one-stage-per-rank schedule run in torch's order, with every receive of the step
+    posted when the step starts and every send left running until it ends (gloo only).
+
+    gloo completes a send only once its receiver has posted the matching receive (a
+    rendezvous), and torch's schedules post each receive just before the op that needs
+    it and wait for a send together with the next receive (Schedule1F1B's
+    fwd_send_bwd_recv and bwd_send_fwd_recv). On gloo that ties every hand-off to the
+    peer reaching the same point: a rank done with its op waits for its neighbour to
+    finish its own before either goes on, and the data moves only then. With all
+    receives posted up front (torch already gives each micro-batch its own receive
+    buffers, so this costs no memory) a send completes as soon as it is written and an
+    input is waiting when its op starts (benchmarks/bench_pipeline.py).
+
+    Not on NCCL: its point-to-point ops between two ranks run in order on one stream,
+    so a send queued behind that peer's pre-posted receives would wait for them forever;
+    GPU stages keep torch's own schedules. Multi-stage schedules (interleaved, ZB-V) too:
+    one peer sends both activations and gradients there, matched in posting order."""
+
+    @staticmethod
+    def order(stage: int, stages: int, m: int) -> list:
+        """The ops ("F" or "B", micro-batch) stage ``stage`` of ``stages`` runs in a step
+        of ``m`` micro-batches, in torch's order for the schedule."""
+        raise NotImplementedError
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
+                           losses=None, return_outputs=True, loss_kwargs=None):
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0],
+                               target_mbs[0] if target_mbs is not None else None,
+                               loss_kwargs)
+        stage, m = self._stage, self._n_microbatches
+        # (after _initialize_stage: its metadata exchange with the neighbours is done)
+        fwd_recvs = [_batch_p2p(stage.get_fwd_recv_ops(i)) for i in range(m)]
+        bwd_recvs = [_batch_p2p(stage.get_bwd_recv_ops(i)) for i in range(m)]
+        sends = []
+        for op, i in self.order(stage.stage_index, stage.num_stages, m):
+            if op == "F":
+                _wait_batch_p2p(fwd_recvs[i])
+                output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i],
+                                                 save_forward_output=return_outputs)
+                sends += _batch_p2p(stage.get_fwd_send_ops(i))
+                self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+            elif self._has_backward:
+                _wait_batch_p2p(bwd_recvs[i])
+                stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i),
+                                         last_backward=i == m - 1)
+                sends += _batch_p2p(stage.get_bwd_send_ops(i))
+        _wait_batch_p2p(sends)
+        self._update_losses(stage, losses)
+        stage.perform_reduce_grad(m if self.scale_grads else 1)
+
+
+class PrepostedGPipe(_PrepostedReceives, ScheduleGPipe):
+    """ScheduleGPipe's order (every forward, then every backward) with _PrepostedReceives."""
+
+    @staticmethod
+    def order(stage: int, stages: int, m: int) -> list:
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+class Preposted1F1B(_PrepostedReceives, Schedule1F1B):
+    """Schedule1F1B's order with _PrepostedReceives: stage s runs min(m, stages - s)
+    forwards, then one backward and one forward in turn, then the backwards left."""
+
+    @staticmethod
+    def order(stage: int, stages: int, m: int) -> list:
+        warmup = min(m, stages - stage)
+        order = [("F", i) for i in range(warmup)]
+        for b in range(m):
+            order.append(("B", b))
+            if warmup + b < m:
+                order.append(("F", warmup + b))
+        return order
+
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -29,6 +109,8 @@ SCHEDULE_CLASSES = {
     "zero_bubble": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
+# On gloo (CPU stages): the same schedules with their receives posted up front.
+GLOO_CLASSES = {"gpipe": PrepostedGPipe, "1f1b": Preposted1F1B}
 
 
 class PipelineRuntime:
@@ -47,6 +129,8 @@ class PipelineRuntime:
         self.stages = [PipelineStage(m, s, part.num_stages, device, group=pp_group)
                        for m, s in zip(modules, stage_ids)]
         cls = SCHEDULE_CLASSES[schedule]
+        if torch.device(device).type == "cpu":
+            cls = GLOO_CLASSES.get(schedule, cls)
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn,
                             scale_grads=False)
