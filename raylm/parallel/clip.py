@@ -153,5 +153,6 @@ def clip_grad_norm(pieces, grads, max_norm: float, pp_group=None, loss_scale: fl
     if coef != 1.0:
         for g in grads:
             if g is not None:
-                g.mul_(coef)
+                # (a DTensor's local part: the same product without DTensor's dispatch)
+                _local(g).mul_(coef)
     return float(total)
