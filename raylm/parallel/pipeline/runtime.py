@@ -20,7 +20,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
 # (torch's helpers for a list of P2POps: issue them without coalescing, wait for them)
-from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
+from torch.distributed.pipelining.schedules import _batch_p2p, _ComputationType, _wait_batch_p2p
 
 from raylm.parallel.data import local_tensor
 from raylm.plan.partition import Partition
@@ -42,8 +42,8 @@ class _PrepostedReceives:
 
     Not on NCCL: its point-to-point ops between two ranks run in order on one stream,
     so a send queued behind that peer's pre-posted receives would wait for them forever;
-    GPU stages keep torch's own schedules. Multi-stage schedules (interleaved, ZB-V) too:
-    one peer sends both activations and gradients there, matched in posting order."""
+    GPU stages keep torch's own schedules. Multi-stage schedules (interleaved, ZB-V):
+    _RecvsFirst."""
 
     @staticmethod
     def order(stage: int, stages: int, m: int) -> list:
@@ -102,6 +102,33 @@ class Preposted1F1B(_PrepostedReceives, Schedule1F1B):
         return order
 
 
+class _RecvsFirst:
+    """A multi-stage schedule (torch's action runtime: interleaved 1F1B, ZB-V) with every
+    receive of the step posted when it starts (gloo only), as _PrepostedReceives does
+    for one stage per rank: each rank's lowered action list gets its RECV_F and RECV_B
+    actions moved to the front, in the order they had (so the receives from one peer
+    still match its sends one by one; the runtime waits for each at the op that needs
+    it, and for the sends at the step's end)."""
+
+    def _step_microbatches(self, *args, **kwargs):
+        if not getattr(self, "_recvs_first", False):
+            recv = (_ComputationType.RECV_F, _ComputationType.RECV_B)
+            for rank, actions in self.pipeline_order_with_comms.items():
+                first = [a for a in actions if a is not None and a.computation_type in recv]
+                rest = [a for a in actions if a is None or a.computation_type not in recv]
+                self.pipeline_order_with_comms[rank] = first + rest
+            self._recvs_first = True
+        return super()._step_microbatches(*args, **kwargs)
+
+
+class RecvsFirstInterleaved1F1B(_RecvsFirst, ScheduleInterleaved1F1B):
+    pass
+
+
+class RecvsFirstZBV(_RecvsFirst, ScheduleZBVZeroBubble):
+    pass
+
+
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -110,7 +137,8 @@ SCHEDULE_CLASSES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 # On gloo (CPU stages): the same schedules with their receives posted up front.
-GLOO_CLASSES = {"gpipe": PrepostedGPipe, "1f1b": Preposted1F1B}
+GLOO_CLASSES = {"gpipe": PrepostedGPipe, "1f1b": Preposted1F1B,
+                "interleaved_1f1b": RecvsFirstInterleaved1F1B, "zero_bubble": RecvsFirstZBV}
 
 
 class PipelineRuntime:
