@@ -108,17 +108,16 @@ class _RecvsFirst:
     for one stage per rank: each rank's lowered action list gets its RECV_F and RECV_B
     actions moved to the front, in the order they had (so the receives from one peer
     still match its sends one by one; the runtime waits for each at the op that needs
-    it, and for the sends at the step's end)."""
+    it, and for the sends at the step's end). Done where torch lowers the schedule, so a
+    lowering done again is reordered too."""
 
-    def _step_microbatches(self, *args, **kwargs):
-        if not getattr(self, "_recvs_first", False):
-            recv = (_ComputationType.RECV_F, _ComputationType.RECV_B)
-            for rank, actions in self.pipeline_order_with_comms.items():
-                first = [a for a in actions if a is not None and a.computation_type in recv]
-                rest = [a for a in actions if a is None or a.computation_type not in recv]
-                self.pipeline_order_with_comms[rank] = first + rest
-            self._recvs_first = True
-        return super()._step_microbatches(*args, **kwargs)
+    def _prepare_schedule_with_comms(self, *args, **kwargs):
+        super()._prepare_schedule_with_comms(*args, **kwargs)
+        recv = (_ComputationType.RECV_F, _ComputationType.RECV_B)
+        for rank, actions in self.pipeline_order_with_comms.items():
+            first = [a for a in actions if a is not None and a.computation_type in recv]
+            rest = [a for a in actions if a is None or a.computation_type not in recv]
+            self.pipeline_order_with_comms[rank] = first + rest
 
 
 class RecvsFirstInterleaved1F1B(_RecvsFirst, ScheduleInterleaved1F1B):
