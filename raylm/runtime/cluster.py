@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Optional
 
@@ -17,11 +20,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 log = logging.getLogger("raylm")
 
 
-def connect(address: str | None) -> bool:
-    """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local one.
+def connect(address: str | None, early: Optional["EarlyStart"] = None) -> bool:
+    """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local one (or take the
+    one ``early`` started).
 
     Returns True when this call started Ray (and the caller should shut it down).
     """
+    if early is not None:
+        early.join()
+        return True
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -32,6 +39,86 @@ def connect(address: str | None) -> bool:
         log.info("starting a local Ray cluster")
         start_local()
     return True
+
+
+def starts_local(address: str | None) -> bool:
+    """Whether connect(address) would start a local cluster."""
+    return not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
+
+
+class EarlyStart:
+    """start_local on a thread of its own, so that the driver checks its inputs while
+    Ray's processes come up: a cold `raylm train` spends about 2 s in those checks
+    (transformers' imports, most of it) and 2.5-3.6 s in Ray's start, most of which
+    waits on Ray's processes (its dashboard head's address, its raylet's registration).
+    connect(address, early) takes the cluster once it is up; shutdown() stops it, cancel()
+    too, for an input error (raised after Ray is down; Ray's own start-up lines, held
+    meanwhile, are dropped, so that the error stays the one line printed).
+
+    The thread lives on until shutdown() has stopped the cluster: Ray fate-shares the
+    processes ray.init starts with their starter through PR_SET_PDEATHSIG, which Linux
+    fires when the starting thread ends, not its process (a thread that ended with Ray's
+    shutdown would kill its raylet before the raylet stops its agents, and they would be
+    left running). A process that exits without shutdown() takes its cluster with it so.
+    ray.init sets its driver's SIGTERM handler (exit, so that atexit shuts Ray down) only
+    from the main thread: set here instead."""
+
+    def __init__(self, **init_kwargs):
+        self.error: Optional[BaseException] = None
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.held: list = []  # Ray's log records from the start, until join or cancel
+        self.sigterm = threading.current_thread() is threading.main_thread()
+        if self.sigterm:
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        self.thread = threading.Thread(target=self._run, args=(init_kwargs,),
+                                       name="raylm-ray-start", daemon=True)
+        self._filtered = list(logging.getLogger("ray").handlers)
+        for h in self._filtered:
+            h.addFilter(self._hold)
+        self.thread.start()
+
+    def _hold(self, record) -> bool:
+        if record.thread == self.thread.ident and not self.ready.is_set():
+            if not (self.sigterm and record.getMessage().startswith("SIGTERM handler")):
+                self.held.append(record)
+            return False
+        return True
+
+    def _run(self, init_kwargs: dict) -> None:
+        try:
+            start_local(**init_kwargs)
+        except BaseException as e:  # (raised in the caller's thread by join)
+            self.error = e
+        finally:
+            self.ready.set()
+        self.stop.wait()
+
+    def _release(self, emit: bool) -> None:
+        self.ready.wait()
+        for h in self._filtered:
+            h.removeFilter(self._hold)
+        self._filtered = []
+        held, self.held = self.held, []
+        if emit:
+            for record in held:
+                logging.getLogger(record.name).handle(record)
+
+    def join(self) -> None:
+        """Wait for the cluster; raises what its start raised."""
+        self._release(emit=True)
+        if self.error is not None:
+            raise self.error
+
+    def shutdown(self) -> None:
+        """Stop the cluster (or wait for its start to fail), then end the thread."""
+        self._release(emit=False)
+        if self.error is None:
+            ray.shutdown()
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    cancel = shutdown
 
 
 # What a Ray cluster that raylm starts for itself (no --address) leaves out: what only a

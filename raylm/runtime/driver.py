@@ -180,24 +180,34 @@ class Driver:
         cfg = self.cfg
         self._enter("planning")
         # A dataset given is read (through Ray Data) while checking the inputs: Ray first.
-        early = bool(self.datasets)
+        ray_first = bool(self.datasets)
         owns_ray = False
-        if early:
+        if ray_first:
             with _timed(self.startup, "ray"):
                 owns_ray = cluster.connect(cfg.address)
+        starting = []  # the run's own local cluster, started during the last input check
+
+        def start_ray():
+            if not ray_first and cluster.starts_local(cfg.address):
+                log.info("starting a local Ray cluster")
+                starting.append(cluster.EarlyStart())
+
         try:
             with _timed(self.startup, "inputs"):
-                # (no cluster needed for files: fails fast on bad input)
+                # (no cluster needed for the flags and files: fails fast on bad input)
                 inputs = check_inputs(cfg, model_init=self.model_init,
                                       compute_loss_func=self.compute_loss_func,
-                                      tp_plan=self.tp_plan, datasets=self.datasets)
+                                      tp_plan=self.tp_plan, datasets=self.datasets,
+                                      on_checked=start_ray)
         except BaseException:
             if owns_ray:
                 ray.shutdown()
+            for start in starting:
+                start.cancel()
             raise
-        if not early:
+        if not ray_first:
             with _timed(self.startup, "ray"):
-                owns_ray = cluster.connect(cfg.address)
+                owns_ray = cluster.connect(cfg.address, *starting)
         asked = False
         try:
             group = cfg.tp or 1
@@ -259,7 +269,10 @@ class Driver:
             if asked:
                 cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
             if owns_ray:
-                ray.shutdown()
+                if starting:
+                    starting[0].shutdown()
+                else:
+                    ray.shutdown()
 
     def plan(self, inputs: Inputs, capacity: int) -> Plan:
         """The run's layout on a cluster that can hold ``capacity`` ranks: raylm's one

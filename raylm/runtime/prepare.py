@@ -58,10 +58,12 @@ class Data:
 
 
 def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=None,
-                 compute_loss_func=None, tp_plan=None, datasets: Optional[dict] = None
-                 ) -> Inputs:
+                 compute_loss_func=None, tp_plan=None, datasets: Optional[dict] = None,
+                 on_checked=None) -> Inputs:
     """``datasets``: {"train_dataset": ..., "eval_dataset": ...} given to train() (None
-    entries absent); a Ray Dataset among them needs Ray connected."""
+    entries absent); a Ray Dataset among them needs Ray connected. ``on_checked()``,
+    when given, is called before the last check, the schedule's (_last_check): the
+    driver starts Ray's cluster there (raylm.runtime.cluster.EarlyStart)."""
     from raylm.models.loading import resolve_block_size, resolve_model
 
     _check_numbers(cfg)
@@ -85,7 +87,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     datasets = {k: v for k, v in (datasets or {}).items() if v is not None}
     if cfg.task == "image-classification":
         return _check_image_inputs(cfg, check_output_dir, model_init, tp_plan,
-                                   compute_loss_func, datasets)
+                                   compute_loss_func, datasets, on_checked)
     for flag in ("train_dir", "validation_dir", "image_size", "num_channels",
                  "image_column_name", "label_column_name", "ignore_mismatched_sizes"):
         if cfg.is_set(flag):
@@ -93,7 +95,6 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
                               "with it (text data is --train_file, its column --text_column)")
     given: dict = {}
     train_files, eval_files, eval_names = _data_files(cfg, datasets, given)
-
     spec = resolve_model(cfg, model_init, tp_plan=tp_plan)  # (and its objective)
     spec.loss_fn = compute_loss_func
     block_size = resolve_block_size(cfg, spec)
@@ -103,11 +104,13 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
                     and streams(cfg, train_files, say=True))
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
+    _last_check(cfg, on_checked)
     return inputs
 
 
 def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
-                        tp_plan=None, compute_loss_func=None, datasets=None) -> Inputs:
+                        tp_plan=None, compute_loss_func=None, datasets=None,
+                        on_checked=None) -> Inputs:
     """check_inputs for --task image-classification: the image folders scanned (classes,
     files), or the datasets given read (classes; then their images resized into the
     cache, raylm.data.images.build_given_images), the classifier resolved with their
@@ -160,6 +163,7 @@ def _check_image_inputs(cfg: TrainConfig, check_output_dir: bool, model_init,
         _build_given_images(cfg, inputs)
     if cfg.should_train and check_output_dir:
         _check_output_dir(cfg, inputs)
+    _last_check(cfg, on_checked)
     return inputs
 
 
@@ -421,9 +425,17 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError(f"--warmup_ratio must be in [0, 1] (got {cfg.warmup_ratio})")
     if cfg.eval_strategy == "steps" and not cfg.eval_steps:
         raise ConfigError("--eval_strategy steps needs --eval_steps N")
-    _check_schedule(cfg)
     _check_best_model(cfg)
     _check_elastic_bounds(cfg)
+
+
+def _last_check(cfg: TrainConfig, on_checked) -> None:
+    """The caller's ``on_checked``, then the schedule's check: the slowest (it imports
+    transformers' training code, which imports peft, which imports a model: about 1.2 s
+    here) and the least likely to fail."""
+    if on_checked is not None:
+        on_checked()
+    _check_schedule(cfg)
 
 
 def _check_best_model(cfg: TrainConfig) -> None:
