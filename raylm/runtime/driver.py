@@ -395,7 +395,8 @@ class Driver:
 
     def _master_address(self) -> str:
         """host:port of a new process group's rendezvous, hosted by rank 0."""
-        port = self._wait([self.workers[0].free_port.remote()])[0]
+        timeout_s = self.cfg.collective_timeout_s
+        port = self._wait([self.workers[0].host_store.remote(timeout_s)])[0]
         return f"{self.worker_info[0]['ip']}:{port}"
 
     def _rank_settings(self) -> dict:

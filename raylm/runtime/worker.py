@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import contextlib
 from datetime import timedelta
@@ -59,6 +58,7 @@ class RankWorker:
         self.optimizer_s = None  # the last optimizer step's time, or its marks (commit)
         self.profiler = None  # raylm.runtime.profiling.StepProfiler under --profile
         self.profiled = False
+        self.hosted_store = None  # the next group's rendezvous store (host_store)
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -69,10 +69,20 @@ class RankWorker:
                 "generation": self.generation, "committed_step": self.committed_step,
                 "device": _device_name()}
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def host_store(self, timeout_s: float) -> int:
+        """Open the rendezvous store of the next process group this rank will be rank 0
+        of (a TCPStore server on a port the system picks) and return its port: ``join``
+        takes it. Opened before any rank connects: a TCPStore client that finds no server
+        retries with a back-off, and cost a group's start 0.3-0.8 s whenever a peer got
+        there before rank 0 (a port found free and opened by ``join`` also raced)."""
+        import ray
+        import torch.distributed as dist
+
+        self.hosted_store = dist.TCPStore(ray.util.get_node_ip_address(), 0, None,
+                                          is_master=True,
+                                          timeout=timedelta(seconds=timeout_s),
+                                          wait_for_workers=False)
+        return self.hosted_store.port
 
     def join(self, master: str, plan, collective_timeout_s: float,
              generation: int = 0) -> bool:
@@ -91,8 +101,12 @@ class RankWorker:
         self.device = torch.device("cuda", 0) if plan.use_gpu else torch.device("cpu")
         host, port = master.rsplit(":", 1)
         timeout = timedelta(seconds=collective_timeout_s)
-        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        hosted, self.hosted_store = self.hosted_store, None
+        if self.rank == 0 and hosted is not None and hosted.port == int(port):
+            store = hosted  # (host_store)
+        else:
+            store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
+                                  timeout=timeout, wait_for_workers=False)
         dist.init_process_group("nccl" if plan.use_gpu else "gloo",
                                 store=dist.PrefixStore(f"raylm/generation-{generation}", store),
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
