@@ -47,13 +47,13 @@ def starts_local(address: str | None) -> bool:
 
 
 class EarlyStart:
-    """start_local on a thread of its own, so that the driver checks its inputs while
-    Ray's processes come up: a cold `raylm train` spends about 2 s in those checks
-    (transformers' imports, most of it) and 2.5-3.6 s in Ray's start, most of which
-    waits on Ray's processes (its dashboard head's address, its raylet's registration).
-    connect(address, early) takes the cluster once it is up; shutdown() stops it, cancel()
-    too, for an input error (raised after Ray is down; Ray's own start-up lines, held
-    meanwhile, are dropped, so that the error stays the one line printed).
+    """start_local on a thread of its own, so that the driver runs its last input check
+    (the schedule's: about 1.2 s of transformers' imports) while Ray's processes come up:
+    Ray's start takes 2.5-3.6 s here, most of it waiting on Ray's processes (its
+    dashboard head's address, its raylet's registration). connect(address, early) takes
+    the cluster once it is up; shutdown() stops it, cancel() too, for an input error
+    (raised after Ray is down; Ray's own start-up lines, held meanwhile, are dropped, so
+    that the error stays the one line printed).
 
     The thread lives on until shutdown() has stopped the cluster: Ray fate-shares the
     processes ray.init starts with their starter through PR_SET_PDEATHSIG, which Linux
@@ -105,9 +105,11 @@ class EarlyStart:
                 logging.getLogger(record.name).handle(record)
 
     def join(self) -> None:
-        """Wait for the cluster; raises what its start raised."""
+        """Wait for the cluster; raises what its start raised (the thread ended first:
+        whatever process the start had begun ends with it)."""
         self._release(emit=True)
         if self.error is not None:
+            self.stop.set()
             raise self.error
 
     def shutdown(self) -> None:
