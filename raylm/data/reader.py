@@ -184,13 +184,14 @@ class StreamReader:
         if block is not None:
             return block
         table = ray.get(ref)
-        ids = sample_ids(table.column("piece").to_numpy(), table.column("seq").to_numpy())
-        values = table.column("input_ids").combine_chunks().flatten().to_numpy(
-            zero_copy_only=False)
+        ids = sample_ids(_integers(table.column("piece").combine_chunks()),
+                         _integers(table.column("seq").combine_chunks()))
+        values = _integers(table.column("input_ids").combine_chunks().flatten())
         tokens = values.reshape(table.num_rows, self.block_size)
         order = np.argsort(ids, kind="stable")
         block = (ids[order], order, tokens,
-                 table.column("length").to_numpy().astype(np.int32, copy=False))
+                 _integers(table.column("length").combine_chunks()).astype(np.int32,
+                                                                          copy=False))
         with self._lock:
             if key in self._refs:
                 self._loaded[key] = block

@@ -31,13 +31,13 @@ def connect(address: str | None, early: Optional["EarlyStart"] = None) -> bool:
         return True
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        log.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
+    if starts_local(address):
         log.info("starting a local Ray cluster")
         start_local()
+    else:
+        address = address or os.environ["RAY_ADDRESS"]
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, logging_level=logging.WARNING)
     return True
 
 
@@ -51,9 +51,9 @@ class EarlyStart:
     (the schedule's: about 1.2 s of transformers' imports) while Ray's processes come up:
     Ray's start takes 2.5-3.6 s here, most of it waiting on Ray's processes (its
     dashboard head's address, its raylet's registration). connect(address, early) takes
-    the cluster once it is up; shutdown() stops it, cancel() too, for an input error
-    (raised after Ray is down; Ray's own start-up lines, held meanwhile, are dropped, so
-    that the error stays the one line printed).
+    the cluster once it is up; shutdown() stops it, for an input error too (raised after
+    Ray is down; Ray's own start-up lines, held meanwhile, are dropped, so that the error
+    stays the one line printed).
 
     The thread lives on until shutdown() has stopped the cluster: Ray fate-shares the
     processes ray.init starts with their starter through PR_SET_PDEATHSIG, which Linux
@@ -64,10 +64,11 @@ class EarlyStart:
     from the main thread: set here instead."""
 
     def __init__(self, **init_kwargs):
+        log.info("starting a local Ray cluster")
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()
         self.stop = threading.Event()
-        self.held: list = []  # Ray's log records from the start, until join or cancel
+        self.held: list = []  # Ray's log records from the start, until join or shutdown
         self.sigterm = threading.current_thread() is threading.main_thread()
         if self.sigterm:
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
@@ -119,8 +120,6 @@ class EarlyStart:
             ray.shutdown()
         self.stop.set()
         self.thread.join(timeout=5)
-
-    cancel = shutdown
 
 
 # What a Ray cluster that raylm starts for itself (no --address) leaves out: what only a

@@ -185,12 +185,12 @@ class Driver:
         if ray_first:
             with _timed(self.startup, "ray"):
                 owns_ray = cluster.connect(cfg.address)
-        starting = []  # the run's own local cluster, started during the last input check
+        early = None  # the run's own local cluster, started during the last input check
 
         def start_ray():
+            nonlocal early
             if not ray_first and cluster.starts_local(cfg.address):
-                log.info("starting a local Ray cluster")
-                starting.append(cluster.EarlyStart())
+                early = cluster.EarlyStart()
 
         try:
             with _timed(self.startup, "inputs"):
@@ -202,12 +202,12 @@ class Driver:
         except BaseException:
             if owns_ray:
                 ray.shutdown()
-            for start in starting:
-                start.cancel()
+            if early is not None:
+                early.shutdown()
             raise
         if not ray_first:
             with _timed(self.startup, "ray"):
-                owns_ray = cluster.connect(cfg.address, *starting)
+                owns_ray = cluster.connect(cfg.address, early)
         asked = False
         try:
             group = cfg.tp or 1
@@ -269,8 +269,8 @@ class Driver:
             if asked:
                 cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
             if owns_ray:
-                if starting:
-                    starting[0].shutdown()
+                if early is not None:
+                    early.shutdown()
                 else:
                     ray.shutdown()
 
