@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raylm.cli.main import main  # noqa: E402
+from raylm.cli.main import run  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(run(["train", *sys.argv[1:]]))

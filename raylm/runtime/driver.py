@@ -54,7 +54,6 @@ from raylm.runtime.precision import LossScale
 from raylm.runtime.profiling import WindowBreakdown, slowest_breakdown
 from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
                                    start_output_dir, total_steps)
-from raylm.runtime.snapshots import Snapshots
 from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
@@ -159,7 +158,11 @@ class Driver:
         self.spec, self.block_size = None, None
         self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
         # In-memory snapshots on other nodes (--snapshot_steps): raylm.runtime.snapshots.
-        self.snapshots = Snapshots(cfg.snapshot_steps) if cfg.snapshot_steps else None
+        self.snapshots = None
+        if cfg.snapshot_steps:
+            from raylm.runtime.snapshots import Snapshots
+
+            self.snapshots = Snapshots(cfg.snapshot_steps)
         # Where the run's start-up went, in seconds (STARTUP_PARTS; the first step's time
         # is its history's): the log's "started in" line and all_results.json's startup_s.
         self.startup: dict = {}
@@ -201,7 +204,7 @@ class Driver:
                                       on_checked=start_ray)
         except BaseException:
             if owns_ray:
-                ray.shutdown()
+                cluster.stop_local()
             if early is not None:
                 early.shutdown()
             raise
@@ -272,7 +275,7 @@ class Driver:
                 if early is not None:
                     early.shutdown()
                 else:
-                    ray.shutdown()
+                    cluster.stop_local()
 
     def plan(self, inputs: Inputs, capacity: int) -> Plan:
         """The run's layout on a cluster that can hold ``capacity`` ranks: raylm's one

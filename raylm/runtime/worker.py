@@ -19,7 +19,6 @@ from raylm.parallel.mesh import build_mesh
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.profiling import StepClock, StepProfiler
-from raylm.runtime.snapshots import SnapshotSender
 
 _NO_REGION = contextlib.nullcontext()
 
@@ -452,6 +451,10 @@ class RankWorker:
         in snapshot_s."""
         t0 = time.time()
         if self.snapshots is None:
+            # (imported here: it imports torch.distributed.checkpoint, 0.7 s that the
+            # driver, which imports this module for the actor class, does without)
+            from raylm.runtime.snapshots import SnapshotSender
+
             self.snapshots = SnapshotSender()
         self.snapshots.send(self.engine.snapshot_state(), self.keepers, self.committed_step,
                             self.generation, self.rank, self.world_size)
