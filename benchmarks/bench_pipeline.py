@@ -39,6 +39,15 @@ The ideal of a step:
     charges the schedule for being worse than the textbook one.
   * overhead per micro-batch = (measured - sim) / m; per op = (measured - sim) / (number
     of F, B (or F, I, W) operations a rank runs in a step: m v x 2 or x 3).
+  * sim': sim with each op at the cost the synthetic stage has on its own. The stage is
+    not free outside its sleeps (its module call, autograd's Functions, the saved
+    buffer's allocation and hooks, each sleep's overshoot), and sim charges that to the
+    runtime. Before the rounds every rank runs, at once (the same sleeps and load), m
+    forwards and then m full backwards of a stage in a plain loop with no pipeline
+    (PipeRank.plain), each call timed; sim' plays the schedule with those costs (a split
+    backward's I and W each take half of what a full backward adds to its two sleeps).
+    measured / sim' is what the pipeline runtime itself adds: p2p over gloo, the
+    hand-offs and their wake-ups, torch's schedule code.
 
 Step time: every rank waits on a gloo barrier, then runs PipelineRuntime.run over the m
 micro-batches; a step lasts from the first rank's start to the last rank's end (one
@@ -75,6 +84,8 @@ sys.path.insert(0, REPO)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 GOAL = ("1f1b", 1.05)  # measured / ideal for 1F1B, p=4, m=16
 COMPUTE = ("F", "B", "I", "W")  # forward, full backward, input-grad, weight-grad
+P = "'"  # (sim' below: the ideal with the synthetic stage's own op costs)
+SIMP = "sim" + P
 
 
 def parse_args(argv=None):
@@ -281,6 +292,38 @@ class PipeRank:
         return {"times": times, "events": events, "peak": dict(PEAK),
                 "sleep_ops": SLEEP["ops"], "sleep_over_s": SLEEP["over_s"]}
 
+    def plain(self, cfg: dict, v: int, warmup: int, steps: int) -> dict:
+        """The synthetic stage alone in a plain loop, no pipeline and no runtime: m
+        forwards, then m full backwards, each call timed (median over the timed steps).
+        Every rank runs it at once, as in a pipeline step: the same sleeps, the same
+        load on the machine, so each op costs here what it costs a pipeline rank minus
+        what the runtime adds. A stage with an input gradient (stage 1's role)."""
+        import torch
+
+        Stage = _stage_functions()
+        t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
+        t_bw = t_b * cfg["w_frac"]
+        stage = Stage(1, t_f, t_b - t_bw, t_bw, cfg["act_kib"] * 1024)
+        fwd, bwd = [], []
+        for i in range(warmup + steps):
+            xs = [torch.randn(cfg["mb_rows"], cfg["hidden"], requires_grad=True)
+                  for _ in range(cfg["m"])]
+            outs = []
+            for x in xs:
+                t0 = time.perf_counter()
+                outs.append(stage(x))
+                fwd.append(time.perf_counter() - t0)
+            for out in outs:
+                g = torch.ones_like(out)
+                t0 = time.perf_counter()
+                out.backward(g)
+                bwd.append(time.perf_counter() - t0)
+            if i < warmup:
+                fwd.clear()
+                bwd.clear()
+        EVENTS.clear()
+        return {"f_s": statistics.median(fwd), "b_s": statistics.median(bwd)}
+
     def close(self):
         import torch.distributed as dist
 
@@ -305,6 +348,30 @@ def stage_costs(schedule: str, cfg: dict, v: int):
         if kind == "I":  # torch: stage 0 has no input gradient, its I does nothing ...
             return 0.0 if stage == 0 else t_bi
         return t_b if stage == 0 else t_bw  # ... and its W runs the whole backward
+
+    return cost
+
+
+def own_costs(schedule: str, cfg: dict, v: int, own: dict):
+    """stage_costs with each op at the cost the synthetic stage has on its own (PipeRank
+    .plain at the same v: its sleeps plus its own code, Python and autograd, and the
+    sleeps' overshoot). A split backward's I and W each take half of what a full
+    backward adds to its two sleeps; stage 0's I does nothing, its W is the whole
+    backward (as in stage_costs)."""
+    t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
+    t_bw = t_b * cfg["w_frac"]
+    t_bi = t_b - t_bw
+    extra_f = max(0.0, own["f_s"] - t_f)
+    extra_b = max(0.0, own["b_s"] - t_b)
+
+    def cost(kind: str, stage: int) -> float:
+        if kind == "F":
+            return t_f + extra_f
+        if kind == "B":
+            return t_b + extra_b
+        if kind == "I":
+            return 0.0 if stage == 0 else t_bi + extra_b / 2
+        return t_b + extra_b if stage == 0 else t_bw + extra_b / 2
 
     return cost
 
@@ -489,6 +556,11 @@ def main(argv=None) -> int:
         port = free_port()
         Actor = ray.remote(num_cpus=0, max_restarts=0)(PipeRank)
         actors = [Actor.remote(r, p, port) for r in range(p)]
+        own: dict = {}  # v -> the synthetic stage's op costs on their own (PipeRank.plain)
+        for v in sorted({virtual_stages(sched, args.virtual) for sched in args.schedules}):
+            got = ray.get([a.plain.remote(cfg, v, 1, max(2, args.steps // 3))
+                           for a in actors])
+            own[v] = {k: statistics.median(g[k] for g in got) for k in ("f_s", "b_s")}
         for rnd in range(args.repeat):
             for sched in args.schedules:
                 built = ray.get([a.build.remote(sched, cfg) for a in actors])
@@ -505,6 +577,8 @@ def main(argv=None) -> int:
                     info[sched] = {"v": v, "order": order,
                                    "order_ops": {r: len(a) for r, a in order.items()},
                                    "sim_s": simulate(order, p * v, stage_costs(sched, cfg, v)),
+                                   "own_sim_s": simulate(order, p * v,
+                                                         own_costs(sched, cfg, v, own[v])),
                                    "formula_s": formula(sched, cfg, v),
                                    "expected_peak": expected_peak(order)}
                 parts = [breakdown(info[sched]["order"],
@@ -588,6 +662,31 @@ def main(argv=None) -> int:
               f"{b['local_ms']:>8.2f} {b['locals']:>8.0f} {best['sleep_over_ms']:>9.2f} "
               f"{sleeps:>8}")
     print("(per step: occurrences over all ranks; sleeps per step per rank)")
+    print()
+    print("Against the stage's own cost: each op of the synthetic stage timed in a plain loop "
+          "(no pipeline, no runtime; every rank at once,")
+    print("the same sleeps and load), its sleeps plus its own Python and autograd code and "
+          "the sleeps' overshoot. sim' = the schedule")
+    print("played with those costs (free communication); measured / sim' and the overhead "
+          "left are what the pipeline runtime adds")
+    print(f"{'schedule':<17} {'F own ms':>8} {'B own ms':>8} {'sim s':>7} {SIMP + ' s':>7} "
+          f"{'/sim':>6} {'/' + SIMP:>6} {'/' + SIMP + ' med':>9} {'ovh/op' + P + ' ms':>11}")
+    for sched in args.schedules:
+        i, s_ = info[sched], summary[sched]
+        o = own[i["v"]]
+        best = s_["measured_s"]
+        s_["own_sim_s"] = i["own_sim_s"]
+        s_["own_f_ms"], s_["own_b_ms"] = 1000 * o["f_s"], 1000 * o["b_s"]
+        s_["ratio_own_sim"] = best / i["own_sim_s"] if i["own_sim_s"] > 0 else float("nan")
+        s_["ratio_own_sim_median_rounds"] = (s_["median_of_rounds_s"] / i["own_sim_s"]
+                                             if i["own_sim_s"] > 0 else float("nan"))
+        s_["overhead_per_op_own_ms"] = 1000 * (best - i["own_sim_s"]) / s_["ops_per_rank"]
+        print(f"{sched:<17} {1000 * o['f_s']:>8.2f} {1000 * o['b_s']:>8.2f} "
+              f"{i['sim_s']:>7.3f} {i['own_sim_s']:>7.3f} {s_['ratio_sim']:>6.3f} "
+              f"{s_['ratio_own_sim']:>6.3f} {s_['ratio_own_sim_median_rounds']:>9.3f} "
+              f"{s_['overhead_per_op_own_ms']:>11.2f}")
+    print(f"(nominal: F {args.t_f:g} ms, B {args.t_b:g} ms per rank's share; divided by v for "
+          "multi-stage ranks)")
     if GOAL[0] in summary:
         print(f"\n{GOAL[0]} p={p} m={m}: measured / ideal = {summary[GOAL[0]]['ratio_sim']:.3f} "
               f"(best round), {summary[GOAL[0]]['ratio_sim_median_rounds']:.3f} (median of "
