@@ -33,13 +33,13 @@ def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
         ray.shutdown()
-    from raylm.runtime.cluster import start_local
+    from raylm.runtime.cluster import start_local, stop_local
 
     # As `raylm train` starts its own (raylm.runtime.cluster.start_local): its ranks then
     # start with --huge_pages' allocator without a runtime_env of their own.
     start_local(num_cpus=RAY_CPUS, log_to_driver=False)
     yield ray
-    ray.shutdown()
+    stop_local()
 
 
 @pytest.fixture(scope="module", autouse=True)
