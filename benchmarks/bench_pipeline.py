@@ -84,8 +84,6 @@ sys.path.insert(0, REPO)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 GOAL = ("1f1b", 1.05)  # measured / ideal for 1F1B, p=4, m=16
 COMPUTE = ("F", "B", "I", "W")  # forward, full backward, input-grad, weight-grad
-P = "'"  # (sim' below: the ideal with the synthetic stage's own op costs)
-SIMP = "sim" + P
 
 
 def parse_args(argv=None):
@@ -136,6 +134,13 @@ LIVE: dict = {}  # stage -> live saved-activation bytes (per process)
 PEAK: dict = {}  # stage -> peak of LIVE since the last reset
 SLEEP = {"ops": 0, "over_s": 0.0}  # sleeps done, and their total overshoot
 EVENTS: list = []  # (kind F/I/W, stage, start, end) of this step's synthetic work
+
+
+def stage_times(cfg: dict, v: int) -> tuple:
+    """(t_f, t_bi, t_bw) in seconds of one of a rank's v stages: 1/v of the rank's share."""
+    t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
+    t_bw = t_b * cfg["w_frac"]
+    return t_f, t_b - t_bw, t_bw
 
 
 def _sleep(seconds: float, kind: str, stage: int) -> None:
@@ -245,9 +250,7 @@ class PipeRank:
                          stage_rank=stage_ranks(schedule, p, v))
         stage_ids = part.stages_of(self.rank)
         Stage = _stage_functions()
-        t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
-        t_bw = t_b * cfg["w_frac"]
-        modules = [Stage(s, t_f, t_b - t_bw, t_bw, cfg["act_kib"] * 1024) for s in stage_ids]
+        modules = [Stage(s, *stage_times(cfg, v), cfg["act_kib"] * 1024) for s in stage_ids]
         model = torch.nn.ModuleDict({f"stage{s}": mod for s, mod in zip(stage_ids, modules)})
         holders = {n: [self.rank] for n, _ in model.named_parameters()}
         self.model = model
@@ -301,9 +304,7 @@ class PipeRank:
         import torch
 
         Stage = _stage_functions()
-        t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
-        t_bw = t_b * cfg["w_frac"]
-        stage = Stage(1, t_f, t_b - t_bw, t_bw, cfg["act_kib"] * 1024)
+        stage = Stage(1, *stage_times(cfg, v), cfg["act_kib"] * 1024)
         fwd, bwd = [], []
         for i in range(warmup + steps):
             xs = [torch.randn(cfg["mb_rows"], cfg["hidden"], requires_grad=True)
@@ -335,21 +336,21 @@ class PipeRank:
 # ----------------------------------------------------------------------------------------
 # Ideals, on the driver.
 
-def stage_costs(schedule: str, cfg: dict, v: int):
-    t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
-    t_bw = t_b * cfg["w_frac"]
-    t_bi = t_b - t_bw
-
+def _costs(t_f: float, t_bi: float, t_bw: float):
     def cost(kind: str, stage: int) -> float:
         if kind == "F":
             return t_f
         if kind == "B":
-            return t_b
+            return t_bi + t_bw
         if kind == "I":  # torch: stage 0 has no input gradient, its I does nothing ...
             return 0.0 if stage == 0 else t_bi
-        return t_b if stage == 0 else t_bw  # ... and its W runs the whole backward
+        return t_bi + t_bw if stage == 0 else t_bw  # ... and its W runs the whole backward
 
     return cost
+
+
+def stage_costs(schedule: str, cfg: dict, v: int):
+    return _costs(*stage_times(cfg, v))
 
 
 def own_costs(schedule: str, cfg: dict, v: int, own: dict):
@@ -358,22 +359,11 @@ def own_costs(schedule: str, cfg: dict, v: int, own: dict):
     sleeps' overshoot). A split backward's I and W each take half of what a full
     backward adds to its two sleeps; stage 0's I does nothing, its W is the whole
     backward (as in stage_costs)."""
-    t_f, t_b = cfg["t_f"] / 1000 / v, cfg["t_b"] / 1000 / v
-    t_bw = t_b * cfg["w_frac"]
-    t_bi = t_b - t_bw
+    t_f, t_bi, t_bw = stage_times(cfg, v)
     extra_f = max(0.0, own["f_s"] - t_f)
-    extra_b = max(0.0, own["b_s"] - t_b)
-
-    def cost(kind: str, stage: int) -> float:
-        if kind == "F":
-            return t_f + extra_f
-        if kind == "B":
-            return t_b + extra_b
-        if kind == "I":
-            return 0.0 if stage == 0 else t_bi + extra_b / 2
-        return t_b + extra_b if stage == 0 else t_bw + extra_b / 2
-
-    return cost
+    extra_b = max(0.0, own["b_s"] - (t_bi + t_bw))
+    nominal, extra = _costs(t_f, t_bi, t_bw), _costs(extra_f, extra_b / 2, extra_b / 2)
+    return lambda kind, stage: nominal(kind, stage) + extra(kind, stage)
 
 
 def single_stage_order(schedule: str, p: int, m: int) -> dict:
@@ -510,6 +500,11 @@ def breakdown(order: dict, events: list, t0: float) -> dict | None:
             "start_ms": 1000 * mean(first)}
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, or NaN for an ideal of 0 (zero-cost stages)."""
+    return a / b if b > 0 else float("nan")
+
+
 def formula(schedule: str, cfg: dict, v: int) -> float:
     p, m, t = cfg["pp"], cfg["m"], (cfg["t_f"] + cfg["t_b"]) / 1000
     if schedule in ("gpipe", "1f1b"):
@@ -625,12 +620,11 @@ def main(argv=None) -> int:
         i = info[sched]
         ops_per_rank = max(i["order_ops"].values())
         over = best["median_s"] - i["sim_s"]
-        div = lambda a, b: a / b if b > 0 else float("nan")  # noqa: E731 -- zero-cost stages
         summary[sched] = {"measured_s": best["median_s"], "median_of_rounds_s": med,
                           "formula_s": i["formula_s"], "sim_s": i["sim_s"],
-                          "ratio_formula": div(best["median_s"], i["formula_s"]),
-                          "ratio_sim": div(best["median_s"], i["sim_s"]),
-                          "ratio_sim_median_rounds": div(med, i["sim_s"]),
+                          "ratio_formula": _ratio(best["median_s"], i["formula_s"]),
+                          "ratio_sim": _ratio(best["median_s"], i["sim_s"]),
+                          "ratio_sim_median_rounds": _ratio(med, i["sim_s"]),
                           "overhead_per_mb_ms": 1000 * over / m,
                           "overhead_per_op_ms": 1000 * over / ops_per_rank,
                           "ops_per_rank": ops_per_rank}
@@ -669,17 +663,17 @@ def main(argv=None) -> int:
           "the sleeps' overshoot. sim' = the schedule")
     print("played with those costs (free communication); measured / sim' and the overhead "
           "left are what the pipeline runtime adds")
-    print(f"{'schedule':<17} {'F own ms':>8} {'B own ms':>8} {'sim s':>7} {SIMP + ' s':>7} "
-          f"{'/sim':>6} {'/' + SIMP:>6} {'/' + SIMP + ' med':>9} {'ovh/op' + P + ' ms':>11}")
+    head = ("sim' s", "/sim'", "/sim' med", "ovh/op' ms")
+    print(f"{'schedule':<17} {'F own ms':>8} {'B own ms':>8} {'sim s':>7} {head[0]:>7} "
+          f"{'/sim':>6} {head[1]:>6} {head[2]:>9} {head[3]:>11}")
     for sched in args.schedules:
         i, s_ = info[sched], summary[sched]
         o = own[i["v"]]
         best = s_["measured_s"]
         s_["own_sim_s"] = i["own_sim_s"]
         s_["own_f_ms"], s_["own_b_ms"] = 1000 * o["f_s"], 1000 * o["b_s"]
-        s_["ratio_own_sim"] = best / i["own_sim_s"] if i["own_sim_s"] > 0 else float("nan")
-        s_["ratio_own_sim_median_rounds"] = (s_["median_of_rounds_s"] / i["own_sim_s"]
-                                             if i["own_sim_s"] > 0 else float("nan"))
+        s_["ratio_own_sim"] = _ratio(best, i["own_sim_s"])
+        s_["ratio_own_sim_median_rounds"] = _ratio(s_["median_of_rounds_s"], i["own_sim_s"])
         s_["overhead_per_op_own_ms"] = 1000 * (best - i["own_sim_s"]) / s_["ops_per_rank"]
         print(f"{sched:<17} {1000 * o['f_s']:>8.2f} {1000 * o['b_s']:>8.2f} "
               f"{i['sim_s']:>7.3f} {i['own_sim_s']:>7.3f} {s_['ratio_sim']:>6.3f} "

@@ -6,6 +6,7 @@ before any actor starts.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -237,8 +238,6 @@ def run(argv=None) -> int:
     a tiny GPT-2). Not in main(): a program or a test that calls main() goes on, with
     its garbage collected as usual."""
     code = main(argv)
-    import gc
-
     gc.freeze()
     return code
 

@@ -187,12 +187,17 @@ def stop_local() -> None:
     without a signal handler to run, it is gone at once. Another cluster (joined, or not
     started here) is shut down as ray.shutdown() does."""
     node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and _LOCAL and _LOCAL["cluster"] == cluster_id():
+    if node is not None and _own_local():
         try:
             node.kill_monitor(check_alive=False)
         except Exception as e:  # (the shutdown below still stops it, a second later)
             log.debug("could not stop Ray's monitor first: %s", e)
     ray.shutdown()
+
+
+def _own_local() -> bool:
+    """Whether this driver's connection is to the cluster start_local started."""
+    return bool(_LOCAL) and _LOCAL["cluster"] == cluster_id()
 
 
 def cluster_id() -> Optional[tuple]:
@@ -213,8 +218,7 @@ def rank_runtime_env(huge_pages: bool) -> Optional[dict]:
     of its own for it instead of one it prestarted."""
     if "GLIBC_TUNABLES" in os.environ:
         return None
-    ours = bool(_LOCAL) and _LOCAL["cluster"] == cluster_id()
-    has = ours and _LOCAL["env"].get("GLIBC_TUNABLES") == HUGE_PAGES
+    has = _own_local() and _LOCAL["env"].get("GLIBC_TUNABLES") == HUGE_PAGES
     if huge_pages == has:
         return None
     return {"env_vars": {"GLIBC_TUNABLES": HUGE_PAGES if huge_pages else ""}}
