@@ -95,7 +95,7 @@ def test_own_model_matches_single_process(layout, reference, ray_cluster, corpus
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert set(saved) == set(ToyLM().state_dict())
     assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
-                         label=label, still=reference.still)
+                         label=label, allowance=reference.allowance)
     model = ToyLM()
     model.load_state_dict(saved, strict=True)
     with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
@@ -499,7 +499,7 @@ def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single
     assert {k: tuple(v.shape) for k, v in saved.items()} == \
         {k: tuple(v.shape) for k, v in ToyLM().state_dict().items()}
     assert_weights_match(saved, reference.state, reference.exact, reference.lr_sum,
-                         label="pp2 tp2 own plan", still=reference.still)
+                         label="pp2 tp2 own plan", allowance=reference.allowance)
     with open(os.path.join(result.output_dir, "memory.json")) as f:
         ran = json.load(f)["layout"]
     assert (ran["tp"], ran["pp"]) == (2, 2), ran

@@ -104,7 +104,7 @@ def test_vit_matches_single_process(layout, reference, ray_cluster, image_dir, c
     model = AutoModelForImageClassification.from_pretrained(result.output_dir).eval()
     assert model.config.id2label == dict(enumerate(CLASSES))
     assert_weights_match(model.state_dict(), reference.state, reference.exact,
-                         reference.lr_sum, label=label, still=reference.still)
+                         reference.lr_sum, label=label, allowance=reference.allowance)
     processor = AutoImageProcessor.from_pretrained(result.output_dir)
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         evals = [r for r in map(json.loads, f) if "eval_loss" in r]
@@ -178,7 +178,8 @@ def test_own_cnn_matches_single_process(layout, cnn_reference, ray_cluster, imag
     assert_steps_match(result.history, cnn_reference, STEPS, label=label)
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert_weights_match(saved, cnn_reference.state, cnn_reference.exact,
-                         cnn_reference.lr_sum, label=label, still=cnn_reference.still)
+                         cnn_reference.lr_sum, label=label,
+                         allowance=cnn_reference.allowance)
     SmallCNN().load_state_dict(saved, strict=True)
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         evals = [r for r in map(json.loads, f) if "eval_loss" in r]
@@ -217,7 +218,8 @@ def test_swin_matches_single_process(layout, swin_reference, ray_cluster, image_
     assert_steps_match(result.history, swin_reference, STEPS, label=label)
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert_weights_match(saved, swin_reference.state, swin_reference.exact,
-                         swin_reference.lr_sum, label=label, still=swin_reference.still)
+                         swin_reference.lr_sum, label=label,
+                         allowance=swin_reference.allowance)
     with open(os.path.join(result.output_dir, "raylm_model.json")) as f:
         build = json.load(f)["build_args"]
     assert build == {"torchvision": "swin_t", "num_classes": len(CLASSES), "embed_dim": 16,
@@ -639,7 +641,7 @@ def test_a_saved_classifier_of_other_classes_trains_a_new_head(ray_cluster, imag
     model = AutoModelForImageClassification.from_pretrained(result.output_dir)
     assert model.config.id2label == dict(enumerate(CLASSES))
     assert_weights_match(model.state_dict(), reference.state, reference.exact,
-                         reference.lr_sum, label="new head", still=reference.still)
+                         reference.lr_sum, label="new head", allowance=reference.allowance)
 
 
 @pytest.mark.parametrize("layout", [dict(num_workers=2, tp=2),
@@ -666,7 +668,7 @@ def test_vit_under_tensor_parallelism_matches_single_process(layout, reference, 
     assert (ran["tp"], ran["pp"]) == (2, layout.get("pp", 1)), ran
     model = AutoModelForImageClassification.from_pretrained(result.output_dir)
     assert_weights_match(model.state_dict(), reference.state, reference.exact,
-                         reference.lr_sum, label=label, still=reference.still)
+                         reference.lr_sum, label=label, allowance=reference.allowance)
     split = (".q_proj.", ".k_proj.", ".v_proj.", ".fc1.", ".o_proj.weight", ".fc2.weight")
     whole = sum(p.numel() for p in model.parameters())
     sharded = sum(p.numel() for name, p in model.named_parameters()
@@ -690,7 +692,7 @@ def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_pro
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))
     assert_weights_match(saved, swin_reference.state, swin_reference.exact,
                          swin_reference.lr_sum, label="swin-pp2-tp2",
-                         still=swin_reference.still)
+                         allowance=swin_reference.allowance)
     with open(os.path.join(result.output_dir, "memory.json")) as f:
         ran = json.load(f)["layout"]
     assert (ran["tp"], ran["pp"]) == (2, 2), ran

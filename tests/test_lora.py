@@ -92,7 +92,7 @@ def test_lora_layout_matches_single_process(dp, pp, tp, stage, reference, ray_cl
     # ... and they are the single process's adapters (base and adapters, as every
     # parity test holds weights).
     assert_weights_match(state, ref.state, ref.exact, ref.lr_sum, label=out,
-                         still=ref.still)
+                         allowance=ref.allowance)
 
     # Only the adapter is in output_dir; PeftModel loaded it above.
     saved = load_file(os.path.join(out, "adapter_model.safetensors"))

@@ -135,7 +135,7 @@ def assert_mlm_parity(result, ref, steps=STEPS):
     assert config.architectures == ["BertForMaskedLM"] and not config.is_decoder
     saved = AutoModelForMaskedLM.from_pretrained(result.output_dir).state_dict()
     assert_weights_match(saved, ref.state, ref.exact, ref.lr_sum, label=result.output_dir,
-                         still=ref.still)
+                         allowance=ref.allowance)
 
 
 # (dp, pp, tp, zero stage); plain dp=2 and pp=2 run in the resume test below.

@@ -65,7 +65,7 @@ def test_data_parallel_matches_single_process(workers, accum, recompute, referen
     # safetensors keeps one of tied weights (GPT-2's lm_head is wte)
     exact = {k: v for k, v in reference.exact.items() if k in saved}
     assert_weights_match(saved, reference.state, exact, reference.lr_sum,
-                         label=f"{workers}x{accum}", still=reference.still)
+                         label=f"{workers}x{accum}", allowance=reference.allowance)
 
     # metrics.jsonl holds the same per-step losses, and an eval entry at the end.
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:

@@ -66,7 +66,7 @@ def assert_parity(result, ref, steps=STEPS):
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     saved = auto.from_pretrained(result.output_dir).state_dict()
     assert_weights_match(saved, ref.state, ref.exact, ref.lr_sum, label=result.output_dir,
-                         still=ref.still)
+                         allowance=ref.allowance)
 
 
 def assert_recomputed(output_dir, mode):
