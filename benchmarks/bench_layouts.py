@@ -118,7 +118,7 @@ def write_json(args, rows: list) -> None:
 def run_layout(args, name, dp, pp, tp, cache, work) -> dict:
     from raylm import train
     from raylm.runtime.cluster import stop_ray_data_actors
-    from raylm.runtime.driver import PREDICTED
+    from raylm.runtime.reporting import PREDICTED
 
     cfg = run_config(args, name, dp, cache, work, num_workers=4, pp=pp, tp=tp,
                      pipeline_schedule="1f1b")

@@ -145,3 +145,26 @@ def test_no_private_name_crosses_modules():
            for line, module, names in found if module.split(".")[0] == "raylm"
            for n in names if n.startswith("_") and module != m]
     assert not bad, "private names imported from another module: " + "; ".join(bad)
+
+
+# The driver's side (raylm.runtime): the controller's states know no other module; the
+# parts the driver is made of (the worker group, reporting, outputs, elasticity) do not
+# import the driver; the worker group knows nothing of steps, records or recovery.
+RUNTIME_MAY_NOT = {
+    "raylm.runtime.controller": "raylm.",
+    "raylm.runtime.group": ("raylm.runtime.driver", "raylm.runtime.controller",
+                            "raylm.runtime.reporting", "raylm.runtime.outputs",
+                            "raylm.runtime.elastic", "raylm.runtime.policy"),
+    "raylm.runtime.reporting": ("raylm.runtime.driver", "raylm.runtime.elastic",
+                                "raylm.runtime.outputs", "raylm.runtime.group"),
+    "raylm.runtime.outputs": ("raylm.runtime.driver", "raylm.runtime.elastic"),
+    "raylm.runtime.elastic": ("raylm.runtime.driver", "raylm.runtime.controller"),
+    "raylm.runtime.policy": ("raylm.runtime.",),
+}
+
+
+def test_the_driver_side_keeps_its_shape():
+    edges, _ = graph()
+    bad = [f"{m} -> {t}" for m, banned in RUNTIME_MAY_NOT.items() for t in sorted(edges[m])
+           if t.startswith(banned)]
+    assert not bad, "imports against the runtime's shape: " + "; ".join(bad)

@@ -348,21 +348,21 @@ def test_unset_streaming_streams_a_large_corpus_when_the_run_allows_it(corpus, t
 
 
 def test_a_pipeline_that_cannot_keep_up_is_logged_once_with_its_rates(caplog):
-    """The driver's check after each step (Driver._stream_rate_check, on the run's
+    """The driver's check after each step (Reporter.stream_rate_check, on the run's
     records): ten steps of 1 s that waited 0.5 s each for a global batch of 16 reach
     16 samples/s where training alone would take 32; the warning comes once. Waits of a
     twentieth of the step time are not worth a line."""
     from types import SimpleNamespace
 
-    from raylm.runtime.driver import Driver
+    from raylm.runtime.reporting import Reporter
 
     def check(wait_s, steps=12):
-        driver = SimpleNamespace(stream_warned=False, record=SimpleNamespace(history=[]))
+        report = SimpleNamespace(stream_warned=False, record=SimpleNamespace(history=[]))
         for step in range(1, steps + 1):
             rec = {"step": step, "stream_wait_s": wait_s, "step_time_s": 1.0}
-            driver.record.history.append(rec)
-            Driver._stream_rate_check(driver, rec, 16)
-        return driver
+            report.record.history.append(rec)
+            Reporter.stream_rate_check(report, 16)
+        return report
 
     with caplog.at_level("WARNING", logger="raylm"):
         slow = check(0.5)

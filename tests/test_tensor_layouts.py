@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
-from raylm.runtime.driver import PREDICTED
+from raylm.runtime.reporting import PREDICTED
 from tests.reference import reference_fixture
 from tests.test_pipeline import (GLOBAL_BATCH, MICRO, STEPS, assert_parity, assert_recomputed,
                                  pp_config)

@@ -73,7 +73,3 @@ _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 def family_of(config) -> Optional[Family]:
     """The family of a model config, or None (then the generic export path cuts it)."""
     return _BY_TYPE.get(getattr(config, "model_type", None))
-
-
-def known_model_types() -> list[str]:
-    return sorted(_BY_TYPE)

@@ -543,14 +543,3 @@ def evaluate_layout(cfg, dp: int, tp: int, pp: int, spec=None,
         prefer=(dp, tp, pp, cfg.pipeline_schedule), zero_stage=zero_stage,
         sequence_parallel=sequence_parallel, recompute=recompute)
     return search.chosen
-
-
-def predict_layout(cfg, dp: int, pp: int, tp: int) -> float:
-    """Predicted bytes of model state (parameters + gradients + optimizer) on the rank
-    that holds the most, for one layout of ``cfg`` (benchmarks compare it with what the
-    ranks hold)."""
-    c = evaluate_layout(cfg, dp=dp, tp=tp, pp=pp)
-    if c is None or c.problem:
-        raise ConfigError(f"dp={dp} x tp={tp} x pp={pp}: "
-                          f"{c.problem if c else 'not a layout'}")
-    return max(r.states for r in c.ranks)

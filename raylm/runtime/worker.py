@@ -618,17 +618,6 @@ class RankWorker:
                 save_in_dtype(model, output_dir, dtype)
         return True
 
-    def shutdown(self) -> bool:
-        import torch.distributed as dist
-
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.profiler is not None:
-            self.profiler.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return True
-
 
 def _device_name() -> str:
     """The device a rank computes on: the GPU's name (peak FLOP/s for the mfu), or cpu."""

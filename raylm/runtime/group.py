@@ -1,0 +1,270 @@
+"""The worker group: a run's rank actors in rank order, each with its place and identity.
+
+One ``Rank`` per rank (its actor, the (placement group, bundle) slot it sits in, what it
+said of itself), so that re-slicing the group after a failure or a growth keeps the three
+together. The group starts, waits on and stops its actors and moves them into a new
+generation of the process group; what to do with them (which step, which layout) is the
+driver's.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raylm.plan.layout import Plan
+from raylm.runtime import cluster, kept
+from raylm.runtime.worker import RankWorker
+
+log = logging.getLogger("raylm")
+
+# How long the survivors of a failure get to return from the failed step (WorkerGroup.live).
+SURVIVOR_GRACE_S = 10.0
+
+
+class WorkerFailure(Exception):
+    """A rank failed, died or did not answer in time."""
+
+
+@dataclass
+class Rank:
+    actor: Any  # a RankWorker actor handle
+    slot: tuple  # (placement group, bundle index): a lost rank's stays reserved
+    info: dict  # RankWorker.info(): rank, pid, node_id, ip, device, committed_step
+
+
+class WorkerGroup:
+    """The run's rank actors, in rank order, and the placement groups that hold them."""
+
+    def __init__(self, collective_timeout_s: float, huge_pages: bool):
+        self.collective_timeout_s = collective_timeout_s
+        self.timeout_s = collective_timeout_s + 60  # a wait's default bound
+        self.huge_pages = huge_pages
+        self.ranks: list[Rank] = []
+        self.pg = None  # the group's placement group
+        self.growth_pgs: list = []  # those of ranks that joined a running group
+
+    # -- what the driver reads --------------------------------------------------------------
+    @property
+    def actors(self) -> list:
+        return [r.actor for r in self.ranks]
+
+    @property
+    def infos(self) -> list[dict]:
+        return [r.info for r in self.ranks]
+
+    @property
+    def slots(self) -> list:
+        return [r.slot for r in self.ranks]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def describe(self, i: int) -> str:
+        info = self.ranks[i].info if i < len(self.ranks) else {}
+        return f"rank {i} (pid {info.get('pid')}, node {str(info.get('node_id'))[:8]})"
+
+    # -- starting ---------------------------------------------------------------------------
+    def start(self, plan: Plan, n: int) -> None:
+        """One actor per rank of ``plan`` (``n`` of them) in the group's placement group,
+        a tensor-parallel group's ranks in one bundle (one node)."""
+        slots = [(self.pg, plan.dims.node_group(r)) for r in range(n)]
+        actors = start_actors(plan, slots, range(n), n, self.huge_pages)
+        infos = self.wait([a.info.remote() for a in actors])
+        self.ranks = [Rank(a, s, i) for a, s, i in zip(actors, slots, infos)]
+
+    def take_kept(self, plan: Plan) -> bool:
+        """Start with the rank processes a last run kept (raylm.keep_ranks), each as the
+        rank ``plan`` puts on its node. False, with them stopped, when there are none of
+        this shape, they cannot be placed so, or one does not answer."""
+        ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu,
+                          self.huge_pages)
+        if ranks is None:
+            return False
+        order = place(plan, ranks.node_ids)
+        try:
+            if order is None:
+                raise WorkerFailure("the kept ranks' nodes do not hold the layout")
+            infos = self.wait([ranks.actors[i].reset.remote(r, plan.world_size,
+                                                            plan.torch_threads)
+                               for r, i in enumerate(order)], timeout_s=60)
+        except WorkerFailure as e:
+            log.info("not using the kept rank processes: %s", e)
+            ranks.release()
+            return False
+        self.ranks = [Rank(ranks.actors[i], ranks.slots[i], info)
+                      for i, info in zip(order, infos)]
+        self.pg, self.growth_pgs = ranks.pgs[0], ranks.pgs[1:]
+        log.info("%d rank process(es) kept from the last run", len(self.ranks))
+        return True
+
+    def offer_for_next_run(self, plan: Plan) -> bool:
+        """Leave the ranks up for the next run (raylm.keep_ranks) once each has dropped
+        its engine; the group is then empty. False (nothing offered) when one does not
+        reset."""
+        n = len(self.ranks)
+        try:
+            self.wait([r.actor.reset.remote(i, n, plan.torch_threads)
+                       for i, r in enumerate(self.ranks)], timeout_s=60)
+        except WorkerFailure:
+            return False
+        kept.offer(kept.KeptRanks(
+            actors=self.actors, slots=self.slots,
+            node_ids=[i["node_id"] for i in self.infos],
+            pgs=[pg for pg in [self.pg] + self.growth_pgs if pg is not None],
+            cpus_per_worker=plan.cpus_per_worker, use_gpu=plan.use_gpu,
+            cluster=cluster.cluster_id(), huge_pages=self.huge_pages))
+        self.ranks, self.pg, self.growth_pgs = [], None, []
+        return True
+
+    # -- calling ----------------------------------------------------------------------------
+    def wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
+        """Results of ``refs`` in order; the first failure of any rank raises at once."""
+        timeout_s = timeout_s or self.timeout_s
+        pending = list(refs)
+        deadline = time.time() + timeout_s
+        got = {}
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1,
+                                          timeout=max(0.0, deadline - time.time()))
+                if not ready:
+                    raise WorkerFailure(f"no answer from the ranks in {timeout_s:.0f} s")
+                got[ready[0]] = ray.get(ready[0])  # raises if that rank failed
+            return [got[ref] for ref in refs]
+        except (RayActorError, RayTaskError, GetTimeoutError) as e:
+            raise WorkerFailure(first_line(e)) from e
+
+    def call(self, method: str, *args) -> list:
+        """Every rank's ``method(*args)``, waited for."""
+        return self.wait([getattr(a, method).remote(*args) for a in self.actors])
+
+    def live(self) -> tuple[list[int], list[str]]:
+        """(indices of the ranks that answer, descriptions of those that do not). An
+        actor answers after the calls queued before it: a survivor once its failed step
+        has returned (at once, or once a peer it waits on has left the group). One that
+        does not within SURVIVOR_GRACE_S counts as lost (a rank hung in its own code)."""
+        refs = [a.info.remote() for a in self.actors]
+        live, dead = [], []
+        deadline = time.time() + SURVIVOR_GRACE_S
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.time()))
+                live.append(i)
+            except Exception:
+                dead.append(self.describe(i))
+        return live, dead
+
+    # -- changing ---------------------------------------------------------------------------
+    def select(self, indices: list[int], infos: Optional[list] = None) -> list:
+        """Keep the ranks at ``indices``, in that order, as ranks 0, 1, ... (``infos``:
+        their fresh RankWorker.info); returns the actors left out (not stopped)."""
+        chosen = set(indices)
+        left = [r.actor for i, r in enumerate(self.ranks) if i not in chosen]
+        self.ranks = [Rank(self.ranks[i].actor, self.ranks[i].slot,
+                           dict(infos[k] if infos else self.ranks[i].info, rank=k))
+                      for k, i in enumerate(indices)]
+        return left
+
+    def add(self, actors: list, slots: list, infos: list, pg=None) -> None:
+        """Newcomers, as the next ranks (``pg``: their own placement group)."""
+        base = len(self.ranks)
+        self.ranks += [Rank(a, s, dict(i, rank=base + k))
+                       for k, (a, s, i) in enumerate(zip(actors, slots, infos))]
+        if pg is not None:
+            self.growth_pgs.append(pg)
+
+    def regroup(self, run, calls: Callable) -> list:
+        """Move the ranks into a new generation of the process group: ``run.generation``
+        goes up, rank 0 hosts the rendezvous, and ``calls(master, generation)`` gives
+        the refs (each rank's join, regroup or rebuild) that are waited for."""
+        run.generation += 1
+        port = self.wait([self.ranks[0].actor.host_store.remote(self.collective_timeout_s)])[0]
+        master = f"{self.ranks[0].info['ip']}:{port}"
+        return self.wait(calls(master, run.generation))
+
+    def send_keepers(self, snapshots) -> None:
+        """Tell each rank which snapshot keepers to send to (after every change)."""
+        if snapshots is not None:
+            self.wait([r.actor.set_keepers.remote(snapshots.keepers_for(r.info["node_id"]))
+                       for r in self.ranks])
+
+    def free_slots(self, plan: Plan, taken_too: tuple = (), group: int = 1) -> list:
+        """The places in the run's bundles no rank holds (lost ranks'), one (placement
+        group, bundle) per rank, in whole groups of ``group`` per bundle (a tensor-
+        parallel group shares one); ``taken_too``: slots newcomers hold."""
+        taken = collections.Counter(self.slots + list(taken_too))
+        free = []
+        for pg in [self.pg] + self.growth_pgs:
+            for b, bundle in enumerate(pg.bundle_specs if pg is not None else ()):
+                places = cluster.ranks_fitting(bundle, plan.cpus_per_worker, plan.use_gpu,
+                                               0) - taken[(pg, b)]
+                free += [(pg, b)] * (places - places % group)
+        return free
+
+    def stop(self) -> None:
+        """Stop every rank and free the placement groups."""
+        kill(self.actors)
+        self.ranks = []
+        for pg in [self.pg] + self.growth_pgs:
+            remove(pg)
+        self.pg, self.growth_pgs = None, []
+
+
+def start_actors(plan: Plan, slots: list, ranks, world_size: int, huge_pages: bool) -> list:
+    """Start the rank actors of ``ranks``, each in its slot of ``slots`` (placement
+    group, bundle); ``huge_pages``: --huge_pages."""
+    actor = ray.remote(RankWorker)
+    env = cluster.rank_runtime_env(huge_pages)
+    return [actor.options(
+        num_cpus=plan.cpus_per_worker, num_gpus=1 if plan.use_gpu else 0, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=bundle),
+        **({"runtime_env": env} if env else {}),
+    ).remote(rank, world_size, plan.torch_threads) for rank, (pg, bundle) in zip(ranks, slots)]
+
+
+def place(plan: Plan, nodes: list) -> Optional[list]:
+    """Which survivor (index into ``nodes``, their node ids) takes each rank of
+    ``plan``: the ranks a node group must hold on one node (a tensor-parallel group)
+    from survivors on one node; None when the survivors' nodes cannot hold the plan."""
+    size, free = plan.dims.node_group_size, {}
+    for i, node in enumerate(nodes):
+        free.setdefault(node, []).append(i)
+    order = []
+    for _ in range(plan.world_size // size):
+        node = next((k for k, v in free.items() if len(v) >= size), None)
+        if node is None:
+            return None
+        order += free[node][:size]
+        free[node] = free[node][size:]
+    return order
+
+
+def kill(actors: list) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already dead
+            pass
+
+
+def remove(pg) -> None:
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already removed
+            pass
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
