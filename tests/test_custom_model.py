@@ -18,6 +18,7 @@ from torch import nn
 from raylm import ConfigError, TrainConfig, train
 from raylm.data.reader import BlockReader
 from raylm.runtime.driver import Driver
+from raylm.runtime.faults import inject
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import THREE_LAYOUTS, reference_of
 
@@ -183,7 +184,8 @@ def test_own_model_loses_a_rank_and_goes_on_in_memory(reference, ray_cluster, co
     caplog.set_level("INFO", logger="raylm")
     cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=2, dp=2,
                  gradient_accumulation_steps=2, save_steps=2)
-    result = train(cfg, model_init=toy_lm, faults=({"rank": 1, "step": 2, "phase": "update"},))
+    with inject({"rank": 1, "step": 2, "phase": "update"}):
+        result = train(cfg, model_init=toy_lm)
     assert result.failures == 1
     assert "shrank in memory to 1 rank(s)" in caplog.text, caplog.text[-2000:]
     assert [h["world_size"] for h in result.history] == [2, 2, 1, 1, 1]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
+from raylm.runtime.faults import inject
 from tests.conftest import TINY_GPT2_DROPOUT
 from tests.test_bad_input import assert_fails_before_any_actor
 
@@ -115,8 +116,8 @@ def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
     else:
         watch, faults = Watch(), ({"rank": 1, "step": at, "phase": phase},)
     out = tmp_path / "out"
-    result = train(elastic_config(out, corpus_dir, cache_root), callbacks=(watch,),
-                   faults=faults)
+    with inject(*faults):
+        result = train(elastic_config(out, corpus_dir, cache_root), callbacks=(watch,))
 
     log = caplog.text
     assert result.failures == 1

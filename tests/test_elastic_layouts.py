@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
+from raylm.runtime.faults import inject
 from tests.conftest import TINY_GPT2
 from tests.test_elastic import Watch, assert_nothing_left, samples_per_step
 
@@ -67,8 +68,9 @@ def test_a_lost_rank_is_re_laid_out_in_memory(layout, single, ray_cluster, corpu
     watch = Watch()
     out = tmp_path / "out"
     # The last rank dies after its gradient sync at step 4: the step commits nowhere.
-    result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, **layout),
-                   callbacks=(watch,), faults=({"rank": 3, "step": 3, "phase": "update"},))
+    with inject({"rank": 3, "step": 3, "phase": "update"}):
+        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, **layout),
+                       callbacks=(watch,))
     log = caplog.text
     assert result.failures == 1
     shape = "pp=2 x tp=1" if "pp" in layout else "pp=1 x tp=2"
@@ -88,10 +90,10 @@ def test_a_rank_lost_during_the_recovery_falls_back_to_the_checkpoint(
     caplog.set_level("INFO", logger="raylm")
     watch = Watch()
     out = tmp_path / "out"
-    result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, pp=2),
-                   callbacks=(watch,),
-                   faults=({"rank": 3, "step": 3, "phase": "update"},
-                           {"rank": 0, "step": 3, "phase": "recovery", "generation": 2}))
+    with inject({"rank": 3, "step": 3, "phase": "update"},
+                {"rank": 0, "step": 3, "phase": "recovery", "generation": 2}):
+        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, pp=2),
+                       callbacks=(watch,))
     log = caplog.text
     assert result.failures == 2
     assert "during the recovery" in log

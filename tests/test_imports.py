@@ -152,6 +152,7 @@ def test_no_private_name_crosses_modules():
 # import the driver; the worker group knows nothing of steps, records or recovery.
 RUNTIME_MAY_NOT = {
     "raylm.runtime.controller": "raylm.",
+    "raylm.runtime.faults": "raylm.",
     "raylm.runtime.group": ("raylm.runtime.driver", "raylm.runtime.controller",
                             "raylm.runtime.reporting", "raylm.runtime.outputs",
                             "raylm.runtime.elastic", "raylm.runtime.policy"),

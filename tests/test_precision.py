@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from raylm import train
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
+from raylm.runtime.faults import inject
 from tests.reference import reference_fixture
 from tests.test_pipeline import GLOBAL_BATCH, STEPS
 from tests.test_tensor_layouts import tp_config
@@ -133,7 +134,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     data = prepare_data(cfg, inputs)
     losses, norms, state, _ = reference_run(cfg, inputs.spec, data.train, data.train_ids,
                                             GLOBAL_BATCH, STEPS, overflow_steps=(1,))
-    result = train(cfg, faults=({"rank": 3, "step": 1, "phase": "overflow"},))
+    with inject({"rank": 3, "step": 1, "phase": "overflow"}):
+        result = train(cfg)
     hist = result.history
     assert [h["skipped"] for h in hist] == [False, True, False]
     scale = cfg.initial_loss_scale

@@ -33,7 +33,7 @@ from raylm.errors import ConfigError, TrainingFailed
 from raylm.models.lora import lora_line, lora_model_dirs
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition
-from raylm.runtime import cluster, kept
+from raylm.runtime import cluster, faults, kept
 from raylm.runtime.best import BestTracker
 from raylm.runtime.controller import Controller, State, Transition
 from raylm.runtime.elastic import Growth, Recovery
@@ -86,16 +86,10 @@ def startup_line(startup: dict) -> str:
 
 
 class Driver:
-    def __init__(self, cfg: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-                 model_init=None, compute_loss_func=None, tp_plan=None,
-                 datasets: Optional[dict] = None):
+    def __init__(self, cfg: TrainConfig, callbacks: tuple = (), model_init=None,
+                 compute_loss_func=None, tp_plan=None, datasets: Optional[dict] = None):
         self.cfg = cfg
-        # Injected faults (tests): dicts of rank, step (committed steps before it), phase
-        # ("step": before its forward, "sync": during its gradient sync, "update": after
-        # it, "commit", "checkpoint", "recovery"; "overflow" does not kill: the rank's
-        # gradients become inf after its sync, as an fp16 overflow) and group generation
-        # (default 1).
-        self.faults = [dict(f) for f in faults]
+        self.faults = faults.injected()  # (tests: raylm.runtime.faults.inject)
         # Each callback may define on_step_end(driver, step, record); tests use it to
         # kill a rank mid-run.
         self.callbacks = list(callbacks)
@@ -762,8 +756,8 @@ def _check_stream_room(plan: Plan, task_cpus: float, chosen: bool) -> None:
                       if chosen else ""))
 
 
-def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
-          model_init=None, compute_loss_func=None, tp_plan=None, train_dataset=None,
+def train(config: TrainConfig, callbacks: tuple = (), model_init=None,
+          compute_loss_func=None, tp_plan=None, train_dataset=None,
           eval_dataset=None) -> TrainResult:
     """Train (and/or evaluate) as ``config`` says; returns final metrics and output path.
     ``model_init``: a model of your own in place of the config's Hugging Face model, a
@@ -776,10 +770,10 @@ def train(config: TrainConfig, callbacks: tuple = (), faults: tuple = (),
     "rowwise"}``; raylm.models.custom.check_tp_plan).
     ``train_dataset`` / ``eval_dataset``: the data as a ``ray.data.Dataset`` or a
     ``datasets.Dataset`` with a text column, in place of --train_file / --validation_file
-    (raylm.data.given). ``faults``: injected rank failures, for tests (see Driver)."""
+    (raylm.data.given)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
-    return Driver(config, callbacks, faults, model_init=model_init,
+    return Driver(config, callbacks, model_init=model_init,
                   compute_loss_func=compute_loss_func, tp_plan=tp_plan,
                   datasets={"train_dataset": train_dataset,
                             "eval_dataset": eval_dataset}).run()

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
+from raylm.runtime.faults import Faults
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.profiling import StepClock, StepProfiler
@@ -45,7 +46,7 @@ class RankWorker:
         self.prefetcher = None
         self.generation = 0  # of the process group this rank is in
         self.prepared = None  # the step whose update is prepared, not yet committed
-        self.faults = set()  # (rank, step, phase, generation) at which to die (tests)
+        self.faults = Faults()  # injected faults (tests: raylm.runtime.faults)
         self.committed_step = None  # the last step this rank committed
         self.exported = None  # this rank's state in the object store (leave_group)
         self.keepers = []  # snapshot keepers (--snapshot_steps)
@@ -163,7 +164,7 @@ class RankWorker:
             self.leave_group()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
-        self._fault(self.committed_step, "recovery")
+        self.faults.die_at(self.rank, self.committed_step, "recovery", self.generation)
         self.engine.regroup(plan, rank, self.mesh)
         return {"rank": rank, "regroup_s": time.time() - t0}
 
@@ -179,8 +180,7 @@ class RankWorker:
         self.cfg = train_cfg
         # What a rebuild under another layout needs again.
         self.spec, self.dataset, self.total_steps = spec, dataset, total_steps
-        self.faults = {(f["rank"], f["step"], f["phase"], f.get("generation", 1))
-                       for f in train_cfg.get("faults") or ()}
+        self.faults = Faults(train_cfg.get("faults"))
         # A newcomer's model from its warm-up (the engine takes it if it suits the plan).
         warm, self.warm_model = self.warm_model, (None, None)
         self.engine = build_engine(self.plan, self.rank, self.mesh, self.device, spec,
@@ -315,7 +315,7 @@ class RankWorker:
             self.collective_timeout_s = self.cfg["collective_timeout_s"]
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
-        self._fault(state.step, "recovery")
+        self.faults.die_at(self.rank, state.step, "recovery", self.generation)
         self.build(self.spec, self.dataset, self.cfg, self.total_steps)
         fetched = self.engine.import_state(state, ray.get_runtime_context().get_node_id(),
                                            self._seed_rank)
@@ -355,7 +355,7 @@ class RankWorker:
         return True
 
     def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> dict:
-        self._fault(step, "step")
+        self.faults.die_at(self.rank, step, "step", self.generation)
         t0 = time.time()
         # Since the last step returned, less the calls run since (its commit, a
         # checkpoint, an evaluation): the rank idle at the step boundary, waiting for the
@@ -368,19 +368,17 @@ class RankWorker:
         t_data = time.time() - t0
         rounds = self.plan.micro_batches_per_rank
         batches = e.pad_rounds(batches, rounds, self.reader.read if self.reader else None)
-        if (self.rank, step, "sync", self.generation) in self.faults:
-            self._fault_in_gradient_sync(step, rounds)
-        overflow = ((self.rank, step, "overflow", self.generation) in self.faults
-                    and self._overflow_gradients(step))
+        hooks = self.faults.arm_step(self.rank, step, self.generation, e.grad_sync, rounds)
         meter = self._meter()
         clock = StepClock(self.device)
         t_fb = clock.mark()
         with self._region("raylm.forward_backward"):
             loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
         t_clip = clock.mark()
-        if overflow:
-            overflow.remove()
-        self._fault(step, "update")  # after the gradient sync, before the step is prepared
+        for hook in hooks:
+            hook.remove()
+        # (after the gradient sync, before the step is prepared)
+        self.faults.die_at(self.rank, step, "update", self.generation)
         with self._region("raylm.clip"):
             out = e.prepare_update()  # clip (the norm over the whole model)
         t_end = clock.mark()
@@ -423,7 +421,7 @@ class RankWorker:
         if self.prepared != step:
             raise RuntimeError(f"rank {self.rank}: commit of step {step}, but the prepared "
                                f"step is {self.prepared}")
-        self._fault(step, "commit")
+        self.faults.die_at(self.rank, step, "commit", self.generation)
         t0 = time.time()
         self._state_settled()
         clock = StepClock(self.device)
@@ -467,37 +465,6 @@ class RankWorker:
             t0 = time.time()
             self.snapshots.wait_copied()
             self.snapshot_s += time.time() - t0
-
-    def _fault(self, step: int, phase: str) -> None:
-        """Fault injection for tests (``faults`` in the settings: rank, step, phase and
-        the group generation it applies to): the process dies as a killed one would."""
-        if (self.rank, step, phase, self.generation) in self.faults:
-            log.warning("rank %d: injected fault at step %d (%s)", self.rank, step + 1, phase)
-            os._exit(1)
-
-    def _overflow_gradients(self, step: int):
-        """Fault injection: this rank's backward of the step makes an inf gradient, as an
-        fp16 overflow on one rank (a hook on its first parameter's gradient, before the
-        gradient sync adds it up: the sum is inf on every dp replica, as an overflow's
-        is). Returns the hook's handle."""
-        import torch
-
-        log.warning("rank %d: injected gradient overflow at step %d", self.rank, step + 1)
-        param = self.engine.grad_sync.params[0]
-        return param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
-
-    def _fault_in_gradient_sync(self, step: int, rounds: int) -> None:
-        """Fault injection: die while the step's gradient sync is under way, once the
-        last micro-batch's gradient of the first parameter the sync holds is ready (the
-        last to be, in backward: the buckets of every later layer were launched)."""
-        calls = []
-
-        def hook(_):
-            calls.append(1)
-            if len(calls) == rounds:
-                self._fault(step, "sync")
-
-        self.engine.grad_sync.params[0].register_post_accumulate_grad_hook(hook)
 
     def _check_generation(self, generation: int) -> None:
         # Fencing: a call meant for another group generation never runs a collective.
@@ -586,7 +553,7 @@ class RankWorker:
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
-        self._fault(self.committed_step, "checkpoint")
+        self.faults.die_at(self.rank, self.committed_step, "checkpoint", self.generation)
         t0 = time.time()
         self.engine.save(path)
         self.busy_s += time.time() - t0

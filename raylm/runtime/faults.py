@@ -1,0 +1,81 @@
+"""Injected rank faults, for tests and benchmarks: a rank dies (as a killed process does)
+or its gradients overflow, at a given step, phase and group generation.
+
+A run takes the faults ``inject`` set in its process; a rank holds them as ``Faults``,
+which does nothing when empty. Phases: "step" (before its forward), "sync" (during its
+gradient sync), "overflow" (its gradient becomes inf before the sync, as an fp16
+overflow; the rank lives), "update" (after the sync), "commit", "checkpoint",
+"recovery" (rejoining after a failure). ``step`` counts the committed steps before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+log = logging.getLogger("raylm")
+
+PHASES = ("step", "sync", "overflow", "update", "commit", "checkpoint", "recovery")
+_injected: list = []  # the faults the next runs in this process take (inject)
+
+
+@contextlib.contextmanager
+def inject(*faults: dict):
+    """Inside, runs started in this process inject ``faults``: dicts of rank, step,
+    phase and generation (default 1)."""
+    for f in faults:
+        if f["phase"] not in PHASES:
+            raise ValueError(f"fault phase {f['phase']!r}: one of {', '.join(PHASES)}")
+    _injected.extend(dict(f) for f in faults)
+    try:
+        yield
+    finally:
+        del _injected[len(_injected) - len(faults):]
+
+
+def injected() -> list:
+    """The faults a run started now injects (a copy, sent to its ranks)."""
+    return [dict(f) for f in _injected]
+
+
+class Faults:
+    """A rank's injected faults; with none, every call returns at once."""
+
+    def __init__(self, faults=()):
+        self.points = frozenset((f["rank"], f["step"], f["phase"], f.get("generation", 1))
+                                for f in faults or ())
+
+    def at(self, rank: int, step: int, phase: str, generation: int) -> bool:
+        return bool(self.points) and (rank, step, phase, generation) in self.points
+
+    def die_at(self, rank: int, step: int, phase: str, generation: int) -> None:
+        """The process dies here when a fault is set for this point."""
+        if self.at(rank, step, phase, generation):
+            log.warning("rank %d: injected fault at step %d (%s)", rank, step + 1, phase)
+            os._exit(1)
+
+    def arm_step(self, rank: int, step: int, generation: int, sync, rounds: int):
+        """Before a step's forward: the hooks of its "sync" fault (die once the last
+        micro-batch's gradient of the first parameter the sync holds is ready, the last to
+        be in backward) and its "overflow" fault (that gradient becomes inf before the
+        sync adds it up, so the sum is inf on every dp replica). Returns the hooks to
+        remove after backward."""
+        if not self.points:
+            return []
+        import torch
+
+        param, hooks = sync.params[0], []
+        if self.at(rank, step, "sync", generation):
+            calls = []
+
+            def die(_):
+                calls.append(1)
+                if len(calls) == rounds:
+                    self.die_at(rank, step, "sync", generation)
+
+            param.register_post_accumulate_grad_hook(die)
+        if self.at(rank, step, "overflow", generation):
+            log.warning("rank %d: injected gradient overflow at step %d", rank, step + 1)
+            hooks.append(param.register_hook(lambda g: torch.full_like(g, float("inf"))))
+        return hooks
