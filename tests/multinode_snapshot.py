@@ -19,7 +19,8 @@ import time
 import ray
 
 from raylm import TrainConfig, train
-from raylm.runtime.prepare import check_inputs, prepare_data
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.prepare import prepare_data
 from multinode_common import RemoveNodeOfRank, start_cluster
 from reference import reference_run
 

@@ -239,7 +239,8 @@ _CACHE: dict = {}
 def cached_reference(key, make_config, global_batch_size: int, steps: int) -> Reference:
     """``single_process_reference`` for the config ``make_config()`` builds, computed once
     per ``key`` in a test session (several test files compare layouts with it)."""
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
 
     if key not in _CACHE:
         cfg = make_config()
@@ -278,7 +279,8 @@ def reference_of(cfg, global_batch_size: int, steps: int, model_init=None,
                  compute_loss_func=None) -> Reference:
     """``single_process_reference`` of a run's model and data (``model_init``: a model of
     the user's own; ``compute_loss_func``: the user's loss)."""
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
 
     inputs = check_inputs(cfg, model_init=model_init, compute_loss_func=compute_loss_func)
     data = prepare_data(cfg, inputs)

@@ -275,7 +275,7 @@ def test_a_plan_that_shards_a_tied_weight_is_one_error():
 
 
 def test_a_tensor_parallel_plan_needs_a_model_of_your_own(corpus_dir, cache_root, tmp_path):
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     cfg = config(tmp_path / "out", corpus_dir, cache_root, model_type="gpt2")
     with pytest.raises(ConfigError, match="tp_plan is a model of your own's tensor-parallel"):
@@ -283,7 +283,7 @@ def test_a_tensor_parallel_plan_needs_a_model_of_your_own(corpus_dir, cache_root
 
 
 def test_own_loss_under_tensor_parallelism_is_one_error(corpus_dir, cache_root, tmp_path):
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     cfg = TrainConfig(model_type="gpt2", train_file=[str(corpus_dir)], tp=2, num_workers=2,
                       data_cache_dir=cache_root, output_dir=str(tmp_path / "out"))
@@ -297,7 +297,7 @@ def test_own_loss_pins_tensor_parallelism_off_and_skips_filler_batches(corpus_di
     micro-batch (no labels: padded pipeline steps, ZeRO-3's extra rounds) adds 0, where a
     plain mean would be 0/0."""
     from raylm.models.objectives import CausalLM, UserLoss
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     cfg = TrainConfig(model_type="gpt2", train_file=[str(corpus_dir)], num_workers=2,
                       data_cache_dir=cache_root, output_dir=str(tmp_path / "out"))
@@ -382,7 +382,7 @@ def test_a_ray_dataset_trains_as_a_file_of_its_rows(lines, ray_cluster, cache_ro
     from datasets import Dataset
 
     from raylm.data.given import export
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     rows, path = lines
     ref = reference_of(config(tmp_path / "ref", path, cache_root,
@@ -428,7 +428,8 @@ def test_rows_of_token_ids_are_the_texts_they_came_from(lines, ray_cluster, cach
 
     from raylm.data.sources import builtin_tokenizer_dir
     from raylm.data.tokenized import load_tokenizer
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
 
     rows = lines[0][:400]
     tok = load_tokenizer(builtin_tokenizer_dir())

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from raylm.cli.main import main
 from raylm.data.reader import BlockReader
 from raylm.data.sampler import GlobalBatchSampler
-from raylm.runtime.prepare import check_inputs, prepare_data
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.prepare import prepare_data
 from raylm.config import TrainConfig
 
 

@@ -10,7 +10,8 @@ import os
 import numpy as np
 
 from raylm import TrainConfig, train
-from raylm.runtime.prepare import check_inputs, prepare_data
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.prepare import prepare_data
 from tests.conftest import TINY_GPT2
 
 WORKERS = 4

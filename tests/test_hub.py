@@ -16,7 +16,7 @@ import torch
 
 from raylm import TrainConfig
 from raylm.data.sources import builtin_tokenizer_dir
-from raylm.runtime.prepare import check_inputs
+from raylm.runtime.input_checks import check_inputs
 from tests.conftest import SHAKESPEARE, TINY_GPT2
 from tests.hub_cache import write_repo
 

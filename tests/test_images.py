@@ -17,7 +17,8 @@ import torch
 
 from raylm import ConfigError, TrainConfig, train
 from raylm.runtime.driver import Driver
-from raylm.runtime.prepare import check_inputs, prepare_data
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.prepare import prepare_data
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import THREE_LAYOUTS, reference_of
 
@@ -417,7 +418,7 @@ def test_plan_of_an_image_model(kind, image_dir, cache_root, tmp_path):
 def test_an_output_dir_knows_its_run_s_loss(image_dir, cache_root, tmp_path):
     """The run record names a model of your own and its loss: the same run finds its
     output directory again (a resume), another loss is another run."""
-    from raylm.runtime.prepare import start_output_dir
+    from raylm.runtime.output_dir import start_output_dir
 
     def ce(outputs, labels, n):
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / n

@@ -14,7 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from raylm import TrainConfig, train
-from raylm.runtime.prepare import check_inputs, prepare_data
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.prepare import prepare_data
 from tests.conftest import TINY_GPT2
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import single_process_reference

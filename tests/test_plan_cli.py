@@ -321,7 +321,7 @@ def test_plan_prints_the_plan_train_runs(capsys, tmp_path, flags):
     from raylm.cli.args import config_from_namespace
     from raylm.cli.main import build_parser
     from raylm.runtime.driver import Driver
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     args = (*GPT2_4, *flags, *PINNED)
     if "--worker_memory_gb" not in flags:
@@ -344,7 +344,7 @@ def test_pp_split_without_pp_is_one_error_for_plan_and_train(capsys, tmp_path):
     from raylm.cli.main import build_parser
     from raylm.errors import ConfigError
     from raylm.runtime.driver import Driver
-    from raylm.runtime.prepare import check_inputs
+    from raylm.runtime.input_checks import check_inputs
 
     rc, out, err = plan(capsys, *GPT2_4, "--pp_split", "2", "--num_workers", "2")
     assert rc == 2 and out == ""

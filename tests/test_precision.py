@@ -124,7 +124,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     disagreement), the scale halves, and it doubles after each good step
     (--loss_scale_window 1): the run computes what torch's GradScaler does in one
     process with the same overflow."""
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
     from tests.reference import Reference, reference_run
 
     cfg = tp_config(tmp_path / "out", corpus_dir, cache_root, "gpt2", fp16=True,
@@ -155,7 +156,8 @@ def test_50_bf16_steps_train_as_fp32_does(ray_cluster, corpus_dir, cache_root, t
     loss is within 2% of single-process fp32's on the same samples (the tiny GPT-2 of
     the parity tests, 1 rank: the precision alone)."""
     from tests.reference import reference_run
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
     from tests.test_parity import tiny_config
 
     steps = 50

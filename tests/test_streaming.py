@@ -28,7 +28,7 @@ from raylm.data import tokenized
 from raylm.data.tokenized import (CACHE_PREFIX, MANIFEST, TMP_PREFIX, build_tokenized_dataset,
                                   cache_key, load_tokenizer, tokenize_file)
 from raylm.errors import ConfigError
-from raylm.runtime.prepare import check_inputs
+from raylm.runtime.input_checks import check_inputs
 from tests.conftest import SHAKESPEARE, TINY_GPT2
 from tests.object_store import s3_endpoint
 from tests.test_recovery import KillRank
@@ -332,19 +332,19 @@ def test_streaming_flags_are_checked_before_anything_starts(corpus, tmp_path, fl
 
 def test_unset_streaming_streams_a_large_corpus_when_the_run_allows_it(corpus, tmp_path,
                                                                        monkeypatch):
-    import raylm.runtime.prepare as prepare
+    import raylm.runtime.input_checks as input_checks
 
     files = sorted(str(p) for p in corpus.iterdir())
     size = sum(os.path.getsize(f) for f in files)
     auto = dict(streaming=None, do_eval=False)
-    assert not prepare.streams(config(tmp_path, corpus, None, 1, **auto), files)
-    monkeypatch.setattr(prepare, "STREAM_AUTO_BYTES", size - 1)  # "large" is now this
-    assert prepare.streams(config(tmp_path, corpus, None, 1, **auto), files)
+    assert not input_checks.streams(config(tmp_path, corpus, None, 1, **auto), files)
+    monkeypatch.setattr(input_checks, "STREAM_AUTO_BYTES", size - 1)  # "large" is now this
+    assert input_checks.streams(config(tmp_path, corpus, None, 1, **auto), files)
     assert check_inputs(config(tmp_path / "o", corpus, None, 1, **auto)).streaming
     for flags in (dict(do_eval=None), dict(max_steps=-1, num_train_epochs=1),
                   dict(save_strategy="epoch"), dict(streaming=False, do_eval=False)):
-        assert not prepare.streams(config(tmp_path, corpus, None, 1,
-                                          **{**auto, **flags}), files), flags
+        assert not input_checks.streams(config(tmp_path, corpus, None, 1,
+                                               **{**auto, **flags}), files), flags
 
 
 def test_a_pipeline_that_cannot_keep_up_is_logged_once_with_its_rates(caplog):

@@ -152,7 +152,8 @@ def cmd_plan(ns) -> int:
 
 def cmd_tokenize(ns) -> int:
     from raylm.runtime import cluster
-    from raylm.runtime.prepare import check_inputs, prepare_data
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
 
     cfg = _config(ns)
     cfg.do_train, cfg.do_eval = True, bool(cfg.validation_file)

@@ -42,8 +42,10 @@ from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
 from raylm.runtime.outputs import Outputs, loss_result
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.precision import LossScale
-from raylm.runtime.prepare import (Data, Inputs, check_inputs, prepare_data,
-                                   start_output_dir, total_steps)
+from raylm.runtime.input_checks import check_inputs
+from raylm.runtime.inputs import Data, Inputs
+from raylm.runtime.output_dir import start_output_dir
+from raylm.runtime.prepare import prepare_data, total_steps
 from raylm.runtime.reporting import Reporter, Window
 
 log = logging.getLogger("raylm")
@@ -280,7 +282,7 @@ class Driver:
         """The run's layout on a cluster that can hold ``capacity`` ranks: raylm's one
         planning function (what `raylm plan` prints for the same flags); a resumed run
         keeps its global batch, whatever the layout now."""
-        record = inputs.run_record or {}
+        record = inputs.resumed_fingerprint or {}
         plan, part = plan_run(self.cfg, capacity, inputs.spec, inputs.block_size,
                               global_batch_size=record.get("global_batch_size"))
         if part is not None:

@@ -14,7 +14,7 @@ from raylm.models.lora import point_adapter_at_own_base
 from raylm.runtime.best import BestTracker
 from raylm.runtime.group import WorkerGroup
 from raylm.runtime.metrics import MetricsLog, Progress, perplexity
-from raylm.runtime.prepare import Data
+from raylm.runtime.inputs import Data
 
 log = logging.getLogger("raylm")
 

@@ -1,22 +1,12 @@
-"""TrainConfig: every setting of a raylm run, in one dataclass.
-
-Field names are the flag names of Hugging Face's ``run_clm.py`` where one exists (same
-meaning), so ``raylm train --help`` reads like that script's. The CLI, YAML/JSON run files
-and the Python API all fill this one object; ``--help`` text comes from each field's
-``help`` metadata.
-"""
+"""Every flag of a run, one dataclass per group (the sections of ``raylm train --help``);
+TrainConfig (raylm.config) inherits them all, so a flag stays ``cfg.<name>``."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 STRATEGIES = ("no", "steps", "epoch")  # TrainingArguments' IntervalStrategy
-# Older names of flags (TrainingArguments' deprecated spellings): old -> new.
-ALIASES = {"evaluation_strategy": "eval_strategy", "max_seq_length": "block_size"}
 
 # --optim: the HF Trainer's names for torch's AdamW, fused (its default) and not.
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
@@ -40,8 +30,9 @@ def _f(default: Any, help: str, group: str = "training", **extra: Any) -> Any:
 
 
 @dataclass
-class TrainConfig:
-    # --- model -------------------------------------------------------------------------
+class ModelFlags:
+    """The model (as in run_clm.py): which one and from where, its objective, LoRA."""
+
     model_name_or_path: Optional[str] = _f(
         None, "Pretrained model to fine-tune (config, weights, tokenizer): a directory saved "
         "with save_pretrained, or a Hugging Face Hub id (gpt2, org/name).", "model")
@@ -113,7 +104,11 @@ class TrainConfig:
         "its own: a new head sized to the data's classes, initialised from --seed (as "
         "run_image_classification's flag). Off: other classes are an error.", "model")
 
-    # --- data --------------------------------------------------------------------------
+
+@dataclass
+class DataFlags:
+    """The data (as in run_clm.py): the text or images trained and evaluated on, and how."""
+
     task: Optional[str] = _f(
         None, "What to train: unset, a language model (the objectives above); "
         "image-classification: an image classifier (ViT and any transformers model with an "
@@ -217,7 +212,11 @@ class TrainConfig:
         256.0, "--streaming: object-store memory (MiB) that Ray Data may fill with "
         "tokenized blocks the trainer has not taken yet; beyond it its tasks pause.", "data")
 
-    # --- optimisation (run_clm / TrainingArguments names) --------------------------------
+
+@dataclass
+class OptimisationFlags:
+    """Optimisation (run_clm / TrainingArguments names)."""
+
     do_train: Optional[bool] = _f(None, "Train. Default: on, unless only --do_eval is given.")
     do_eval: Optional[bool] = _f(
         None, "Evaluate perplexity on the validation split. Alone (without --do_train): "
@@ -286,7 +285,11 @@ class TrainConfig:
         None, "Seed for the data order alone (default: --seed), as TrainingArguments: the "
         "same samples in another order with the same initial model.")
 
-    # --- logging, evaluation and checkpoints ---------------------------------------------
+
+@dataclass
+class OutputFlags:
+    """Logging, evaluation and checkpoints."""
+
     output_dir: str = _f("raylm-output", "Where the model, metrics and checkpoints go.", "output")
     overwrite_output_dir: bool = _f(
         False, "Start afresh in an existing output_dir instead of resuming from it.", "output")
@@ -358,7 +361,11 @@ class TrainConfig:
     run_name: Optional[str] = _f(
         None, "The run's name in TensorBoard and W&B (default: output_dir's name).", "output")
 
-    # --- raylm: cluster and layout -------------------------------------------------------
+
+@dataclass
+class ClusterFlags:
+    """raylm: cluster and layout."""
+
     address: Optional[str] = _f(
         None, "Ray cluster to join ('auto', 'ray://host:10001', host:port). Default: "
         "$RAY_ADDRESS, else start a local cluster.", "cluster")
@@ -470,7 +477,11 @@ class TrainConfig:
         "(A100, H100, H200, L4, L40S, ...: fp32, or its bf16/fp16 tensor cores under "
         "--bf16/--fp16); none on CPUs.", "cluster")
 
-    # --- raylm: the layout planner's cost model (used when --dp/--tp/--pp are all 0) ----
+
+@dataclass
+class PlannerCostFlags:
+    """raylm: the layout planner's cost model (used when --dp/--tp/--pp are all 0)."""
+
     worker_memory_gb: float = _f(
         0.0, "Memory one rank actor may use, GiB; the planner drops layouts that need more. "
         "0: from the Ray cluster when connected (node memory / workers per node; GPUs: "
@@ -489,96 +500,3 @@ class TrainConfig:
     workers_per_node: int = _f(
         0, "Rank actors per node for the planner (a tensor-parallel group stays in one "
         "node). 0: from the Ray cluster when connected, else 8.", "cluster")
-
-    # ---------------------------------------------------------------------------------------
-    def __post_init__(self) -> None:
-        for name in ("train_file", "validation_file", "report_to"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                setattr(self, name, [value])
-            elif value is None:
-                setattr(self, name, [])
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def is_set(self, name: str) -> bool:
-        """Whether a setting differs from its default (a flag given for nothing to use
-        it on is an error)."""
-        return getattr(self, name) != _DEFAULTS[name]
-
-    @property
-    def should_train(self) -> bool:
-        # No flag: train (and evaluate). --do_eval alone: evaluate the given model only.
-        return self.do_train if self.do_train is not None else self.do_eval is not True
-
-    @property
-    def should_eval(self) -> bool:
-        return True if self.do_eval is None else self.do_eval
-
-    # Settings that change what is trained: a run in an existing output_dir with a
-    # different value of any of these is a different run (error unless
-    # --overwrite_output_dir). Logging, saving and cluster settings are free to change;
-    # the layout in particular may change on resume.
-    RUN_DEFINING = (
-        "model_name_or_path", "config_name", "model_type", "config_overrides", "objective",
-        "tokenizer_name", "train_file", "validation_file", "validation_split_percentage",
-        "text_column", "block_size", "line_by_line", "learning_rate", "weight_decay",
-        "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
-        "warmup_steps", "num_train_epochs", "max_steps", "seed",
-    )
-
-    # Run-defining settings added later: in the fingerprint only when set (not their
-    # default), so a run started before they existed resumes as the same run.
-    RUN_DEFINING_IF_SET = ("warmup_ratio", "lr_scheduler_kwargs", "data_seed",
-                           "keep_linebreaks", "max_train_samples", "model_revision",
-                           "dataset_name", "dataset_config_name", "bf16", "fp16", "mlm",
-                           "mlm_probability", "whole_word_masking",
-                           "mean_noise_span_length", "use_peft", "lora_rank", "lora_alpha",
-                           "lora_dropout", "lora_target_modules", "streaming",
-                           "shuffle_buffer_size", "piece_size_mb", "task", "train_dir",
-                           "validation_dir", "train_val_split", "image_flip", "image_size",
-                           "num_channels", "image_column_name", "label_column_name",
-                           "ignore_mismatched_sizes")
-
-    def run_fingerprint(self, code: Optional[dict] = None) -> dict:
-        """The settings that define the run, and their digest (an output dir holds one
-        run). ``code``: what the Python API was given besides the config (the factory's
-        and the loss's names: train(..., model_init=, compute_loss_func=))."""
-        d = {k: getattr(self, k) for k in self.RUN_DEFINING}
-        d.update({k: getattr(self, k) for k in self.RUN_DEFINING_IF_SET if self.is_set(k)})
-        d.update({k: v for k, v in (code or {}).items() if v is not None})
-        d["digest"] = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return d
-
-    # -- what the flags mean, once -----------------------------------------------------------
-    @property
-    def order_seed(self) -> int:
-        """The seed of the data order: --data_seed, else --seed."""
-        return self.seed if self.data_seed is None else self.data_seed
-
-    def eval_strategy_now(self) -> str:
-        return self.eval_strategy or ("steps" if self.eval_steps else "no")
-
-    @staticmethod
-    def at(strategy: str, every: int, step: int, steps_per_epoch: int,
-           last: Optional[int] = None) -> bool:
-        """Whether a --*_strategy of ``strategy`` acts after ``step`` (1-based): every
-        ``every`` steps, at epoch ends, or never; unless it is "no", also after the run's
-        ``last`` step when given (logging and saving do, evaluation's last is its own)."""
-        if strategy == "no":
-            return False
-        if step == last:
-            return True
-        if strategy == "steps":
-            return bool(every) and step % every == 0
-        return step % steps_per_epoch == 0
-
-
-# Each setting's default, for TrainConfig.is_set.
-_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-             for f in dataclasses.fields(TrainConfig)}
