@@ -25,20 +25,22 @@ sys.path.insert(0, REPO)
 
 
 class Bare:
-    """An actor that answers a raylm-shaped train_step call at once and reports, as a
-    rank does, how long it sat idle since its last answer."""
+    """An actor that answers a raylm-shaped train_step call (a StepRequest in, a
+    StepResult out) at once and reports, as a rank does, how long it sat idle since its
+    last answer."""
 
     def __init__(self):
         self.returned_at = None
 
-    def train_step(self, step, ids, next_ids, generation, commit, scale, blocks):
+    def train_step(self, req):
+        from raylm.runtime.protocol import StepResult
+
         t0 = time.time()
         idle = t0 - self.returned_at if self.returned_at else None
-        out = {"loss": 1.0, "tokens": 64, "grad_norm": 1.0, "learning_rate": 1e-3,
-               "has_loss": True, "local_tokens": 64, "data_wait_s": 0.0, "step_s": 0.0,
-               "snapshot_s": 0.0, "peak_rss_bytes": 1, "boundary_idle_s": idle,
-               "breakdown": {k: 0.001 for k in ("data_wait_s", "forward_backward_s",
-                                                "grad_sync_s", "clip_s", "optimizer_s")}}
+        out = StepResult(loss=1.0, tokens=64, local_tokens=64, has_loss=True,
+                         learning_rate=1e-3, grad_norm=1.0, overflow=False, peak_rss_bytes=1,
+                         data_wait_s=0.001, forward_backward_s=0.001, grad_sync_s=0.001,
+                         clip_s=0.001, optimizer_s=0.001, step_s=0.0, boundary_idle_s=idle)
         self.returned_at = time.time()
         return out
 
@@ -48,19 +50,21 @@ def bare_ms(ranks: int, steps: int) -> float:
     ranks: every call sent, then each answer waited for in turn."""
     import ray
 
+    from raylm.runtime.protocol import StepRequest
+
     actors = [ray.remote(num_cpus=0.5)(Bare).remote() for _ in range(ranks)]
     idle = []
     try:
         for step in range(steps):
-            refs = [a.train_step.remote(step, [[2 * r, 2 * r + 1]], [[2 * r + 2, 2 * r + 3]],
-                                        0, step - 1 if step else None, 1.0, None)
-                    for r, a in enumerate(actors)]
+            refs = [a.train_step.remote(StepRequest(
+                        step, [[2 * r, 2 * r + 1]], [[2 * r + 2, 2 * r + 3]], 1.0, None, 0,
+                        step - 1 if step else None)) for r, a in enumerate(actors)]
             pending, got = list(refs), []
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1, timeout=60)
                 got.append(ray.get(ready[0]))
             if step >= 10:
-                idle.append(min(g["boundary_idle_s"] for g in got))
+                idle.append(min(g.boundary_idle_s for g in got))
     finally:
         for a in actors:
             ray.kill(a)

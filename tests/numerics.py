@@ -150,8 +150,10 @@ def assert_weights_match(got: dict, ref: dict, exact: dict, lr_sum: float, allow
         bound = allowance[name] + floor
         over = err - bound
         worst = int(over.argmax())
+        failed = over.view(-1)[worst] > 0
+        r_err = (ref[name].double() - w64.double()).abs() \
+            if failed or os.environ.get(LOG_ENV) else None
         if os.environ.get(LOG_ENV):
-            r_err = (ref[name].double() - w64.double()).abs()
             with open(os.environ[LOG_ENV], "a") as f:
                 f.write(json.dumps(dict(
                     label=label, name=name, max=err.max().item(), mean=err.mean().item(),
@@ -159,8 +161,8 @@ def assert_weights_match(got: dict, ref: dict, exact: dict, lr_sum: float, allow
                     ratio=(err / bound).max().item(),
                     ref_ratio=(r_err / bound).max().item(),
                     bound_mean=bound.mean().item(), floor=floor)) + "\n")
-        if over.view(-1)[worst] > 0:
-            r = (ref[name].double() - w64.double()).abs().view(-1)
+        if failed:
+            r = r_err.view(-1)
             at = [int(i) for i in np.unravel_index(worst, tuple(w64.shape))]
             raise AssertionError(
                 f"{label} {name}{at}: off the float64 run by "

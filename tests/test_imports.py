@@ -147,20 +147,31 @@ def test_no_private_name_crosses_modules():
     assert not bad, "private names imported from another module: " + "; ".join(bad)
 
 
-# The driver's side (raylm.runtime): the controller's states know no other module; the
-# parts the driver is made of (the worker group, reporting, outputs, elasticity) do not
-# import the driver; the worker group knows nothing of steps, records or recovery.
+# The driver's side (raylm.runtime): the controller's states and the step protocol know
+# no other module; the parts the driver is made of (the worker group, the step loop,
+# reporting, outputs, elasticity) do not import the driver; the worker group knows
+# nothing of the step loop, records or recovery; the rank side (worker, engine) knows
+# the protocol and nothing of the driver's parts.
+DRIVER_PARTS = ("raylm.runtime.driver", "raylm.runtime.controller", "raylm.runtime.steps",
+                "raylm.runtime.reporting", "raylm.runtime.outputs", "raylm.runtime.elastic",
+                "raylm.runtime.policy", "raylm.runtime.group")
 RUNTIME_MAY_NOT = {
     "raylm.runtime.controller": "raylm.",
     "raylm.runtime.faults": "raylm.",
-    "raylm.runtime.group": ("raylm.runtime.driver", "raylm.runtime.controller",
-                            "raylm.runtime.reporting", "raylm.runtime.outputs",
-                            "raylm.runtime.elastic", "raylm.runtime.policy"),
+    "raylm.runtime.protocol": "raylm.",
+    "raylm.runtime.group": tuple(m for m in DRIVER_PARTS if m != "raylm.runtime.group"),
+    "raylm.runtime.steps": ("raylm.runtime.driver", "raylm.runtime.controller",
+                            "raylm.runtime.elastic"),
     "raylm.runtime.reporting": ("raylm.runtime.driver", "raylm.runtime.elastic",
-                                "raylm.runtime.outputs", "raylm.runtime.group"),
-    "raylm.runtime.outputs": ("raylm.runtime.driver", "raylm.runtime.elastic"),
-    "raylm.runtime.elastic": ("raylm.runtime.driver", "raylm.runtime.controller"),
+                                "raylm.runtime.outputs", "raylm.runtime.group",
+                                "raylm.runtime.steps"),
+    "raylm.runtime.outputs": ("raylm.runtime.driver", "raylm.runtime.elastic",
+                              "raylm.runtime.steps"),
+    "raylm.runtime.elastic": ("raylm.runtime.driver", "raylm.runtime.controller",
+                              "raylm.runtime.steps"),
     "raylm.runtime.policy": ("raylm.runtime.",),
+    "raylm.runtime.worker": DRIVER_PARTS,
+    "raylm.runtime.engine": DRIVER_PARTS + ("raylm.runtime.worker",),
 }
 
 

@@ -46,8 +46,8 @@ def test_placement_retries_one_replica_fewer():
 
 def test_run_record_starts_empty():
     run = RunRecord()
-    assert (run.step, run.plan, run.checkpoint, run.generation, run.failures,
-            run.history) == (0, None, None, 0, 0, [])
+    assert (run.step, run.plan, run.checkpoint, run.failures,
+            run.history) == (0, None, None, 0, [])
 
 
 def test_survivors_carry_on_in_whole_replicas_within_the_bounds():

@@ -5,7 +5,8 @@ planning and the first start here, then running, resizing, recovering and finish
 each a handler in ``Driver._train``. The driver never touches tensors: it sends each
 rank the sample ids of its micro-batches and gets scalars back. Its parts:
 
-- the step loop and the commit protocol: ``Driver._run_steps``;
+- the step loop: raylm.runtime.steps (StepLoop); the step protocol and the commit:
+  raylm.runtime.protocol;
 - the rank actors: raylm.runtime.group (WorkerGroup);
 - records, log lines and the summary: raylm.runtime.reporting;
 - evaluation, checkpoints and the saved model: raylm.runtime.outputs;
@@ -15,7 +16,6 @@ rank the sample ids of its micro-batches and gets scalars back. Its parts:
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -27,8 +27,7 @@ import ray
 
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
-from raylm.data.sampler import GlobalBatchSampler, padded_step_schedule, step_schedule
-from raylm.data.stream import DataStreamError
+from raylm.data.sampler import GlobalBatchSampler
 from raylm.errors import ConfigError, TrainingFailed
 from raylm.models.lora import lora_line, lora_model_dirs
 from raylm.plan.layout import Plan, plan_run
@@ -39,14 +38,15 @@ from raylm.runtime.controller import Controller, State, Transition
 from raylm.runtime.elastic import Growth, Recovery
 from raylm.runtime.group import WorkerFailure, WorkerGroup, first_line
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
-from raylm.runtime.outputs import Outputs, loss_result
+from raylm.runtime.outputs import Outputs
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.precision import LossScale
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.inputs import Data, Inputs
 from raylm.runtime.output_dir import start_output_dir
 from raylm.runtime.prepare import prepare_data, total_steps
-from raylm.runtime.reporting import Reporter, Window
+from raylm.runtime.reporting import Reporter
+from raylm.runtime.steps import StepLoop
 
 log = logging.getLogger("raylm")
 
@@ -105,15 +105,9 @@ class Driver:
         self.stream = None  # --streaming's TokenStream (raylm.data.stream)
         # The rank actors, where each sits and what each said of itself.
         self.group = WorkerGroup(cfg.collective_timeout_s, cfg.huge_pages)
-        self.inflight: list = []  # the ranks' calls of the step under way
-        # The step every rank prepared whose commit is not sent yet: it rides on the next
-        # step's call (one Ray call per rank and step), or goes on its own before anything
-        # else reads or changes the ranks' state (_send_commit).
-        self.uncommitted: Optional[int] = None
         # Recovery after a failure and growth onto new capacity (raylm.runtime.elastic).
         self.recovery: Optional[Recovery] = None
         self.growth: Optional[Growth] = None
-        self.sent_ahead = 0  # steps sent before the driver's work on the step before
         # The state machine of a training run (raylm.runtime.controller), the failure
         # policy's last decision, the group's size when a failure began (for the resize
         # event once recovered) and what a restart from a checkpoint starts.
@@ -121,14 +115,14 @@ class Driver:
         self.decision = None
         self.failed_at_size: Optional[int] = None
         self.restart = None
-        # Where the run is (step, plan, latest checkpoint, group generation, failures,
-        # history), and the policies that decide what a failure or a smaller cluster means.
+        # Where the run is (step, plan, latest checkpoint, failures, history), and the
+        # policies that decide what a failure or a smaller cluster means.
         self.record = RunRecord()
         self.failure_policy = FailurePolicy(cfg.max_failures)
         self.scaling: Optional[ScalingPolicy] = None  # from the first plan's size
         self.metrics: Optional[MetricsLog] = None
         self.report: Optional[Reporter] = None  # the step records, log lines and summary
-        self.stopped_early = False  # --early_stopping_patience ran out
+        self.loop: Optional[StepLoop] = None  # the step loop of a training run
         # Evaluations, checkpoints, the best of them and the saved model.
         self.outputs: Optional[Outputs] = None
         self.progress: Optional[Progress] = None
@@ -267,7 +261,7 @@ class Driver:
         finally:
             if self.stream is not None:  # Ray Data's executor stops with the run
                 self.stream.close()
-            self._teardown(keep=self.finished and not owns_ray)
+            self._teardown(offer_ranks=self.finished and not owns_ray)
             if self.metrics is not None:
                 self.metrics.close()  # (the sinks a failed run left open)
             if asked:
@@ -321,7 +315,7 @@ class Driver:
             log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
                      i["node_id"][:8], i["ip"])
         with _timed(times, "process_group"):
-            group.regroup(self.record, lambda master, generation: [
+            group.regroup(lambda master, generation: [
                 w.join.remote(master, plan, self.cfg.collective_timeout_s, generation)
                 for w in group.actors])
         with _timed(times, "engines"):
@@ -335,7 +329,7 @@ class Driver:
         self._send_keepers()
         return plan
 
-    def _keep(self) -> bool:
+    def _offer_ranks(self) -> bool:
         """Leave this run's ranks up for the next (raylm.keep_ranks): when it finished
         without a failure (every bundle holds its rank) and they all reset."""
         if not (kept.keeping() and len(self.group) and self.record.failures == 0
@@ -354,31 +348,20 @@ class Driver:
                 "steps_per_epoch": self.steps_per_epoch,
                 "profile_dir": os.path.join(os.path.abspath(self.cfg.output_dir), "profile")}
 
-    def _send_commit(self) -> None:
-        """Send the decided commit on its own (before an evaluation, a checkpoint, the
-        saved model, a regroup); a commit that fails fails the rank's next call."""
-        if self.uncommitted is not None:
-            step, self.uncommitted = self.uncommitted, None
-            self.inflight = [w.commit.remote(step, self.record.generation)
-                             for w in self.group.actors]
-
     def state_digests(self) -> list:
         """Each rank's digest of its parameters and optimizer state at the last
         committed step (RankWorker.state_digest; tests compare replicas)."""
-        self._send_commit()
         return self.group.call("state_digest")
 
-    def _teardown(self, keep: bool = False) -> None:
-        if keep:
-            self._keep()
+    def _teardown(self, offer_ranks: bool = False) -> None:
+        """Stop the ranks (``offer_ranks``: left up for the next run where they can be)."""
+        if offer_ranks:
+            self._offer_ranks()
         self.group.stop()
         if self.growth is not None:
             self.growth.drop()
         if self.snapshots is not None:
             self.snapshots.close()
-
-    def _wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
-        return self.group.wait(refs, timeout_s)
 
     # -- training --------------------------------------------------------------------------
     def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
@@ -413,10 +396,9 @@ class Driver:
                            cfg.early_stopping_patience, cfg.early_stopping_threshold,
                            state.get("evaluations", ()), state.get("saved", ()))
         # fp16's loss scale where the run starts (a checkpoint keeps it); after that each
-        # step's record keeps the state after it (_loss_scale).
+        # step's record keeps the state after it (loss_scale).
         self.scale_start = (LossScale(**state["loss_scale"]) if state.get("loss_scale")
                             else LossScale(float(cfg.initial_loss_scale)))
-        self.stopped_early = False
         fingerprint = start_output_dir(cfg, plan.global_batch_size, inputs)
         ckpt.clear_partial()
         self.metrics = open_metrics(cfg, start_step)
@@ -453,12 +435,13 @@ class Driver:
                                inputs.block_size)
         self.report.measure_flops(self.group.infos[0].get("device", "cpu"))
         out = self.outputs = Outputs(cfg, self.group, run, self.metrics, self.progress,
-                                     self._send_commit, inputs.spec, ckpt, best)
+                                     inputs.spec, ckpt, best)
         elastic = (cfg, self.group, run, self.scaling, self.snapshots, inputs.spec,
                    inputs.block_size)
         self.recovery = Recovery(*elastic, outputs=out, report=self.report)
-        self.growth = Growth(*elastic, flush=self._send_commit, setup=lambda: (
+        self.growth = Growth(*elastic, setup=lambda: (
             self.spec, self.dataset, self._rank_settings(), self.total_steps))
+        self.loop = StepLoop(self, sampler, steps, data, fingerprint)
         t_start = time.time()
         if run.step >= steps:
             log.info("the run is already complete (step %d of %d)", run.step, steps)
@@ -466,7 +449,7 @@ class Driver:
 
         # -- the states' handlers: each does its state's work and names the next ------------
         def running():
-            if self._run_steps(sampler, steps, data, fingerprint):
+            if self.loop.run():
                 return Transition(State.RESIZING,
                                   f"{len(self.newcomers[0])} rank(s) joining")
             return Transition(State.FINISHING, f"step {run.step}")
@@ -497,7 +480,6 @@ class Driver:
                 if out.last_eval[0] != run.step:  # (an early stop just evaluated)
                     best.observe(run.step, out.evaluate(data))
                 final.update(out.last_eval[1])
-            self._send_commit()
             out.save_model()
             self.progress.close()
             self.metrics.close()
@@ -505,12 +487,12 @@ class Driver:
             for sub in lora_model_dirs(self.spec, cfg.output_dir):  # (LoRA's whole models)
                 out.save_tokenizer(sub)
             final.update(self.report.summary(sampler, data.stream, train_runtime,
-                                             self.startup, self.sent_ahead))
+                                             self.startup, self.loop.sent_ahead))
             if best.evaluations:  # the Trainer's trainer_state names
                 final.update({"best_metric": best.best_metric,
                               "best_global_step": best.best_step,
                               "best_model_checkpoint": out.best_path()})
-            if self.stopped_early:
+            if self.loop.stopped_early:
                 final["stopped_early"] = True
             with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
                 json.dump(final, f, indent=2)
@@ -535,7 +517,7 @@ class Driver:
     def _onward(self, steps: int) -> Transition:
         """Running while steps remain (and no early stop), else finishing."""
         run = self.record
-        if run.step < steps and not self.stopped_early:
+        if run.step < steps and not self.loop.stopped_early:
             return Transition(State.RUNNING, f"step {run.step + 1} of {steps}")
         return Transition(State.FINISHING, f"step {run.step}")
 
@@ -555,130 +537,7 @@ class Driver:
         self.failed_at_size = None
         return self._onward(steps)
 
-    def _run_steps(self, sampler: GlobalBatchSampler, steps: int, data: Data,
-                   fingerprint: dict) -> bool:
-        """Steps until the run's last, an early stop or newcomers ready to join (True)."""
-        cfg, run = self.cfg, self.record
-        plan = run.plan
-        self.report.window = Window()
-
-        @functools.lru_cache(maxsize=4)  # (a step's ids go out twice: to prefetch, to run)
-        def schedule(step):
-            if step >= steps:
-                return None
-            if plan.pp > 1:  # a fixed number of equal micro-batches, filled up
-                out = padded_step_schedule(sampler.global_batch(step), plan.dp,
-                                           plan.micro_batch_size, plan.micro_batches_per_rank)
-            else:
-                out = step_schedule(sampler.global_batch(step), plan.dp, plan.micro_batch_size)
-            # As lists of ints: Ray sends them in about 0.1 ms less a call than numpy
-            # arrays (pickled out of band), and the call is on the step boundary.
-            return [[m.tolist() for m in mbs] for mbs in out]
-
-        def submit(step, scale):
-            # Each rank gets its replica's micro-batches for the step after `step` done
-            # ones and, to prefetch, for the one after (every stage of a pipeline gets the
-            # same ids).
-            cur, nxt = schedule(step), schedule(step + 1)
-            # --streaming: the Ray Data blocks both steps read (each rank fetches them
-            # from the object store; the driver only passes references).
-            blocks = (sampler.blocks([step, step + 1 if nxt else None])
-                      if data.stream is not None else None)
-            commit, self.uncommitted = self.uncommitted, None
-            return [w.train_step.remote(step, cur[plan.dims.index(r, "dp")],
-                                        nxt[plan.dims.index(r, "dp")] if nxt else None,
-                                        run.generation, commit, scale, blocks)
-                    for r, w in enumerate(self.group.actors)]
-
-        per_epoch = sampler.steps_per_epoch
-
-        def saves_after(step):
-            return cfg.at(cfg.save_strategy, cfg.save_steps, step, per_epoch, last=steps)
-
-        def evaluates_after(step):  # mid-run evaluations; the final one follows the loop
-            return bool(cfg.at(cfg.eval_strategy_now(), cfg.eval_steps, step, per_epoch)
-                        and step < steps and cfg.should_eval and data.eval is not None)
-
-        def stream_wait():
-            return data.stream.stats.wait_s if data.stream is not None else 0.0
-
-        def send(step, scale):
-            """Send ``step`` to every rank (with the last step's commit); the driver's
-            wait for the stream's blocks meanwhile."""
-            waited = stream_wait()
-            self.inflight = submit(step, scale.scale if scale else 1.0)
-            return stream_wait() - waited
-
-        def may_send_ahead(step):
-            """Whether the step after ``step`` done ones can be sent as soon as ``step``'s
-            answers are in, before the driver's own work on them (the record, the log,
-            the progress bar, the look for room to grow): nothing is due between the two
-            steps that reads or changes the ranks' state or the plan (an evaluation, a
-            checkpoint, newcomers to take in, a callback, the run's end). The ranks get
-            the same calls in the same order either way: only the driver's own work
-            moves off the step boundary, which the ranks sit idle through."""
-            return (step < steps and not self.callbacks and self.newcomers is None
-                    and not evaluates_after(step) and not saves_after(step))
-
-        t_last = time.time()
-        self.growth.last_check = time.time()
-        sent, ahead = None, (None, 0.0)  # the step sent ahead, (its scale, stream wait)
-        while run.step < steps:
-            if sent == run.step:
-                scale, waited = ahead
-            else:
-                if self.growth.ready():
-                    return True  # the group grows (resizing), then runs on
-                # Every rank prepares the step (forward, backward, gradient sync, clip);
-                # once all have, it is committed: each rank applies it first thing in
-                # its next call, the next step's or a commit of its own. A step that
-                # fails on any rank commits on none.
-                scale = self._loss_scale()
-                try:
-                    waited = send(run.step, scale)
-                except DataStreamError:
-                    self.outputs.save_before_data_error(sampler, fingerprint,
-                                                        self._loss_scale())
-                    raise
-            results = self._wait(self.inflight)
-            self.uncommitted = run.step
-            run.step += 1
-            out = loss_result(results)
-            overflow = _overflow(results)
-            now = time.time()
-            wall, t_last = now - t_last, now
-            # fp16: the scale's state after this step (the next step's: _loss_scale)
-            after = scale.after(overflow, cfg.loss_scale_window) if scale else None
-            data_error = None
-            if may_send_ahead(run.step):
-                try:
-                    ahead, sent = (after, send(run.step, after)), run.step
-                    self.sent_ahead += 1
-                except DataStreamError as e:  # raised once this step is recorded
-                    data_error = e
-                else:  # (no newcomers: this only looks for room, and may start some)
-                    self.growth.ready()
-            rec = self.report.step(results, out, wall, waited, scale, after, overflow,
-                                   sampler, plan, data.stream)
-            if data_error is not None:
-                self.outputs.save_before_data_error(sampler, fingerprint, self._loss_scale())
-                raise data_error
-            if evaluates_after(run.step):
-                self.outputs.best.observe(run.step, self.outputs.evaluate(data))
-            if saves_after(run.step):
-                self.outputs.save_checkpoint(sampler, fingerprint, self._loss_scale())
-            if self.outputs.best.should_stop():
-                self.stopped_early = True
-                log.warning("early stopping at step %d of %d: %s (--early_stopping_patience "
-                            "%d)", run.step, steps, self.outputs.best.describe(),
-                            cfg.early_stopping_patience)
-                return False
-            for cb in self.callbacks:
-                if hasattr(cb, "on_step_end"):
-                    cb.on_step_end(self, run.step, rec)
-        return False
-
-    def _loss_scale(self) -> Optional[LossScale]:
+    def loss_scale(self) -> Optional[LossScale]:
         """fp16's loss scale for the next step (None without --fp16): the state after
         the last step of the run's history (which a restore rewinds with the steps), else
         the one the run started from."""
@@ -694,8 +553,7 @@ class Driver:
         with the survivors (raylm.runtime.elastic.Recovery), or else restart the group
         on what the cluster holds now, from the latest checkpoint."""
         run = self.record
-        survivors = self.recovery.settle(failure, self.inflight)
-        self.inflight = []
+        survivors = self.recovery.settle(failure)
         if not self.decision.restart:
             return Transition(State.FAILED, self.decision.reason)
         if self.recovery.carry_on(survivors):
@@ -721,8 +579,8 @@ class Driver:
         self.record.plan = self._start_group(plan, inputs, data, 1, None, 0)
         self.record.step = 0
         self._enter(State.RUNNING, "evaluation")
-        self.outputs = Outputs(self.cfg, self.group, self.record, self.metrics, self.progress,
-                               self._send_commit)
+        self.outputs = Outputs(self.cfg, self.group, self.record, self.metrics,
+                               self.progress)
         out = self.outputs.evaluate(data)
         with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
             json.dump(out, f, indent=2)
@@ -732,15 +590,6 @@ class Driver:
             f"perplexity {out['perplexity']:.2f}"))
         self.finished = True
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
-
-def _overflow(results: list) -> bool:
-    """Whether the step's fp16 gradients overflowed: every rank sees the same global
-    norm, so every rank says the same (anything else is a bug, not a decision)."""
-    flags = {bool(r.get("overflow")) for r in results}
-    if len(flags) > 1:
-        raise RuntimeError("ranks disagree on whether the step's gradients overflowed")
-    return flags.pop()
-
 
 def _check_stream_room(plan: Plan, task_cpus: float, chosen: bool) -> None:
     """--streaming tokenizes while the ranks train: Ray Data's tasks need CPUs the ranks

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import ray
 
@@ -80,7 +80,7 @@ class Recovery(Elastic):
         super().__init__(*args)
         self.outputs, self.report = outputs, report
 
-    def settle(self, failure: WorkerFailure, inflight: list) -> "Survivors":
+    def settle(self, failure: WorkerFailure) -> "Survivors":
         """Every rank leaves the broken group as soon as its failed call returns; that
         closes its connections and releases a survivor still blocked on it. Where the
         layout keeps copies of its state on several ranks (but not the whole state on
@@ -88,9 +88,10 @@ class Recovery(Elastic):
         run, plan = self.record, self.record.plan
         t0 = time.time()
         export = plan.zero_stage == 0 and plan.dp > 1 and not plan.full_replica_per_rank
-        leaving = [w.leave_group.remote(export) for w in self.group.actors]
+        failed = self.group.inflight  # (the failed calls: their errors are known soon)
+        leaving = self.group.send(lambda r, w: w.leave_group.remote(export))
         live, dead = self.group.live()
-        for ref in inflight + leaving:  # the failed step's calls: their errors are known now
+        for ref in failed + leaving:
             try:
                 ray.get(ref, timeout=0)
             except Exception as e:
@@ -136,11 +137,11 @@ class Recovery(Elastic):
                         [st["committed_step"] for st in states], run.step)
             return False
         new_plan = plan.resized(n)
-        keep = live[:n]
-        kill(self.group.select(keep, [states[live.index(i)] for i in keep]))
+        chosen = live[:n]
+        kill(self.group.select(chosen, [states[live.index(i)] for i in chosen]))
         t_replan = time.time()
         try:
-            self.group.regroup(run, lambda master, generation: [
+            self.group.regroup(lambda master, generation: [
                 w.regroup.remote(master, new_plan, r, n, generation)
                 for r, w in enumerate(self.group.actors)])
         except WorkerFailure as e:
@@ -149,7 +150,7 @@ class Recovery(Elastic):
         self._adopt(new_plan)
         log.warning("shrank in memory to %d rank(s) (generation %d) in %.2f s "
                     "(detect and settle %.2f s, regroup %.2f s): 0 committed steps redone; "
-                    "step %d runs again under the new layout", n, run.generation,
+                    "step %d runs again under the new layout", n, self.group.generation,
                     time.time() - t0, t_replan - t0, time.time() - t_replan, run.step + 1)
         return True
 
@@ -218,23 +219,23 @@ class Recovery(Elastic):
             log.warning("no layout for %d survivor(s) on their nodes: restarting",
                         len(live))
             return False
-        keep = [live[k] for k in order]
+        chosen = [live[k] for k in order]
         t_replan = time.time()
         log.info("re-planned: %s", new_plan.describe())
         old_workers = self.group.actors
-        left = self.group.select(keep)
+        left = self.group.select(chosen)
         run.plan, n = new_plan, new_plan.world_size
         try:
-            results = self.group.regroup(run, lambda master, generation: [
+            results = self.group.regroup(lambda master, generation: [
                 w.rebuild.remote(master, new_plan, r, n, generation, state)
                 for r, w in enumerate(self.group.actors)])
         except WorkerFailure as e:
             # A rank of the new group failed while rebuilding: the survivors' states
             # are no longer whole (they have no committed step until they load).
-            kill([old_workers[i] for i in live if i not in keep])
+            kill([old_workers[i] for i in live if i not in chosen])
             raise WorkerFailure(f"during the recovery: {e}") from e
         # The exported state is read: its holders drop it; ranks beyond the layout go.
-        ray.get([w.drop_export.remote() for w in self.group.actors])
+        self.group.call("drop_export")
         kill(left)
         local = sum(r["local"] for r in results)
         remote = sum(r["remote"] for r in results)
@@ -242,7 +243,7 @@ class Recovery(Elastic):
         log.warning("re-laid out in memory on %d rank(s) (generation %d) from %s in %.2f "
                     "s (detect and export %.2f s, rebuild and state transfer %.2f s; %s of "
                     "state, %d chunk(s) read on the same node, %d from another)", n,
-                    run.generation, source, time.time() - t0, t_replan - t0,
+                    self.group.generation, source, time.time() - t0, t_replan - t0,
                     time.time() - t_replan, human_bytes(state.nbytes()), local, remote)
         if state.step == run.step:
             log.warning("0 committed steps redone; step %d runs again under the new layout",
@@ -253,12 +254,11 @@ class Recovery(Elastic):
 class Growth(Elastic):
     """Growing onto capacity that appears: newcomers start and warm up while training
     goes on, and join at a step boundary. ``setup()`` gives what a newcomer builds its
-    engine from (spec, dataset, settings, total steps); ``flush`` sends the pending
-    commit."""
+    engine from (spec, dataset, settings, total steps)."""
 
-    def __init__(self, *args, setup: Callable[[], tuple], flush: Callable[[], None]):
+    def __init__(self, *args, setup: Callable[[], tuple]):
         super().__init__(*args)
-        self.setup, self.flush = setup, flush
+        self.setup = setup
         # Newcomers warming up: (actors, their placement group, their warm-up calls,
         # their slots).
         self.newcomers = None
@@ -299,7 +299,6 @@ class Growth(Elastic):
             self.drop()
             return False
         self.newcomers = None
-        self.flush()
         n = plan.world_size + len(actors)
         if not plan.full_replica_per_rank:
             return self._grow_relayout(actors, pg, slots, t0)
@@ -317,11 +316,11 @@ class Growth(Elastic):
                     + [w.send_state.remote(0) for w in old])
 
         # (A failure here is a rank failure like any other.)
-        joined = self.group.regroup(run, calls)[len(old):len(old) + len(actors)]
+        joined = self.group.regroup(calls)[len(old):len(old) + len(actors)]
         self._adopt(new_plan)
         log.warning("grew in memory to %d rank(s) (generation %d): the live ranks paused "
                     "%.2f s for the regroup and the state transfer (newcomers, slowest: "
-                    "group %.2f s, engine %.2f s, state %.2f s)", n, run.generation,
+                    "group %.2f s, engine %.2f s, state %.2f s)", n, self.group.generation,
                     time.time() - t0, *(max(j[k] for j in joined)
                                         for k in ("join_s", "build_s", "state_s")))
         return True
@@ -349,12 +348,12 @@ class Growth(Elastic):
         if pg is not None:
             self.group.growth_pgs.append(pg)
         old_workers = self.group.actors
-        state = merge(self.group.wait([w.leave_group.remote(True) for w in old_workers]))
+        state = merge(self.group.call("leave_group", True))
         self.group.add(actors, slots, infos)
         self.group.select(order)
         run.plan = new_plan
         setup = dict(zip(("spec", "dataset", "train_cfg", "total_steps"), self.setup()))
-        self.group.regroup(run, lambda master, generation: [
+        self.group.regroup(lambda master, generation: [
             w.rebuild.remote(master, new_plan, r, n, generation, state,
                              None if order[r] < len(old_workers) else setup)
             for r, w in enumerate(self.group.actors)])
@@ -362,7 +361,7 @@ class Growth(Elastic):
         self._adopt(new_plan)
         log.warning("grew in memory to %d rank(s) (generation %d), re-laid out from the "
                     "live ranks' state: they paused %.2f s for the export, the rebuild "
-                    "and the state transfer (%s)", n, run.generation, time.time() - t0,
+                    "and the state transfer (%s)", n, self.group.generation, time.time() - t0,
                     human_bytes(state.nbytes()))
         return True
 
@@ -410,12 +409,8 @@ class Growth(Elastic):
         self.newcomers = None
 
 
-@dataclasses.dataclass
-class Survivors:
+class Survivors(NamedTuple):
     live: list  # indices of the ranks that answered
     exports: list  # their leave_group refs (their exported state, when export)
     export: bool  # the layout's ranks exported their state
     t0: float  # when the recovery began
-
-    def __iter__(self):
-        return iter((self.live, self.exports, self.export, self.t0))

@@ -1,7 +1,7 @@
 """A rank's engine: its share of the model and of the training state, built by one factory.
 
-``build_engine`` applies the model transforms in one order (as torchtitan's
-``parallelize_*`` does), each a step of its own below:
+``build_engine`` assembles the rank's parts (``Parts``) in one order, as torchtitan's
+``parallelize_*`` applies its transforms, then makes the engine from them once:
 
 0. the model: whole, with its initial weights, where every rank holds all of it (data
    parallelism) or where it must be traced whole (a pipeline of the generic export
@@ -40,7 +40,8 @@ import contextlib
 import math
 import resource
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,36 +71,85 @@ from raylm.runtime.precision import autocast_dtype, reduce_dtype
 from raylm.runtime.schedule import make_scheduler
 
 
+class Sums(NamedTuple):
+    """A step's forward and backward, from every engine alike."""
+    loss: torch.Tensor  # 0-d: the loss summed over dp's label tokens
+    tokens: torch.Tensor  # 0-d: the global batch's label tokens
+    local_tokens: int  # this rank's
+
+
+class Prepared(NamedTuple):
+    """A step prepared (clipped), not applied."""
+    learning_rate: float  # the step will use
+    grad_norm: float  # before clipping (on a GPU a 0-d device tensor: raylm.parallel.clip)
+    overflow: bool  # fp16: not finite anywhere, so skipped everywhere
+    peak_rss_bytes: int  # the process's peak resident memory so far
+
+
+class EvalSums(NamedTuple):
+    """This rank's evaluation sums, not reduced over dp."""
+    loss_sum: float
+    tokens: int
+    correct: Optional[int]  # top-1 hits, where the objective counts them
+
+
+@dataclass
+class Parts:
+    """What ``build_engine`` assembles for one rank, in its order; an engine is made from
+    them once."""
+    objective: Any  # raylm.models.objectives, with the user's loss if any
+    model: torch.nn.Module  # this rank's share, its layout applied
+    model_input: str  # what the first stage is fed: main_input_name (ids or pixels)
+    canonical: Any  # the layout-free checkpoint form's adapter
+    grad_sync: Any  # the ZeRO stage's (raylm.parallel.zero.gradient_sync)
+    optimizer: Any
+    stepper: Any  # what steps the optimizer (ZeRO 1/2: with the all-gather)
+    scheduler: Any
+    tensor_parallel: Any = None  # TPState when tp > 1
+    pipeline: Optional[PipelineRuntime] = None  # when pp > 1
+    pipeline_loss: Optional["PipelineLoss"] = None  # the last stage's, the schedule calls
+    eval_stage_modules: Any = None  # a traced pipeline's stages for evaluation
+    compiled: Optional[str] = None  # what --torch_compile compiled: model or blocks
+    loss_fn: Any = None  # the objective's loss compiled (--torch_compile_scope model)
+    sample_dropout: bool = False  # per-sample masks (raylm.models.dropout)
+    dropout_sites: Any = None  # the modules that call dropout (DropoutSites)
+
+
+class PipelineLoss:
+    """The last stage's loss of a micro-batch as the schedule calls it: summed over its
+    label tokens, over the step's global token count (set each step; evaluation sums
+    plain token losses), times fp16's loss scale."""
+
+    def __init__(self, objective):
+        self.objective, self.global_tokens, self.scale = objective, 1.0, 1.0
+
+    def __call__(self, logits, labels):
+        loss = self.objective.loss_sum(logits, labels) / self.global_tokens
+        return loss * self.scale if self.scale != 1.0 else loss
+
+
 class Engine:
     """What ``build_engine`` made for one rank (read its docstring for the order)."""
 
-    def __init__(self, plan, rank: int, mesh, device, spec, cfg: dict, line_by_line: bool):
+    def __init__(self, plan, rank: int, mesh, device, spec, cfg: dict, line_by_line: bool,
+                 parts: Parts):
         self.plan, self.rank, self.mesh, self.device = plan, rank, mesh, device
         self.spec, self.cfg = spec, cfg
         self.line_by_line = line_by_line  # padded samples: the attention mask matters
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank = mesh["dp"].get_local_rank()
         self.zero_stage = plan.zero_stage
-        self.objective = with_loss(objective_for(spec.config,
-                                                 spec.objective or cfg.get("objective"),
-                                                 spec.masking), spec.loss_fn)
+        p = parts
+        self.objective, self.model, self.model_input = p.objective, p.model, p.model_input
+        self.canonical, self.grad_sync = p.canonical, p.grad_sync
+        self.optimizer, self.stepper, self.scheduler = p.optimizer, p.stepper, p.scheduler
+        self.tensor_parallel, self.pipeline = p.tensor_parallel, p.pipeline
+        self.pipeline_loss, self.eval_stage_modules = p.pipeline_loss, p.eval_stage_modules
+        self.compiled, self.loss_fn = p.compiled, p.loss_fn
+        self.sample_dropout, self.dropout_sites = p.sample_dropout, p.dropout_sites
         # The epoch of a step, for objectives that draw per (epoch, sample): the global
         # batch is fixed across layouts, so this is too (the driver's sampler's).
         self.steps_per_epoch = int(cfg.get("steps_per_epoch") or 1)
-        self.model = None
-        self.tensor_parallel = None  # TPState when tp > 1
-        self.pipeline: Optional[PipelineRuntime] = None  # when pp > 1
-        self.eval_stage_modules = None
-        self.canonical = None  # the layout-free checkpoint form's adapter
-        self.grad_sync = None
-        self.optimizer = self.stepper = self.scheduler = None
-        # Under a pipeline the last stage's loss is divided by the step's global token
-        # count (set by forward_backward; evaluation sums plain token losses).
-        self.global_tokens = 1.0
-        self.sample_dropout = False  # per-sample masks (raylm.models.dropout)
-        self.dropout_sites = None  # the modules that call dropout (DropoutSites)
-        self.loss_fn = None  # the objective's loss compiled (--torch_compile_scope model)
-        self.compiled = None  # what --torch_compile compiled: model or blocks
         self.export_planner = None  # kept between exports
         # Mixed precision (raylm.runtime.precision): autocast's dtype (None: fp32); the
         # step's loss scale (fp16; the driver's) and whether its gradients overflowed.
@@ -108,9 +158,6 @@ class Engine:
         self.loss_scale = 1.0
         self.overflow = False
         self.sync_s = 0.0  # the last step's exposed gradient sync (finish_sync)
-        # What the first pipeline stage is fed: the model's main_input_name (token ids,
-        # or an image model's pixels); set with the model (build_engine).
-        self.model_input = "input_ids"
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -134,12 +181,11 @@ class Engine:
             items += [make(filler) for _ in range(rounds - len(items))]
         return items
 
-    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
+    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> Sums:
         """Forward and backward over the step's micro-batches, gradients summed over dp.
-        Returns (the step's summed loss over dp, the global batch's label tokens: 0-d
-        tensors or numbers, ``float()`` reads them; this rank's label tokens). The loss of a step is the mean over every label token of the global
-        batch, so each rank needs the global count before its first backward: it is
-        summed over dp in the background while the first forward runs."""
+        The loss of a step is the mean over every label token of the global batch, so
+        each rank needs the global count before its first backward: it is summed over
+        dp in the background while the first forward runs."""
         local_tokens = sum(self.count(b, step) for b in batches)
         global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
                                                          self.device)
@@ -166,7 +212,7 @@ class Engine:
         global_loss = self.finish_sync()  # gradients (and the loss) summed over dp
         # (0-d tensors: read by the caller once the step's work is launched, so that on
         # a GPU the clip's kernels queue behind backward's with no host sync between.)
-        return global_loss, global_tokens[0], local_tokens
+        return Sums(global_loss, global_tokens[0], local_tokens)
 
     def finish_sync(self):
         """The gradient sync's end (what backward did not hide of it), timed: sync_s."""
@@ -180,9 +226,8 @@ class Engine:
         """Whether evaluation counts top-1 hits (image classification's accuracy)."""
         return hasattr(self.objective, "correct")
 
-    def evaluate(self, micro_batch_ids: list, read) -> tuple:
-        """(summed loss, label tokens, top-1 hits or None) of this rank's eval
-        micro-batches (``read(ids)`` gives a batch); not reduced over dp."""
+    def evaluate(self, micro_batch_ids: list, read) -> EvalSums:
+        """The sums over this rank's eval micro-batches (``read(ids)`` gives a batch)."""
         if self.grad_sync.collective_forwards:  # as many forwards as the other dp ranks
             most = int(all_reduce_max(len(micro_batch_ids), self.dp_group, self.device))
             micro_batch_ids = self.pad_rounds(micro_batch_ids, most)
@@ -198,7 +243,7 @@ class Engine:
                         correct += self.objective.correct(logits, labels)
         finally:
             self.grad_sync.release()
-        return loss_sum, tokens, correct if self.counts_correct else None
+        return EvalSums(loss_sum, tokens, correct if self.counts_correct else None)
 
     def count(self, batch: dict, step) -> int:
         """Label tokens of a micro-batch under the objective."""
@@ -254,10 +299,6 @@ class Engine:
             stack.enter_context(self.tensor_parallel.loss_context())
         return stack
 
-    def pipeline_loss(self, logits, labels):
-        loss = self.objective.loss_sum(logits, labels) / self.global_tokens
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
-
     def clip(self, max_norm: float) -> float:
         """Clip to ``max_norm`` over the whole model, unscaling fp16's gradients; the
         norm before clipping."""
@@ -268,12 +309,10 @@ class Engine:
         return self.grad_sync.clip(pipe.norm_params, max_norm, pipe.pp_group,
                                    loss_scale=self.loss_scale)
 
-    def prepare_update(self) -> dict:
+    def prepare_update(self) -> Prepared:
         """After the gradients are synced: clip (the last collective of a step). Nothing
         the step changes is touched yet; ``apply_update`` commits the step, ``leave_group``
-        drops it. Returns the learning rate the step will use, the norm before clipping
-        (on a GPU a 0-d device tensor: raylm.parallel.clip) and the process's peak
-        resident memory."""
+        drops it."""
         # The norm is logged whether or not it clips (--max_grad_norm 0: an infinite
         # bound, which leaves the gradients as they are).
         max_norm = self.cfg["max_grad_norm"]
@@ -282,8 +321,8 @@ class Engine:
         self.overflow = self.loss_scale != 1.0 and not math.isfinite(grad_norm)
         # Peak resident memory of this rank's process so far (Linux reports KiB).
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"learning_rate": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-                "overflow": self.overflow, "peak_rss_bytes": peak_rss}
+        return Prepared(self.optimizer.param_groups[0]["lr"], grad_norm, self.overflow,
+                        peak_rss)
 
     def apply_update(self) -> None:
         """Commit a prepared step: optimizer step, schedule step, zero the gradients.
@@ -457,27 +496,29 @@ class PipelineEngine(Engine):
     has_loss = property(lambda self: self.pipeline.has_last)
     has_first = property(lambda self: self.pipeline.has_first)
 
-    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> tuple:
+    def forward_backward(self, batches: list, step: int, rounds: int, meter) -> Sums:
         """As Engine.forward_backward; then the gradients of weights several stages hold
         (tied embeddings) are summed between them. The global token count is needed
         before the schedule runs (the last stage divides each micro-batch's loss by it)."""
         pipe, sync = self.pipeline, self.grad_sync
         local_tokens = sum(self.count(b, step) for b in batches) if pipe.has_last else 0
         global_tokens = all_reduce_sum([local_tokens], self.dp_group, self.device)[0]
-        self.global_tokens = float(global_tokens) or 1.0
+        loss = self.pipeline_loss
+        loss.global_tokens, loss.scale = float(global_tokens) or 1.0, self.loss_scale
         ids, labels, kwargs = self.stack(batches, step)
         pipe.train(True)
         with self.loss_context(), meter:
             losses = pipe.run(ids, labels, kwargs)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb_loss in losses:  # (each the scaled loss of pipeline_loss)
-            loss_sum += mb_loss.detach().double() * (self.global_tokens / self.loss_scale)
+        for mb_loss in losses:  # (each the scaled loss of PipelineLoss)
+            loss_sum += mb_loss.detach().double() * (loss.global_tokens / self.loss_scale)
         sync.arm(loss_sum)
         global_loss = self.finish_sync()  # dp sum (each stage over its own dp group)
         pipe.sync_tied_grads(sync.grad_of)  # (ZeRO 1/2: the rows this rank owns)
-        return global_loss, float(global_tokens), local_tokens
+        return Sums(global_loss, torch.tensor(global_tokens, dtype=torch.float64),
+                    local_tokens)
 
-    def evaluate(self, micro_batch_ids: list, read) -> tuple:
+    def evaluate(self, micro_batch_ids: list, read) -> EvalSums:
         """``micro_batch_ids``: chunks of one step's shape (the schedule's micro-batch
         count and size), filled up with padding ids."""
         pipe = self.pipeline
@@ -502,7 +543,7 @@ class PipelineEngine(Engine):
                         tokens += sum(self.count(b, None) for b in batches)
         finally:
             self.grad_sync.release()
-        return loss_sum, tokens, correct if self.counts_correct else None
+        return EvalSums(loss_sum, tokens, correct if self.counts_correct else None)
 
     def stack(self, batches: list, step):
         """The step's rows as the schedule takes them: all micro-batches stacked (it
@@ -556,65 +597,72 @@ def initial_model(spec, seed: int, on_meta: bool):
 
 def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: int,
                  line_by_line: bool = False, warm=(None, None)) -> Engine:
-    """The rank's engine for ``plan`` (see the module docstring for the order), from
-    ``warm`` = (on_meta, model) when it was built earlier by ``initial_model`` (a
-    newcomer's warm-up; taken when its ``on_meta`` is this plan's ``builds_on_meta``: the
-    plan may have changed since)."""
-    kind = PipelineEngine if plan.pp > 1 else Engine
-    e = kind(plan, rank, mesh, device, spec, cfg, line_by_line)
+    """The rank's engine for ``plan``: its parts assembled in the module docstring's
+    order, then the engine made from them. ``warm`` = (on_meta, model) when the model
+    was built earlier by ``initial_model`` (a newcomer's warm-up; taken when its
+    ``on_meta`` is this plan's ``builds_on_meta``: the plan may have changed since)."""
+    objective = with_loss(objective_for(spec.config, spec.objective or cfg.get("objective"),
+                                        spec.masking), spec.loss_fn)
     # 0. the whole model, or its skeleton
     on_meta = builds_on_meta(plan, spec)
     warm_meta, model = warm
     if model is None or warm_meta != on_meta:
         model = initial_model(spec, cfg["seed"], on_meta)
-    e.model = model if on_meta else model.to(device)
-    e.model_input = getattr(model, "main_input_name", None) or "input_ids"
+    model = model if on_meta else model.to(device)
+    parts = dict(objective=objective, model=model,
+                 model_input=getattr(model, "main_input_name", None) or "input_ids")
     # Dropout per sample where the model is whole on the rank (data parallelism): a
     # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
     # (Under compile the masks are the compiled graph's, per rank.)
     if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
-        e.sample_dropout = per_sample_dropout(
-            e.model, cfg.get("per_sample_attention_dropout", True))
+        sample = per_sample_dropout(model, cfg.get("per_sample_attention_dropout", True))
         # (intercepted inside the modules that call dropout, once a forward found them)
-        e.dropout_sites = DropoutSites() if e.sample_dropout else None
+        parts.update(sample_dropout=sample, dropout_sites=DropoutSites() if sample else None)
     # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
     #    4., since torch.export traces the model whole)
     traced = plan.pp > 1 and not has_own_stages(spec.config)
+    tp = None
     if plan.tp > 1 and not traced:
-        e.tensor_parallel = apply_tensor_parallel(e.model, mesh["tp"], plan.sequence_parallel)
+        tp = apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
     # 2. compile the whole forward and the loss, or each block's forward (of its
     #    DTensor parameters under tp)
     if cfg.get("torch_compile"):
         how = (cfg.get("torch_compile_backend"), cfg.get("torch_compile_mode"))
-        e.compiled = cfg.get("torch_compile_scope") or "blocks"  # (checked: layout.py)
-        if e.compiled == "model":
-            e.loss_fn = apply_compile_model(e.model, e.objective.loss_sum, *how)
+        parts["compiled"] = cfg.get("torch_compile_scope") or "blocks"  # (layout.py)
+        if parts["compiled"] == "model":
+            parts["loss_fn"] = apply_compile_model(model, objective.loss_sum, *how)
         else:
-            apply_compile(e.model, *how)
+            apply_compile(model, *how)
     # 3. activation checkpointing (around the compiled forward)
-    apply_activation_checkpointing(e.model, plan.recompute)
+    apply_activation_checkpointing(model, plan.recompute)
+    fill = _Weights(plan, mesh, device, spec, cfg)
     # 4. the pipeline cut (5. ZeRO-3 on its stage roots and 6. the weights, before the
     #    runtime takes references to the parameters)
     if plan.pp > 1:
-        e.pipeline = _pipeline(e, on_meta)
+        loss = PipelineLoss(objective)
+        pipe, eval_modules, tp = _pipeline(model, plan, rank, mesh, device, spec,
+                                           parts["model_input"], tp, loss, fill, on_meta)
+        parts.update(pipeline=pipe, eval_stage_modules=eval_modules, pipeline_loss=loss)
     # 5. ZeRO-3 without a pipeline: the model is the root
-    elif e.zero_stage == 3:
-        _shard(e, [e.model])
-    # 6. the weights of a skeleton (ZeRO-3's: in _shard)
+    elif plan.zero_stage == 3:
+        fill.shard(model, [model], tp)
+    # 6. the weights of a skeleton (ZeRO-3's: in fill.shard)
     elif on_meta:
-        _materialize(e)
+        fill.materialize(model, tp)
     # Checkpoints and the saved model in the model's own (layout-free) shapes.
-    e.canonical = canonical_adapter(e.model, e.tensor_parallel)
-    e.grad_sync = gradient_sync(e.zero_stage, e.model, e.dp_group,
-                                None if e.zero_stage == 3 else e.reduce_dtype,
-                                keep_gathered=not e.plan.reshard_after_forward,
-                                overlap=(plan.pp == 1 and not plan.cpu_offload
-                                         and e.reduce_dtype is None),
-                                gloo=e.device.type == "cpu")
-    groups, hyper = _adamw(e.model, cfg)
-    e.optimizer, e.stepper = e.grad_sync.make_optimizer(groups, **hyper)
-    e.scheduler = make_scheduler(e.optimizer, cfg, total_steps)
-    return e
+    canonical = canonical_adapter(model, tp)
+    reduce = reduce_dtype(cfg)
+    sync = gradient_sync(plan.zero_stage, model, mesh["dp"].get_group(),
+                         None if plan.zero_stage == 3 else reduce,
+                         keep_gathered=not plan.reshard_after_forward,
+                         overlap=plan.pp == 1 and not plan.cpu_offload and reduce is None,
+                         gloo=device.type == "cpu")
+    groups, hyper = _adamw(model, cfg)
+    optimizer, stepper = sync.make_optimizer(groups, **hyper)
+    kind = PipelineEngine if plan.pp > 1 else Engine
+    return kind(plan, rank, mesh, device, spec, cfg, line_by_line, Parts(
+        **parts, canonical=canonical, grad_sync=sync, optimizer=optimizer, stepper=stepper,
+        scheduler=make_scheduler(optimizer, cfg, total_steps), tensor_parallel=tp))
 
 
 def _adamw(model, cfg: dict) -> tuple:
@@ -638,36 +686,37 @@ def _adamw(model, cfg: dict) -> tuple:
     return groups, hyper
 
 
-def _pipeline(e: Engine, on_meta: bool) -> PipelineRuntime:
+def _pipeline(model, plan, rank: int, mesh, device, spec, model_input: str, tp, loss,
+              fill: "_Weights", on_meta: bool) -> tuple:
     """Cut the model to this rank's stages (of its skeleton when ``on_meta``: its weights
     then filled for those stages only); tied-weight groups on every rank, in one order
-    (new_group is collective over the world)."""
-    plan = e.plan
+    (new_group is collective over the world). Returns (the runtime, the evaluation's
+    stage modules, the tensor-parallel state: a traced model's is applied here)."""
     part = Partition(bounds=[tuple(b) for b in plan.stage_bounds],
                      stage_rank=stage_ranks(plan.schedule, plan.pp, plan.virtual))
-    pp_rank = e.mesh["pp"].get_local_rank()
+    pp_rank = mesh["pp"].get_local_rank()
     stage_ids = part.stages_of(pp_rank)
     # (on the model's device: torch.export traces the stages there)
-    where = next(e.model.parameters()).device
+    where = next(model.parameters()).device
     where = where if where.type != "meta" else "cpu"
-    if e.model_input == "pixel_values":  # an image model: a micro-batch of its images
+    if model_input == "pixel_values":  # an image model: a micro-batch of its images
         from raylm.models.vision import channels, image_size
 
-        size = image_size(e.spec.config)
-        example = torch.zeros(plan.micro_batch_size, channels(e.spec.config), size, size,
+        size = image_size(spec.config)
+        example = torch.zeros(plan.micro_batch_size, channels(spec.config), size, size,
                               device=where)
     else:
         example = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long,
                               device=where)
-    modules, holders, e.eval_stage_modules = cut(e.model, part, stage_ids, example)
-    if plan.tp > 1 and e.tensor_parallel is None:  # traced stage graphs (step 1)
-        graphs = [m.stage for m in list(modules) + list(e.eval_stage_modules or [])]
-        e.tensor_parallel = apply_tensor_parallel(e.model, e.mesh["tp"], graphs=graphs)
-    if e.zero_stage == 3:
-        _shard(e, list(modules))
+    modules, holders, eval_modules = cut(model, part, stage_ids, example)
+    if plan.tp > 1 and tp is None:  # traced stage graphs (step 1)
+        graphs = [m.stage for m in list(modules) + list(eval_modules or [])]
+        tp = apply_tensor_parallel(model, mesh["tp"], graphs=graphs)
+    if plan.zero_stage == 3:
+        fill.shard(model, list(modules), tp)
     elif on_meta:
-        _materialize(e)
-    dims, me = plan.dims, plan.dims.coords(e.rank)
+        fill.materialize(model, tp)
+    dims, me = plan.dims, plan.dims.coords(rank)
     tied_groups = {}
     for ranks in sorted({tuple(r) for r in holders.values() if len(r) > 1}):
         for d in range(plan.dp):
@@ -675,20 +724,40 @@ def _pipeline(e: Engine, on_meta: bool) -> PipelineRuntime:
                 group = dist.new_group([dims.rank(dp=d, pp=r, tp=t) for r in ranks])
                 if (d, t) == (me["dp"], me["tp"]):
                     tied_groups[ranks] = group
-    return PipelineRuntime(e.model, modules, stage_ids, part, holders, plan.schedule,
-                           plan.micro_batches_per_rank, e.pipeline_loss,
-                           e.mesh["pp"].get_group(), pp_rank, e.device, tied_groups)
+    runtime = PipelineRuntime(model, modules, stage_ids, part, holders, plan.schedule,
+                              plan.micro_batches_per_rank, loss, mesh["pp"].get_group(),
+                              pp_rank, device, tied_groups)
+    return runtime, eval_modules, tp
 
 
-def _shard(e: Engine, roots: list) -> None:
-    """ZeRO-3: FSDP2 over the dp group (each rank keeps 1/dp of every tensor)."""
-    # The tensor-parallel placement of each parameter, before FSDP adds the dp dim.
-    tp_layout = _tp_layout(e.model)
-    apply_fsdp(e.model, roots, e.mesh["dp"], e.plan.cpu_offload,
-               mixed_precision(e.autocast, e.cfg.get("reduce_dtype")),
-               reshard_after_forward=e.plan.reshard_after_forward,
-               prefetch=e.device.type == "cpu" and e.plan.pp == 1)
-    _materialize(e, tp_layout)
+class _Weights:
+    """Steps 5 and 6: ZeRO-3's sharding and a skeleton's weights, each rank filling only
+    its own shards and stages."""
+
+    def __init__(self, plan, mesh, device, spec, cfg: dict):
+        self.plan, self.mesh, self.device, self.spec, self.cfg = plan, mesh, device, spec, cfg
+
+    def shard(self, model, roots: list, tp) -> None:
+        """ZeRO-3: FSDP2 over the dp group (each rank keeps 1/dp of every tensor)."""
+        plan = self.plan
+        # The tensor-parallel placement of each parameter, before FSDP adds the dp dim.
+        tp_layout = _tp_layout(model)
+        apply_fsdp(model, roots, self.mesh["dp"], plan.cpu_offload,
+                   mixed_precision(autocast_dtype(self.cfg), self.cfg.get("reduce_dtype")),
+                   reshard_after_forward=plan.reshard_after_forward,
+                   prefetch=self.device.type == "cpu" and plan.pp == 1)
+        self.materialize(model, tp, tp_layout)
+
+    def materialize(self, model, tp, tp_layout: Optional[dict] = None) -> None:
+        """A skeleton's weights (nothing to do for a model built whole), before anything
+        takes references to the parameters (materialising makes new ones): each rank
+        fills its shards of the tensors its stages hold, one tensor of the model at a
+        time."""
+        if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
+               for p in model.parameters()):
+            materialize(model, self.spec, self.cfg["seed"], self.device,
+                        _tp_layout(model) if tp_layout is None else tp_layout,
+                        canonical_adapter(model, tp))
 
 
 def _tp_layout(model) -> dict:
@@ -696,14 +765,3 @@ def _tp_layout(model) -> dict:
     return {n: (p.device_mesh, p.placements, p.shape)
             for n, p in model.named_parameters(remove_duplicate=False)
             if isinstance(p, DTensor)}
-
-
-def _materialize(e: Engine, tp_layout: Optional[dict] = None) -> None:
-    """A skeleton's weights (nothing to do for a model built whole), before anything takes
-    references to the parameters (materialising makes new ones): each rank fills its
-    shards of the tensors its stages hold, one tensor of the model at a time."""
-    if any((p.to_local() if isinstance(p, DTensor) else p).is_meta
-           for p in e.model.parameters()):
-        materialize(e.model, e.spec, e.cfg["seed"], e.device,
-                    _tp_layout(e.model) if tp_layout is None else tp_layout,
-                    canonical_adapter(e.model, e.tensor_parallel))

@@ -2,8 +2,9 @@
 
 One ``Rank`` per rank (its actor, the (placement group, bundle) slot it sits in, what it
 said of itself), so that re-slicing the group after a failure or a growth keeps the three
-together. The group starts, waits on and stops its actors and moves them into a new
-generation of the process group; what to do with them (which step, which layout) is the
+together. The group starts, calls, waits on and stops its actors and moves them into a
+new generation of the process group; every call reaches the ranks after the pending
+commit (raylm.runtime.protocol). What to do with them (which step, which layout) is the
 driver's.
 """
 
@@ -22,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.plan.layout import Plan
 from raylm.runtime import cluster, kept
+from raylm.runtime.protocol import PendingCommit, StepRequest
 from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
@@ -51,6 +53,9 @@ class WorkerGroup:
         self.ranks: list[Rank] = []
         self.pg = None  # the group's placement group
         self.growth_pgs: list = []  # those of ranks that joined a running group
+        self.generation = 0  # of the process group: how many times the ranks (re)joined
+        self.pending = PendingCommit()  # the prepared step to commit before anything else
+        self.inflight: list = []  # the last calls sent to every rank (a failure's settle)
 
     # -- what the driver reads --------------------------------------------------------------
     @property
@@ -143,9 +148,36 @@ class WorkerGroup:
         except (RayActorError, RayTaskError, GetTimeoutError) as e:
             raise WorkerFailure(first_line(e)) from e
 
+    def flush(self) -> None:
+        """Send the pending commit on its own (a commit that fails fails the rank's next
+        call)."""
+        step = self.pending.take()
+        if step is not None:
+            self.inflight = [a.commit.remote(step, self.generation) for a in self.actors]
+
+    def send(self, make: Callable[[int, Any], Any]) -> list:
+        """``make(rank, actor)`` for every rank, after the pending commit: the refs, not
+        waited for."""
+        self.flush()
+        self.inflight = [make(r, a) for r, a in enumerate(self.actors)]
+        return self.inflight
+
     def call(self, method: str, *args) -> list:
         """Every rank's ``method(*args)``, waited for."""
-        return self.wait([getattr(a, method).remote(*args) for a in self.actors])
+        return self.wait(self.send(lambda r, a: getattr(a, method).remote(*args)))
+
+    def call_each(self, make: Callable[[int, Any], Any]) -> list:
+        """Every rank's ``make(rank, actor)``, waited for."""
+        return self.wait(self.send(make))
+
+    def send_step(self, requests: list[StepRequest]) -> list:
+        """Each rank its part of a step (in rank order), the pending commit riding on
+        it: one Ray call per rank and step."""
+        commit = self.pending.take()
+        for req in requests:
+            req.generation, req.commit = self.generation, commit
+        self.inflight = [a.train_step.remote(req) for a, req in zip(self.actors, requests)]
+        return self.inflight
 
     def live(self) -> tuple[list[int], list[str]]:
         """(indices of the ranks that answer, descriptions of those that do not). An
@@ -167,6 +199,7 @@ class WorkerGroup:
     def select(self, indices: list[int], infos: Optional[list] = None) -> list:
         """Keep the ranks at ``indices``, in that order, as ranks 0, 1, ... (``infos``:
         their fresh RankWorker.info); returns the actors left out (not stopped)."""
+        self.flush()  # (applied by the ranks that prepared it, before any leaves)
         chosen = set(indices)
         left = [r.actor for i, r in enumerate(self.ranks) if i not in chosen]
         self.ranks = [Rank(self.ranks[i].actor, self.ranks[i].slot,
@@ -176,26 +209,28 @@ class WorkerGroup:
 
     def add(self, actors: list, slots: list, infos: list, pg=None) -> None:
         """Newcomers, as the next ranks (``pg``: their own placement group)."""
+        self.flush()  # (applied by the ranks that prepared it, not the newcomers)
         base = len(self.ranks)
         self.ranks += [Rank(a, s, dict(i, rank=base + k))
                        for k, (a, s, i) in enumerate(zip(actors, slots, infos))]
         if pg is not None:
             self.growth_pgs.append(pg)
 
-    def regroup(self, run, calls: Callable) -> list:
-        """Move the ranks into a new generation of the process group: ``run.generation``
+    def regroup(self, calls: Callable) -> list:
+        """Move the ranks into a new generation of the process group: the generation
         goes up, rank 0 hosts the rendezvous, and ``calls(master, generation)`` gives
         the refs (each rank's join, regroup or rebuild) that are waited for."""
-        run.generation += 1
+        self.flush()
+        self.generation += 1
         port = self.wait([self.ranks[0].actor.host_store.remote(self.collective_timeout_s)])[0]
         master = f"{self.ranks[0].info['ip']}:{port}"
-        return self.wait(calls(master, run.generation))
+        return self.wait(calls(master, self.generation))
 
     def send_keepers(self, snapshots) -> None:
         """Tell each rank which snapshot keepers to send to (after every change)."""
         if snapshots is not None:
-            self.wait([r.actor.set_keepers.remote(snapshots.keepers_for(r.info["node_id"]))
-                       for r in self.ranks])
+            self.call_each(lambda r, a: a.set_keepers.remote(
+                snapshots.keepers_for(self.ranks[r].info["node_id"])))
 
     def free_slots(self, plan: Plan, taken_too: tuple = (), group: int = 1) -> list:
         """The places in the run's bundles no rank holds (lost ranks'), one (placement
@@ -213,7 +248,7 @@ class WorkerGroup:
     def stop(self) -> None:
         """Stop every rank and free the placement groups."""
         kill(self.actors)
-        self.ranks = []
+        self.ranks, self.inflight, self.pending = [], [], PendingCommit()
         for pg in [self.pg] + self.growth_pgs:
             remove(pg)
         self.pg, self.growth_pgs = None, []

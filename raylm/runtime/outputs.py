@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Optional
 
 from raylm.checkpoint.manager import TRAINER_STATE, CheckpointManager, read_trainer_state
 from raylm.data.sampler import micro_batches, padded_step_schedule, rank_share
@@ -15,20 +15,21 @@ from raylm.runtime.best import BestTracker
 from raylm.runtime.group import WorkerGroup
 from raylm.runtime.metrics import MetricsLog, Progress, perplexity
 from raylm.runtime.inputs import Data
+from raylm.runtime.protocol import loss_result
 
 log = logging.getLogger("raylm")
 
 
 class Outputs:
-    """Evaluation, checkpoints and the saved model of a run. ``flush`` sends the pending
-    commit first (whatever reads or writes the ranks' state must see the last step);
-    ``ckpt`` and ``best`` are a training run's (None when it only evaluates)."""
+    """Evaluation, checkpoints and the saved model of a run (each sees the last step: the
+    group sends the pending commit first); ``ckpt`` and ``best`` are a training run's
+    (None when it only evaluates)."""
 
     def __init__(self, cfg, group: WorkerGroup, record, metrics: MetricsLog,
-                 progress: Progress, flush: Callable[[], None], spec=None,
-                 ckpt: Optional[CheckpointManager] = None, best: Optional[BestTracker] = None):
+                 progress: Progress, spec=None, ckpt: Optional[CheckpointManager] = None,
+                 best: Optional[BestTracker] = None):
         self.cfg, self.group, self.record = cfg, group, record
-        self.metrics, self.progress, self.flush = metrics, progress, flush
+        self.metrics, self.progress = metrics, progress
         self.spec, self.ckpt, self.best = spec, ckpt, best
         self.last_eval = (None, {})  # (step, results) of the latest evaluation
 
@@ -38,21 +39,20 @@ class Outputs:
         validation sets each set's as well (eval_<name>_loss, as the Trainer names the
         metrics of a dict of eval datasets); the overall loss is the token-weighted mean
         of the sets'."""
-        self.flush()
         step = self.record.step
         sets = data.eval_sets or [(None, data.eval_ids)]
         results, loss_sum, tokens = {}, 0.0, 0
         for name, ids in sets:
             out = self._evaluate_ids(data, ids)
-            loss_sum += out["eval_loss"] * out["eval_tokens"]
-            tokens += out["eval_tokens"]
+            loss_sum += out.eval_loss * out.eval_tokens
+            tokens += out.eval_tokens
             if name is not None:
-                results[f"eval_{name}_loss"] = out["eval_loss"]
-                results[f"eval_{name}_perplexity"] = out["perplexity"]
-        loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out["eval_loss"]
+                results[f"eval_{name}_loss"] = out.eval_loss
+                results[f"eval_{name}_perplexity"] = out.perplexity
+        loss = loss_sum / max(tokens, 1) if len(sets) > 1 else out.eval_loss
         results = {"eval_loss": loss, "eval_samples": len(data.eval_ids), **results}
-        if "eval_correct" in out:  # image classification: top-1 accuracy (no perplexity)
-            results["eval_accuracy"] = out["eval_correct"] / max(out["eval_tokens"], 1)
+        if out.eval_correct is not None:  # image classification: top-1 accuracy
+            results["eval_accuracy"] = out.eval_correct / max(out.eval_tokens, 1)
         else:
             results["perplexity"] = perplexity(loss)
         self.metrics.append({"step": step, **results})
@@ -65,12 +65,12 @@ class Outputs:
         self.last_eval = (step, results)
         return results
 
-    def _evaluate_ids(self, data: Data, ids) -> dict:
+    def _evaluate_ids(self, data: Data, ids):
+        """The EvalResult of one validation set (raylm.runtime.protocol)."""
         plan = self.record.plan
         eval_ds = data.eval if data.eval is not data.train else None
-        refs = [w.evaluate.remote(self._eval_batches(ids, plan.dims.index(r, "dp")), eval_ds)
-                for r, w in enumerate(self.group.actors)]
-        return loss_result(self.group.wait(refs))
+        return loss_result(self.group.call_each(lambda r, w: w.evaluate.remote(
+            self._eval_batches(ids, plan.dims.index(r, "dp")), eval_ds)))
 
     def _eval_batches(self, eval_ids, dp_index: int) -> list:
         plan = self.record.plan
@@ -88,7 +88,6 @@ class Outputs:
         """The ranks' state at the last step, committed atomically, then rotated
         (``loss_scale``: fp16's scale for the next step, else None)."""
         run, best = self.record, self.best
-        self.flush()
         tmp = self.ckpt.begin(run.step)
         model_only = self.cfg.save_only_model
         if model_only:  # a Hugging Face model directory, as the final model is saved
@@ -182,7 +181,3 @@ class Outputs:
         # The tokenizer resolve_model loaded (cached), saved beside the model.
         load_tokenizer(self.spec.tokenizer_dir).save_pretrained(directory)
 
-
-def loss_result(results: list) -> dict:
-    """The result of a rank that computed the loss (under a pipeline, a last stage)."""
-    return next((r for r in results if r.get("has_loss", True)), results[0])

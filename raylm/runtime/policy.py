@@ -81,6 +81,5 @@ class RunRecord:
     plan: Optional[Plan] = None  # the layout the rank group runs now
     step: int = 0  # optimizer steps done
     checkpoint: Optional[str] = None  # the latest committed checkpoint
-    generation: int = 0  # how many times a rank group was started
     failures: int = 0
     history: list = field(default_factory=list)  # one dict per optimizer step

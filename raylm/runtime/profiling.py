@@ -29,9 +29,9 @@ BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "opti
 def slowest_breakdown(results: list) -> dict:
     """The step's parts on the rank that took longest (the one the others waited for),
     with the boundary of the rank that waited least for the driver."""
-    slowest = max(results, key=lambda r: r.get("step_s", 0.0) + (r.get("optimizer_s") or 0.0))
-    out = {k: float(slowest.get(k) or 0.0) for k in BREAKDOWN if k != "boundary_idle_s"}
-    idle = [r["boundary_idle_s"] for r in results if r.get("boundary_idle_s") is not None]
+    slowest = max(results, key=lambda r: r.step_s + (r.optimizer_s or 0.0))
+    out = {k: float(getattr(slowest, k) or 0.0) for k in BREAKDOWN if k != "boundary_idle_s"}
+    idle = [r.boundary_idle_s for r in results if r.boundary_idle_s is not None]
     out["boundary_idle_s"] = min(idle) if idle else 0.0
     return out
 

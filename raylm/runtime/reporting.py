@@ -64,8 +64,12 @@ class Reporter:
             return None
         return tokens_per_second * self.flops_per_token / (self.peak_flops * world_size)
 
+    def new_window(self) -> None:
+        """Start a logging window afresh (the step loop's start, after a pause)."""
+        self.window = Window()
+
     # -- each step --------------------------------------------------------------------------
-    def step(self, results: list, out: dict, wall: float, waited: float, scale, after,
+    def step(self, results: list, out, wall: float, waited: float, scale, after,
              overflow: bool, sampler, plan: Plan, stream=None) -> dict:
         """The record of the step just done (``record.step``), appended to the history,
         with the log line, the progress bar and the window's entry when one is due."""
@@ -73,21 +77,20 @@ class Reporter:
         # Throughput counts the tokens the model read: a causal LM's labels are its
         # inputs (shifted), masked LM's and span corruption's a sample of them.
         read = (len(sampler.global_batch(run.step - 1)) * self.block_size
-                if self.spec.objective in PREDICTS_A_SAMPLE else out["tokens"])
+                if self.spec.objective in PREDICTS_A_SAMPLE else out.tokens)
         rec = {"step": run.step, "epoch": round(sampler.epoch_of(run.step), 4),
-               "loss": out["loss"], "learning_rate": out["learning_rate"],
-               "grad_norm": out["grad_norm"], "tokens": out["tokens"],
+               "loss": out.loss, "learning_rate": out.learning_rate,
+               "grad_norm": out.grad_norm, "tokens": out.tokens,
                "throughput_tokens": read, "tokens_per_second": read / wall,
                "step_time_s": wall,
                # the ranks' reads, and the driver's wait for the stream's next blocks
-               "data_wait_s": max(r["data_wait_s"] for r in results) + waited,
-               "snapshot_s": max(r.get("snapshot_s", 0.0) for r in results),
+               "data_wait_s": max(r.data_wait_s for r in results) + waited,
+               "snapshot_s": max(r.snapshot_s for r in results),
                # The step boundary's cost: the rank that answered last waited least.
-               "boundary_idle_s": min((r["boundary_idle_s"] for r in results
-                                       if r.get("boundary_idle_s") is not None),
-                                      default=None),
+               "boundary_idle_s": min((r.boundary_idle_s for r in results
+                                       if r.boundary_idle_s is not None), default=None),
                "breakdown": slowest_breakdown(results),
-               "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
+               "peak_rss_bytes": [r.peak_rss_bytes for r in results],
                "world_size": plan.world_size}
         if scale is not None:  # fp16: the scale used, and the state after the step
             rec.update({"loss_scale": scale.scale, "skipped": overflow,
@@ -105,8 +108,8 @@ class Reporter:
         if cfg.log_sample_ids:
             with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
                 f.write(json.dumps({"step": run.step, "ranks": [
-                    r["sample_ids"] for r in results if "sample_ids" in r]}) + "\n")
-        if "memory" in results[0]:
+                    r.sample_ids for r in results if r.sample_ids is not None]}) + "\n")
+        if results[0].memory is not None:
             self.memory_report(results)
         self.window.add(rec, waited)
         self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
@@ -182,7 +185,7 @@ class Reporter:
             predicted = None
         ranks = []
         for r in results:
-            m = r["memory"]
+            m = r.memory
             pred = None
             if predicted is not None and not predicted.problem:
                 pred = predicted.ranks[m["coords"]["pp"]].to_dict()
@@ -198,7 +201,7 @@ class Reporter:
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,
                                                       plan.zero_stage, plan.dp,
                                                       trainable=m.get("replica_trained")),
-                          "peak_rss_bytes": r.get("peak_rss_bytes")})
+                          "peak_rss_bytes": r.peak_rss_bytes})
             meas = sum(ranks[-1]["measured"].values())
             log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
                      "optimizer %s, activations %s, weight copies %s = %s%s", len(ranks) - 1,

@@ -20,6 +20,7 @@ from raylm.runtime.faults import Faults
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.profiling import StepClock, StepProfiler
+from raylm.runtime.protocol import EvalResult, StepRequest, StepResult
 
 _NO_REGION = contextlib.nullcontext()
 
@@ -215,36 +216,32 @@ class RankWorker:
         return self.plan.dims.seed_index(self.rank)
 
     # -- the training step -----------------------------------------------------------------
-    def train_step(self, step: int, micro_batch_ids: list, next_ids: list | None = None,
-                   generation: int = 0, commit: int | None = None,
-                   loss_scale: float = 1.0, blocks: list | None = None) -> dict:
-        """Prepare the optimizer step after ``step`` committed ones, over this rank's
-        micro-batches (sample ids from the driver); ``commit`` applies it. The driver's
-        commit of the step before, when it has not sent it on its own, comes with this
-        call (``commit``) and is applied first.
+    def train_step(self, req: StepRequest) -> StepResult:
+        """Prepare the optimizer step after ``req.step`` committed ones, over this rank's
+        micro-batches (sample ids from the driver); a commit applies it. The driver's
+        commit of the step before, when it has not sent it on its own, comes with the
+        request (``req.commit``) and is applied first.
 
         Read top to bottom: data (the next step's prefetched meanwhile), forward and
         backward over the micro-batches with the gradients summed over dp (the engine's:
         a loop, or a pipeline schedule), clip. Returns scalars only. The optimizer step
-        waits for the driver's ``commit``, sent once every rank prepared the step: a step
-        is applied on every rank or on none (torchft's should_commit, decided by the
-        driver), so a rank that dies mid-step leaves the survivors' state at the last
-        committed step. ``loss_scale``: fp16's (raylm.runtime.precision), the driver's.
-        ``blocks``: with --streaming, the Ray Data blocks this step and the next read.
+        waits for the driver's commit, sent once every rank prepared the step
+        (raylm.runtime.protocol): a rank that dies mid-step leaves the survivors' state
+        at the last committed step.
         """
-        self._check_generation(generation)
+        self._check_generation(req.generation)
         try:
-            if commit is not None:
-                self.commit(commit, generation)
+            if req.commit is not None:
+                self.commit(req.commit, req.generation)
             if self.prepared is not None:  # a missed commit must never go unnoticed
                 raise RuntimeError(f"step {self.prepared} was prepared and neither "
                                    "committed nor dropped")
-            self.engine.loss_scale = loss_scale
-            if blocks is not None and hasattr(self.reader, "hold"):
-                self.reader.hold(blocks)
-            return self._train_step(step, micro_batch_ids, next_ids)
+            self.engine.loss_scale = req.loss_scale
+            if req.blocks is not None and hasattr(self.reader, "hold"):
+                self.reader.hold(req.blocks)
+            return self._train_step(req.step, req.micro_batch_ids, req.next_ids)
         except Exception as e:
-            failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"
+            failure = f"rank {self.rank}, step {req.step + 1}: {type(e).__name__}: {e}"
         # Raised outside the handler, so no traceback keeps the step's frames (and the
         # collective work objects in them, which hold the process group) alive:
         # leave_group must be able to drop the group's last reference.
@@ -354,7 +351,7 @@ class RankWorker:
         self.exported = None
         return True
 
-    def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> dict:
+    def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> StepResult:
         self.faults.die_at(self.rank, step, "step", self.generation)
         t0 = time.time()
         # Since the last step returned, less the calls run since (its commit, a
@@ -373,32 +370,33 @@ class RankWorker:
         clock = StepClock(self.device)
         t_fb = clock.mark()
         with self._region("raylm.forward_backward"):
-            loss, tokens, local_tokens = e.forward_backward(batches, step, rounds, meter)
+            sums = e.forward_backward(batches, step, rounds, meter)
         t_clip = clock.mark()
         for hook in hooks:
             hook.remove()
         # (after the gradient sync, before the step is prepared)
         self.faults.die_at(self.rank, step, "update", self.generation)
         with self._region("raylm.clip"):
-            out = e.prepare_update()  # clip (the norm over the whole model)
+            prepared = e.prepare_update()  # clip (the norm over the whole model)
         t_end = clock.mark()
         # The step's figures, read once all its work is launched: on a GPU this is the
         # step's one wait for the device (the clip's kernels queued behind backward's).
-        loss, tokens, out["grad_norm"] = float(loss), float(tokens), float(out["grad_norm"])
-        # Where the step's time went (raylm.runtime.profiling).
-        out.update({"forward_backward_s": clock.span(t_fb, t_clip) - e.sync_s,
-                    "grad_sync_s": e.sync_s, "clip_s": clock.span(t_clip, t_end),
-                    "optimizer_s": self._optimizer_s()})
+        tokens = float(sums.tokens)
         self.prepared = step
-        self._report_memory(out, meter)
-        out["snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
-        out.update({"loss": loss / max(tokens, 1.0), "tokens": int(tokens),
-                    "has_loss": e.has_loss, "local_tokens": local_tokens,
-                    "data_wait_s": t_data, "step_s": time.time() - t0,
-                    "boundary_idle_s": idle})
+        out = StepResult(
+            loss=float(sums.loss) / max(tokens, 1.0), tokens=int(tokens),
+            local_tokens=sums.local_tokens, has_loss=e.has_loss,
+            learning_rate=prepared.learning_rate, grad_norm=float(prepared.grad_norm),
+            overflow=prepared.overflow, peak_rss_bytes=prepared.peak_rss_bytes,
+            # Where the step's time went (raylm.runtime.profiling).
+            data_wait_s=t_data, forward_backward_s=clock.span(t_fb, t_clip) - e.sync_s,
+            grad_sync_s=e.sync_s, clip_s=clock.span(t_clip, t_end),
+            optimizer_s=self._optimizer_s(), step_s=0.0, boundary_idle_s=idle,
+            snapshot_s=self.snapshot_s, memory=self._memory(meter))
+        out.step_s, self.snapshot_s = time.time() - t0, 0.0
         # Each sample once: from the first stage's first tensor-parallel rank.
         if self.cfg.get("log_sample_ids") and e.speaks_for_replica:
-            out["sample_ids"] = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
+            out.sample_ids = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         if self.profiler is not None and not self.profiler.step():
             self.profiler = None  # (its trace is written)
         self.returned_at, self.busy_s = time.time(), 0.0
@@ -489,16 +487,16 @@ class RankWorker:
 
         return ActivationMeter(self.engine.model)
 
-    def _report_memory(self, out: dict, meter) -> None:
-        """Add what this rank holds (measured from its tensors) to the step's result."""
+    def _memory(self, meter) -> dict | None:
+        """What this rank holds (measured from its tensors), on the step that measures."""
         if not self._measures():
-            return
+            return None
         from raylm.parallel.compile import compiled_graphs
         from raylm.parallel.recompute import checkpointed_blocks
         from raylm.runtime.memory import state_bytes
 
         self.measure_next = False
-        out["memory"] = {**state_bytes(self.engine.model, self.engine.optimizer,
+        return {**state_bytes(self.engine.model, self.engine.optimizer,
                                        self.engine.grad_sync.held_gradients()),
                          "replica_elements": self.engine.replica_elements(),
                          "replica_trained": self.engine.replica_elements(trained=True),
@@ -528,7 +526,7 @@ class RankWorker:
         return h.hexdigest()
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> dict:
+    def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> EvalResult:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
         from raylm.data.reader import make_reader
         from raylm.parallel.data import all_reduce_sum
@@ -540,16 +538,15 @@ class RankWorker:
                 self.eval_reader = make_reader(eval_dataset)
             reader = self.eval_reader
         e = self.engine
-        loss_sum, tokens, correct = e.evaluate(micro_batch_ids, reader.read)
-        loss_sum, tokens, correct = all_reduce_sum([loss_sum, tokens, correct or 0],
+        sums = e.evaluate(micro_batch_ids, reader.read)
+        loss_sum, tokens, correct = all_reduce_sum([sums.loss_sum, sums.tokens,
+                                                    sums.correct or 0],
                                                    e.dp_group, self.device)
         eval_loss = loss_sum / max(tokens, 1)
         self.busy_s += time.time() - t0
-        out = {"eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
-               "eval_tokens": int(tokens), "has_loss": e.has_loss}
-        if e.counts_correct:  # (image classification: top-1 hits)
-            out["eval_correct"] = int(correct)
-        return out
+        return EvalResult(eval_loss, perplexity(eval_loss), int(tokens), e.has_loss,
+                          # (image classification: top-1 hits)
+                          int(correct) if e.counts_correct else None)
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:

@@ -1,0 +1,170 @@
+"""The step loop: each step sent to every rank, the answers gathered, the step decided for
+commit (raylm.runtime.protocol), recorded, and what is due after it (an evaluation, a
+checkpoint, an early stop, the callbacks).
+
+Every rank prepares a step (forward, backward, gradient sync, clip); once all have, it is
+committed: each rank applies it first thing in its next call, the next step's or a
+commit of its own. A step that fails on any rank commits on none.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Optional
+
+from raylm.data.sampler import padded_step_schedule, step_schedule
+from raylm.data.stream import DataStreamError
+from raylm.runtime.protocol import StepRequest, loss_result
+
+log = logging.getLogger("raylm")
+
+
+class StepLoop:
+    """The steps of one layout: ``run`` goes until the run's last step, an early stop or
+    newcomers ready to join. ``driver``: the run's (its record, group, outputs, report,
+    growth and callbacks)."""
+
+    def __init__(self, driver, sampler, steps: int, data, fingerprint: dict):
+        self.driver, self.sampler, self.steps = driver, sampler, steps
+        self.data, self.fingerprint = data, fingerprint
+        self.cfg, self.run_record = driver.cfg, driver.record
+        self.plan = None  # the layout the loop runs (the record's, at run())
+        self.schedule = None  # step_schedule, cached for the layout (run())
+        self.sent_ahead = 0  # steps sent before the driver's work on the step before
+        self.stopped_early = False  # --early_stopping_patience ran out
+
+    # -- what goes to the ranks --------------------------------------------------------------
+    def step_schedule(self, step: int) -> Optional[list]:
+        """Each replica's micro-batches of the step after ``step`` done ones (None past
+        the run's last), as lists of ints: Ray sends them in about 0.1 ms less a call
+        than numpy arrays (pickled out of band), and the call is on the step boundary."""
+        if step >= self.steps:
+            return None
+        plan, batch = self.plan, self.sampler.global_batch(step)
+        if plan.pp > 1:  # a fixed number of equal micro-batches, filled up
+            out = padded_step_schedule(batch, plan.dp, plan.micro_batch_size,
+                                       plan.micro_batches_per_rank)
+        else:
+            out = step_schedule(batch, plan.dp, plan.micro_batch_size)
+        return [[m.tolist() for m in mbs] for mbs in out]
+
+    def send(self, step: int, scale) -> float:
+        """Send the step after ``step`` done ones to every rank, the last step's commit
+        riding on it; returns the driver's wait for the stream's blocks meanwhile. Each
+        rank gets its replica's micro-batches and, to prefetch, the next step's (every
+        stage of a pipeline the same ids); with --streaming the Ray Data blocks both
+        steps read (each rank fetches them from the object store)."""
+        data, plan = self.data, self.plan
+        waited = self._stream_wait()
+        cur, nxt = self.schedule(step), self.schedule(step + 1)
+        blocks = (self.sampler.blocks([step, step + 1 if nxt else None])
+                  if data.stream is not None else None)
+        loss_scale = scale.scale if scale else 1.0
+        group = self.driver.group
+        group.send_step([StepRequest(step, cur[i], nxt[i] if nxt else None, loss_scale, blocks)
+                         for i in (plan.dims.index(r, "dp") for r in range(len(group)))])
+        return self._stream_wait() - waited
+
+    def _stream_wait(self) -> float:
+        stream = self.data.stream
+        return stream.stats.wait_s if stream is not None else 0.0
+
+    # -- what is due after a step ------------------------------------------------------------
+    def saves_after(self, step: int) -> bool:
+        cfg = self.cfg
+        return cfg.at(cfg.save_strategy, cfg.save_steps, step, self.sampler.steps_per_epoch,
+                      last=self.steps)
+
+    def evaluates_after(self, step: int) -> bool:
+        """Mid-run evaluations; the final one follows the loop."""
+        cfg = self.cfg
+        return bool(cfg.at(cfg.eval_strategy_now(), cfg.eval_steps, step,
+                           self.sampler.steps_per_epoch)
+                    and step < self.steps and cfg.should_eval and self.data.eval is not None)
+
+    def may_send_ahead(self, step: int) -> bool:
+        """Whether the step after ``step`` done ones can be sent as soon as ``step``'s
+        answers are in, before the driver's own work on them (the record, the log, the
+        progress bar, the look for room to grow): nothing is due between the two steps
+        that reads or changes the ranks' state or the plan (an evaluation, a checkpoint,
+        newcomers to take in, a callback, the run's end). The ranks get the same calls in
+        the same order either way: only the driver's own work moves off the step
+        boundary, which the ranks sit idle through."""
+        return (step < self.steps and not self.driver.callbacks
+                and self.driver.newcomers is None
+                and not self.evaluates_after(step) and not self.saves_after(step))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> bool:
+        """Steps until the run's last, an early stop or newcomers ready to join (True)."""
+        d, cfg, run = self.driver, self.cfg, self.run_record
+        group, growth, outputs, report = d.group, d.growth, d.outputs, d.report
+        self.plan = plan = run.plan
+        # (a step's ids go out twice: to prefetch, to run)
+        self.schedule = functools.lru_cache(maxsize=4)(self.step_schedule)
+        report.new_window()
+        t_last = time.time()
+        growth.last_check = time.time()
+        sent, ahead = None, (None, 0.0)  # the step sent ahead, (its scale, stream wait)
+        while run.step < self.steps:
+            if sent == run.step:
+                scale, waited = ahead
+            else:
+                if growth.ready():
+                    return True  # the group grows (resizing), then runs on
+                scale = d.loss_scale()
+                try:
+                    waited = self.send(run.step, scale)
+                except DataStreamError:
+                    outputs.save_before_data_error(self.sampler, self.fingerprint,
+                                                   d.loss_scale())
+                    raise
+            results = group.wait(group.inflight)
+            group.pending.decide(run.step)
+            run.step += 1
+            out = loss_result(results)
+            overflow = _overflow(results)
+            now = time.time()
+            wall, t_last = now - t_last, now
+            # fp16: the scale's state after this step (the next step's: loss_scale)
+            after = scale.after(overflow, cfg.loss_scale_window) if scale else None
+            data_error = None
+            if self.may_send_ahead(run.step):
+                try:
+                    ahead, sent = (after, self.send(run.step, after)), run.step
+                    self.sent_ahead += 1
+                except DataStreamError as e:  # raised once this step is recorded
+                    data_error = e
+                else:  # (no newcomers: this only looks for room, and may start some)
+                    growth.ready()
+            rec = report.step(results, out, wall, waited, scale, after, overflow,
+                              self.sampler, plan, self.data.stream)
+            if data_error is not None:
+                outputs.save_before_data_error(self.sampler, self.fingerprint,
+                                               d.loss_scale())
+                raise data_error
+            if self.evaluates_after(run.step):
+                outputs.best.observe(run.step, outputs.evaluate(self.data))
+            if self.saves_after(run.step):
+                outputs.save_checkpoint(self.sampler, self.fingerprint, d.loss_scale())
+            if outputs.best.should_stop():
+                self.stopped_early = True
+                log.warning("early stopping at step %d of %d: %s (--early_stopping_patience "
+                            "%d)", run.step, self.steps, outputs.best.describe(),
+                            cfg.early_stopping_patience)
+                return False
+            for cb in d.callbacks:
+                if hasattr(cb, "on_step_end"):
+                    cb.on_step_end(d, run.step, rec)
+        return False
+
+
+def _overflow(results: list) -> bool:
+    """Whether the step's fp16 gradients overflowed: every rank sees the same global
+    norm, so every rank says the same (anything else is a bug, not a decision)."""
+    flags = {bool(r.overflow) for r in results}
+    if len(flags) > 1:
+        raise RuntimeError("ranks disagree on whether the step's gradients overflowed")
+    return flags.pop()
