@@ -34,6 +34,13 @@ machine; snapshots keep a copy on another node):
   (--n_layer 2) and machine (TorchTrainer, FailureConfig, ScalingConfig(num_workers=(2,
   3))): kill -> next committed step, node join -> carrying work, steps redone.
 
+Quiet failures (``--quiet_only`` for just these; raylm.runtime.health, default settings):
+a rank frozen with SIGSTOP (alive, sockets open) when step --kill_at ends: freeze -> next
+committed step, split into detect (the heartbeat's silence), release and settle, regroup
+and the first step; and the fault-free cost of the heartbeats and the step deadline (the
+median step with them against a run whose heartbeat never comes due). Written to
+benchmarks/results/bench_elastic_quiet-<date>.json.
+
 ``--soak_minutes N``: N minutes of 3 ranks with a rank killed every minute (a newcomer
 takes its place): goodput = fault-free step time x steps committed / wall time, from the
 first step (``--soak_only``: just that, after 60 fault-free steps for the step time).
@@ -96,6 +103,8 @@ def main() -> None:
     ap.add_argument("--skip_ray_train", action="store_true")
     ap.add_argument("--two_nodes_only", action="store_true",
                     help="only the two-node part (re-layout, snapshots)")
+    ap.add_argument("--quiet_only", action="store_true",
+                    help="only the quiet failures (a frozen rank; the watches' cost)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.kill_at, args.grow_from = 250, 8, 12
@@ -125,6 +134,9 @@ def main() -> None:
     logging.getLogger("raylm").setLevel(logging.INFO)
     if args.two_nodes_only:
         two_nodes(args, cfg, lines)
+        return
+    if args.quiet_only:
+        quiet(args, cfg, lines)
         return
     if args.soak_only:
         start_local(num_cpus=4, log_to_driver=False)
@@ -175,6 +187,7 @@ def main() -> None:
           f"{len(sizes) - grown} |")
     if args.soak_minutes:
         soak(args, cfg, step_s)
+    quiet(args, cfg, lines)
     two_nodes(args, cfg, lines)
     if not args.skip_ray_train:
         ray_train_side_by_side(args)
@@ -218,6 +231,73 @@ def soak(args, cfg, step_s) -> None:
     print(f"| soak: {args.soak_minutes:g} min, {killer.kills} kill(s) | {killer.steps - 1} steps "
           f"committed; goodput {(killer.steps - 1) * step_s / wall:.1%} (fault-free step "
           f"{step_s * 1000:.0f} ms) |")
+
+
+def quiet(args, cfg, lines) -> None:
+    """A frozen rank, and what watching for one costs a fault-free step."""
+    import numpy as np
+    import ray
+
+    from raylm import train
+    from benchmarks.results import write
+
+    class Freeze:
+        def __init__(self, at):
+            self.at, self.t, self.ends = at, None, {}
+
+        def on_step_end(self, driver, step, record):
+            self.ends[step] = time.time()
+            driver.grow_check_s = 3600.0
+            if step == self.at and self.t is None:
+                self.t = time.time()
+                os.kill(driver.worker_pids[1], signal.SIGSTOP)
+
+    n = min(args.steps, 150)
+    start_local(num_cpus=4, log_to_driver=False)
+    try:
+        # Two pairs after a warm-up run, in alternating order (runs differ by several %
+        # here): the median of each kind's step medians.
+        off = dict(heartbeat_interval_s=3600.0, heartbeat_timeout_s=7200.0,
+                   step_deadline_floor_s=3600.0)
+        runs = {"watched": [], "unwatched": []}
+        train(cfg("quiet-warm-up", max_steps=n // 3))  # (the first run here is slower)
+        for order in ((("watched", {}), ("unwatched", off)),
+                      (("unwatched", off), ("watched", {}))):
+            for name, kw in order:
+                r = train(cfg(f"quiet-{name}-{len(runs[name])}", max_steps=n, **kw))
+                runs[name].append(np.median([h["step_time_s"] for h in r.history[5:]]))
+        steps = {k: float(np.median(v)) for k, v in runs.items()}
+        print("fault-free step medians (ms): " + ", ".join(
+            f"{k} {' '.join(f'{x * 1000:.1f}' for x in v)}" for k, v in runs.items()))
+        del lines.lines[:]
+        freeze = Freeze(args.kill_at)
+        hit = train(cfg("quiet-frozen", max_steps=n), callbacks=(freeze,))
+    finally:
+        ray.shutdown()
+    lost_t = next(t for t, m in lines.lines if m.startswith("ending rank 1"))
+    shrink_t, shrink = next((t, m) for t, m in lines.lines
+                            if m.startswith("shrank in memory"))
+    settle, regroup = map(float, re.search(
+        r"detect and settle ([\d.]+) s, regroup ([\d.]+) s", shrink).groups())
+    next_step = min(t for t in freeze.ends.values() if t > freeze.t)
+    figures = {
+        "step_s_watched": steps["watched"], "step_s_unwatched": steps["unwatched"],
+        "watch_overhead": steps["watched"] / steps["unwatched"] - 1,
+        "freeze_to_next_step_s": next_step - freeze.t,
+        "detect_s": lost_t - freeze.t, "release_and_settle_s": settle,
+        "regroup_s": regroup, "first_step_s": next_step - shrink_t,
+        "steps_redone": 0, "failures": hit.failures,
+        "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 5.0}
+    print()
+    print("| quiet failures (default settings) | raylm |")
+    print("| --- | --- |")
+    print(f"| rank frozen (SIGSTOP) -> next committed step | "
+          f"{figures['freeze_to_next_step_s']:.2f} s (detect {figures['detect_s']:.2f} s, "
+          f"release and settle {settle:.2f} s, regroup {regroup:.2f} s, first step "
+          f"{figures['first_step_s']:.2f} s) |")
+    print(f"| fault-free step, watched vs unwatched (median) | {steps['watched'] * 1000:.1f} "
+          f"ms vs {steps['unwatched'] * 1000:.1f} ms ({figures['watch_overhead']:+.1%}) |")
+    print(f"written to {write('bench_elastic_quiet', figures)}")
 
 
 def two_nodes(args, cfg, lines) -> None:

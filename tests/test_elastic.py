@@ -119,17 +119,69 @@ def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
     with inject(*faults):
         result = train(elastic_config(out, corpus_dir, cache_root), callbacks=(watch,))
 
+    assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, caplog.text)
+
+
+# Quiet failures (raylm.runtime.health): heartbeats and step deadlines of a test's pace.
+WATCH = dict(heartbeat_interval_s=0.3, heartbeat_timeout_s=3.0)
+
+
+@pytest.mark.parametrize("phase,workers", [("step", 3), ("sync", 3), ("commit", 3),
+                                           ("update", 2)])
+def test_a_frozen_rank_is_ended_and_dropped_in_memory(
+        phase, workers, unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """A rank freezes (SIGSTOP: alive, its sockets open) before its forward, in its
+    gradient all-reduce, in its optimizer step (its peers go on into the next step's
+    collectives) or after the sync, at dp=3 and at dp=2 (the same global batch): its
+    silent heartbeat has it ended, which releases its peers; they carry on in memory with
+    the unchanged run's losses, each sample once, and the step past the freeze done
+    within a few heartbeat timeouts. The frozen process is gone at the end."""
+    caplog.set_level("INFO", logger="raylm")
+    watch, out = Watch(), tmp_path / "out"
+    ga = {3: 2, 2: 3}[workers]  # (the global batch of 12 either way)
+    with inject({"rank": 1, "step": FAIL_AT, "phase": phase, "action": "freeze"}):
+        result = train(elastic_config(out, corpus_dir, cache_root, num_workers=workers,
+                                      gradient_accumulation_steps=ga, **WATCH),
+                       callbacks=(watch,))
     log = caplog.text
+    assert "no heartbeat for 3 s (frozen, or its node cut off): rank 1" in log
+    assert "ending rank 1 (pid" in log and "last seen in" in log
+    assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log,
+                                            before=workers, after=workers - 1)
+    assert max(h["step_time_s"] for h in result.history) < 6 * WATCH["heartbeat_timeout_s"]
+
+
+def test_a_stuck_rank_is_caught_by_the_step_deadline(
+        unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """A rank that answers its heartbeat but makes no progress (it sleeps before its
+    forward while its peers wait in the step's collectives) is caught by the step
+    deadline (the floor here: the steps take milliseconds), named as the rank furthest
+    behind, ended, and the run carries on in memory with the unchanged losses."""
+    caplog.set_level("INFO", logger="raylm")
+    watch, out = Watch(), tmp_path / "out"
+    with inject({"rank": 2, "step": FAIL_AT, "phase": "step", "action": "stall",
+                 "seconds": 600}):
+        result = train(elastic_config(out, corpus_dir, cache_root, step_deadline_floor_s=3,
+                                      **WATCH), callbacks=(watch,))
+    log = caplog.text
+    assert "the step is past its deadline of 3.0 s" in log
+    assert "rank 2 (pid" in log and f"in step {FAIL_AT + 1}: data" in log
+    assert "ending rank 2 (pid" in log
+    assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log)
+
+
+def assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log: str,
+                                            before: int = 3, after: int = 2) -> None:
     assert result.failures == 1
-    assert "shrank in memory to 2 rank(s)" in log and "0 committed steps redone" in log
-    assert "restoring" not in log
+    assert f"shrank in memory to {after} rank(s)" in log
+    assert "0 committed steps redone" in log and "restoring" not in log
     steps = list(range(1, STEPS + 1))
     losses = {h["step"]: h["loss"] for h in result.history}
     assert sorted(losses) == steps
     np.testing.assert_allclose([losses[s] for s in steps],
                                [unchanged["losses"][s] for s in steps], rtol=1e-5)
     sizes = [h["world_size"] for h in result.history]
-    assert sizes[0] == 3 and sizes[-1] == 2
+    assert sizes[0] == before and sizes[-1] == after
     # Every committed step trained exactly the unchanged run's samples, once each.
     assert samples_per_step(out) == unchanged["samples"]
     for ids in unchanged["samples"].values():
@@ -188,6 +240,10 @@ def test_a_rank_lost_then_room_again_shrinks_and_grows_back(
     (dict(snapshot_steps=2), "--snapshot_steps 2: a rank's snapshot is kept on its own node "
      "and on another one, and this cluster has a single node"),
     (dict(snapshot_steps=-1), "--snapshot_steps must be >= 0"),
+    (dict(heartbeat_interval_s=5, heartbeat_timeout_s=5),
+     "--heartbeat_interval_s 5 must be below --heartbeat_timeout_s 5"),
+    (dict(step_deadline_floor_s=0), "--step_deadline_floor_s must be > 0"),
+    (dict(step_deadline_factor=1), "--step_deadline_factor must be > 1"),
 ])
 def test_elastic_bounds_errors_before_any_actor(kw, message, ray_cluster, tmp_path,
                                                 corpus_dir, cache_root):

@@ -61,18 +61,26 @@ def assert_single_process_run(result, out, single) -> None:
     assert samples_per_step(out) == single["samples"]
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(tp=2)], ids=["dp2xpp2", "dp2xtp2"])
-def test_a_lost_rank_is_re_laid_out_in_memory(layout, single, ray_cluster, corpus_dir,
-                                              cache_root, tmp_path, caplog):
+@pytest.mark.parametrize("layout,action", [(dict(pp=2), "die"), (dict(tp=2), "die"),
+                                           (dict(pp=2), "freeze")],
+                         ids=["dp2xpp2", "dp2xtp2", "dp2xpp2-frozen"])
+def test_a_lost_rank_is_re_laid_out_in_memory(layout, action, single, ray_cluster,
+                                              corpus_dir, cache_root, tmp_path, caplog):
+    """The last rank dies (or freezes: SIGSTOP, its peers blocked in the step's
+    collectives until its silent heartbeat has it ended) after its gradient sync at
+    step 4: the step commits nowhere, and the survivors are re-laid out in memory."""
     caplog.set_level("INFO", logger="raylm")
     watch = Watch()
     out = tmp_path / "out"
-    # The last rank dies after its gradient sync at step 4: the step commits nowhere.
-    with inject({"rank": 3, "step": 3, "phase": "update"}):
-        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, **layout),
-                       callbacks=(watch,))
+    watching = (dict(heartbeat_interval_s=0.3, heartbeat_timeout_s=3.0)
+                if action == "freeze" else {})
+    with inject({"rank": 3, "step": 3, "phase": "update", "action": action}):
+        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, **layout,
+                                     **watching), callbacks=(watch,))
     log = caplog.text
     assert result.failures == 1
+    if action == "freeze":
+        assert "no heartbeat for 3 s" in log and "ending rank 3 (pid" in log
     shape = "pp=2 x tp=1" if "pp" in layout else "pp=1 x tp=2"
     assert f"re-planned: 2 rank(s): dp=1 x {shape}" in log
     assert "re-laid out in memory on 2 rank(s)" in log and "0 committed steps redone" in log

@@ -23,6 +23,22 @@ def test_an_unknown_phase_is_refused():
     assert injected() == []
 
 
+def test_an_unknown_action_is_refused():
+    with pytest.raises(ValueError, match="fault action 'hang'"):
+        with inject({"rank": 1, "step": 2, "phase": "step", "action": "hang"}):
+            pass
+    assert injected() == []
+
+
+def test_a_stall_sleeps_and_returns():
+    import time
+
+    f = Faults([{"rank": 0, "step": 1, "phase": "step", "action": "stall", "seconds": 0.2}])
+    t0 = time.time()
+    f.trip(0, 1, "step", 1)
+    assert time.time() - t0 >= 0.2
+
+
 def test_a_rank_matches_rank_step_phase_and_generation():
     f = Faults([{"rank": 1, "step": 2, "phase": "update"},
                 {"rank": 0, "step": 3, "phase": "recovery", "generation": 2}])
@@ -34,5 +50,5 @@ def test_a_rank_matches_rank_step_phase_and_generation():
 def test_no_faults_do_nothing():
     f = Faults()
     assert not f.points and not f.at(0, 0, "step", 1)
-    f.die_at(0, 0, "step", 1)  # returns: the process lives
+    f.trip(0, 0, "step", 1)  # returns: the process lives
     assert f.arm_step(0, 0, 1, sync=None, rounds=1) == []

@@ -159,6 +159,7 @@ RUNTIME_MAY_NOT = {
     "raylm.runtime.controller": "raylm.",
     "raylm.runtime.faults": "raylm.",
     "raylm.runtime.protocol": "raylm.",
+    "raylm.runtime.health": "raylm.",
     "raylm.runtime.group": tuple(m for m in DRIVER_PARTS if m != "raylm.runtime.group"),
     "raylm.runtime.steps": ("raylm.runtime.driver", "raylm.runtime.controller",
                             "raylm.runtime.elastic"),

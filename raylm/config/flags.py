@@ -470,6 +470,18 @@ class ClusterFlags:
         "the system's default. A GLIBC_TUNABLES of your own is kept either way.", "cluster")
     collective_timeout_s: float = _f(
         300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
+    heartbeat_interval_s: float = _f(
+        1.0, "How often the driver asks each rank whether it lives (answered on a thread "
+        "of the rank's own, beside training).", "cluster")
+    heartbeat_timeout_s: float = _f(
+        5.0, "A rank silent this long is lost (frozen, or its node cut off): it is ended "
+        "and the run recovers.", "cluster")
+    step_deadline_factor: float = _f(
+        10.0, "A step not done within this many times the recent median step time is "
+        "stuck: its ranks furthest behind are ended and the run recovers.", "cluster")
+    step_deadline_floor_s: float = _f(
+        120.0, "The shortest step deadline (the first steps compile and warm up).",
+        "cluster")
 
     peak_tflops: float = _f(
         0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "

@@ -37,6 +37,7 @@ from raylm.runtime.best import BestTracker
 from raylm.runtime.controller import Controller, State, Transition
 from raylm.runtime.elastic import Growth, Recovery
 from raylm.runtime.group import WorkerFailure, WorkerGroup, first_line
+from raylm.runtime.health import Heartbeats
 from raylm.runtime.metrics import MetricsLog, Progress, open_metrics
 from raylm.runtime.outputs import Outputs
 from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
@@ -104,7 +105,8 @@ class Driver:
         self.steps_per_epoch = None  # the sampler's, once training starts
         self.stream = None  # --streaming's TokenStream (raylm.data.stream)
         # The rank actors, where each sits and what each said of itself.
-        self.group = WorkerGroup(cfg.collective_timeout_s, cfg.huge_pages)
+        self.group = WorkerGroup(cfg.collective_timeout_s, cfg.huge_pages,
+                                 Heartbeats(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s))
         # Recovery after a failure and growth onto new capacity (raylm.runtime.elastic).
         self.recovery: Optional[Recovery] = None
         self.growth: Optional[Growth] = None

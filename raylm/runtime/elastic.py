@@ -87,6 +87,8 @@ class Recovery(Elastic):
         every rank), each first puts its state in the object store for a new layout."""
         run, plan = self.record, self.record.plan
         t0 = time.time()
+        if failure.lost:  # frozen or stuck: ended first, which releases their peers
+            self.group.end(failure.lost)
         export = plan.zero_stage == 0 and plan.dp > 1 and not plan.full_replica_per_rank
         failed = self.group.inflight  # (the failed calls: their errors are known soon)
         leaving = self.group.send(lambda r, w: w.leave_group.remote(export))

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.plan.layout import Plan
 from raylm.runtime import cluster, kept
+from raylm.runtime.health import Heartbeats, behind, describe_doing, end
 from raylm.runtime.protocol import PendingCommit, StepRequest
 from raylm.runtime.worker import RankWorker
 
@@ -33,7 +34,12 @@ SURVIVOR_GRACE_S = 10.0
 
 
 class WorkerFailure(Exception):
-    """A rank failed, died or did not answer in time."""
+    """A rank failed, died or did not answer in time; ``lost``: the indices of ranks
+    found frozen or stuck (raylm.runtime.health), to be ended before anything else."""
+
+    def __init__(self, message: str, lost: Optional[list] = None):
+        super().__init__(message)
+        self.lost = list(lost or [])
 
 
 @dataclass
@@ -46,10 +52,12 @@ class Rank:
 class WorkerGroup:
     """The run's rank actors, in rank order, and the placement groups that hold them."""
 
-    def __init__(self, collective_timeout_s: float, huge_pages: bool):
+    def __init__(self, collective_timeout_s: float, huge_pages: bool,
+                 heartbeats: Optional[Heartbeats] = None):
         self.collective_timeout_s = collective_timeout_s
         self.timeout_s = collective_timeout_s + 60  # a wait's default bound
         self.huge_pages = huge_pages
+        self.heartbeats = heartbeats  # every wait watches the ranks' heartbeats
         self.ranks: list[Rank] = []
         self.pg = None  # the group's placement group
         self.growth_pgs: list = []  # those of ranks that joined a running group
@@ -131,22 +139,63 @@ class WorkerGroup:
         return True
 
     # -- calling ----------------------------------------------------------------------------
-    def wait(self, refs: list, timeout_s: Optional[float] = None) -> list:
-        """Results of ``refs`` in order; the first failure of any rank raises at once."""
+    def wait(self, refs: list, timeout_s: Optional[float] = None,
+             deadline_s: Optional[float] = None) -> list:
+        """Results of ``refs`` in order; the first failure of any rank raises at once, as
+        does a rank that stops answering its heartbeat. ``deadline_s``: a step's
+        deadline (refs in rank order), past which its ranks furthest behind are lost."""
         timeout_s = timeout_s or self.timeout_s
         pending = list(refs)
-        deadline = time.time() + timeout_s
+        t0 = time.time()
+        deadline = t0 + timeout_s
+        beats = self.heartbeats
         got = {}
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1,
-                                          timeout=max(0.0, deadline - time.time()))
-                if not ready:
+                wait_s = max(0.0, deadline - time.time())
+                if beats is not None:
+                    wait_s = min(wait_s, beats.interval_s)
+                if deadline_s is not None:
+                    wait_s = min(wait_s, max(0.0, t0 + deadline_s - time.time()))
+                ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+                if ready:
+                    got[ready[0]] = ray.get(ready[0])  # raises if that rank failed
+                if beats is not None and beats.due():
+                    self._check_heartbeats()
+                if not pending:
+                    break
+                if deadline_s is not None and time.time() - t0 > deadline_s:
+                    self._stuck([i for i, ref in enumerate(refs) if ref not in got],
+                                deadline_s)
+                if not ready and time.time() >= deadline:
                     raise WorkerFailure(f"no answer from the ranks in {timeout_s:.0f} s")
-                got[ready[0]] = ray.get(ready[0])  # raises if that rank failed
             return [got[ref] for ref in refs]
         except (RayActorError, RayTaskError, GetTimeoutError) as e:
             raise WorkerFailure(first_line(e)) from e
+
+    def _check_heartbeats(self) -> None:
+        """Raise for the ranks silent past the heartbeat timeout (frozen, or their node
+        cut off), naming each and what it was last doing."""
+        beats = self.heartbeats
+        lost = beats.check(self.actors)
+        if lost:
+            names = "; ".join(
+                f"{self.describe(i)}, last seen in "
+                f"{describe_doing(beats.doing(self.ranks[i].actor))}" for i in lost)
+            raise WorkerFailure(f"no heartbeat for {beats.timeout_s:g} s (frozen, or its "
+                                f"node cut off): {names}", lost=lost)
+
+    def _stuck(self, waiting: list[int], deadline_s: float) -> None:
+        """A step past its deadline: its ranks furthest behind (health.behind) are lost."""
+        beats = self.heartbeats
+        doings = [beats.doing(self.ranks[i].actor) if beats else (0, -1, "unknown")
+                  for i in waiting]
+        lost = [waiting[k] for k in behind(doings)]
+        names = "; ".join(f"{self.describe(waiting[k])} in {describe_doing(d)}"
+                          for k, d in enumerate(doings))
+        raise WorkerFailure(f"the step is past its deadline of {deadline_s:.1f} s "
+                            f"(--step_deadline_factor x the recent median, at least "
+                            f"--step_deadline_floor_s); not done: {names}", lost=lost)
 
     def flush(self) -> None:
         """Send the pending commit on its own (a commit that fails fails the rank's next
@@ -245,6 +294,15 @@ class WorkerGroup:
                 free += [(pg, b)] * (places - places % group)
         return free
 
+    def end(self, indices: list[int]) -> None:
+        """End ranks that cannot end themselves (frozen, stuck): their actors killed and
+        their processes too, which releases peers blocked on them in a gloo collective.
+        They stay in the group (lost) until the recovery leaves them out."""
+        for i in indices:
+            log.warning("ending %s", self.describe(i))
+        kill([self.ranks[i].actor for i in indices])
+        end([self.ranks[i].info for i in indices])
+
     def stop(self) -> None:
         """Stop every rank and free the placement groups."""
         kill(self.actors)
@@ -257,7 +315,8 @@ class WorkerGroup:
 def start_actors(plan: Plan, slots: list, ranks, world_size: int, huge_pages: bool) -> list:
     """Start the rank actors of ``ranks``, each in its slot of ``slots`` (placement
     group, bundle); ``huge_pages``: --huge_pages."""
-    actor = ray.remote(RankWorker)
+    # (RankWorker.ping answers on a concurrency group's thread, beside the training one)
+    actor = ray.remote(concurrency_groups={"health": 1})(RankWorker)
     env = cluster.rank_runtime_env(huge_pages)
     return [actor.options(
         num_cpus=plan.cpus_per_worker, num_gpus=1 if plan.use_gpu else 0, max_restarts=0,

@@ -280,6 +280,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--eval_strategy steps needs --eval_steps N")
     _check_best_model(cfg)
     _check_elastic_bounds(cfg)
+    _check_watch(cfg)
 
 
 def _last_check(cfg: TrainConfig, on_checked) -> None:
@@ -347,6 +348,21 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lr_scheduler_kwargs {cfg.lr_scheduler_kwargs} does not suit "
                           f"--lr_scheduler_type {cfg.lr_scheduler_type}: "
                           f"{str(e).splitlines()[0]}") from None
+
+
+def _check_watch(cfg: TrainConfig) -> None:
+    """Heartbeats and step deadlines that can work."""
+    for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "step_deadline_floor_s"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"--{name} must be > 0 (got {getattr(cfg, name):g})")
+    if cfg.heartbeat_interval_s >= cfg.heartbeat_timeout_s:
+        raise ConfigError(f"--heartbeat_interval_s {cfg.heartbeat_interval_s:g} must be "
+                          f"below --heartbeat_timeout_s {cfg.heartbeat_timeout_s:g}: a rank "
+                          "would be lost between two heartbeats")
+    if not cfg.step_deadline_factor > 1:
+        raise ConfigError(f"--step_deadline_factor must be > 1 (got "
+                          f"{cfg.step_deadline_factor:g}): a step may take longer than "
+                          "the median")
 
 
 def _check_elastic_bounds(cfg: TrainConfig) -> None:

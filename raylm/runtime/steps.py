@@ -16,6 +16,7 @@ from typing import Optional
 
 from raylm.data.sampler import padded_step_schedule, step_schedule
 from raylm.data.stream import DataStreamError
+from raylm.runtime.health import StepDeadline
 from raylm.runtime.protocol import StepRequest, loss_result
 
 log = logging.getLogger("raylm")
@@ -33,6 +34,9 @@ class StepLoop:
         self.plan = None  # the layout the loop runs (the record's, at run())
         self.schedule = None  # step_schedule, cached for the layout (run())
         self.sent_ahead = 0  # steps sent before the driver's work on the step before
+        # How long a step may take (raylm.runtime.health): from the run's step times.
+        self.deadline = StepDeadline(self.cfg.step_deadline_factor,
+                                     self.cfg.step_deadline_floor_s)
         self.stopped_early = False  # --early_stopping_patience ran out
 
     # -- what goes to the ranks --------------------------------------------------------------
@@ -121,13 +125,14 @@ class StepLoop:
                     outputs.save_before_data_error(self.sampler, self.fingerprint,
                                                    d.loss_scale())
                     raise
-            results = group.wait(group.inflight)
+            results = group.wait(group.inflight, deadline_s=self.deadline.limit())
             group.pending.decide(run.step)
             run.step += 1
             out = loss_result(results)
             overflow = _overflow(results)
             now = time.time()
             wall, t_last = now - t_last, now
+            self.deadline.add(wall)
             # fp16: the scale's state after this step (the next step's: loss_scale)
             after = scale.after(overflow, cfg.loss_scale_window) if scale else None
             data_error = None

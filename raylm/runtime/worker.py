@@ -14,6 +14,8 @@ import time
 import contextlib
 from datetime import timedelta
 
+import ray
+
 from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.faults import Faults
@@ -25,6 +27,11 @@ from raylm.runtime.protocol import EvalResult, StepRequest, StepResult
 _NO_REGION = contextlib.nullcontext()
 
 log = logging.getLogger("raylm")
+
+
+# What a rank does in a step, in order (RankWorker.doing): a step that does not end, and
+# its ranks furthest behind in this order, are what the others wait for.
+STEP_PHASES = ("data", "forward and backward", "clip", "prepared", "optimizer step")
 
 
 class RankWorker:
@@ -60,6 +67,23 @@ class RankWorker:
         self.profiler = None  # raylm.runtime.profiling.StepProfiler under --profile
         self.profiled = False
         self.hosted_store = None  # the next group's rendezvous store (host_store)
+        # What this rank is doing, for the driver's heartbeats (ping): (step, index in
+        # STEP_PHASES) in a step, (committed step, -1) with what otherwise.
+        self.doing = (0, -1, "starting")
+
+    # -- heartbeat -------------------------------------------------------------------------
+    @ray.method(concurrency_group="health")
+    def ping(self) -> tuple:
+        """What this rank is doing (``doing``), answered on a thread of its own: a rank
+        busy training answers; one frozen, or on a node cut off, does not
+        (raylm.runtime.health)."""
+        return getattr(self, "doing", (0, -1, "starting"))
+
+    def _doing_step(self, step: int, phase: int) -> None:
+        self.doing = (step + 1, phase, STEP_PHASES[phase])
+
+    def _doing(self, what: str) -> None:
+        self.doing = (self.committed_step or 0, -1, what)
 
     # -- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -93,6 +117,7 @@ class RankWorker:
 
         The rendezvous keys carry the group's ``generation``: an actor of an older group
         (one the driver gave up on) can never complete a newer group's rendezvous."""
+        self._doing(f"joining generation {generation} of its group")
         import torch
         import torch.distributed as dist
 
@@ -165,13 +190,14 @@ class RankWorker:
             self.leave_group()
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
-        self.faults.die_at(self.rank, self.committed_step, "recovery", self.generation)
+        self.faults.trip(self.rank, self.committed_step, "recovery", self.generation)
         self.engine.regroup(plan, rank, self.mesh)
         return {"rank": rank, "regroup_s": time.time() - t0}
 
     def build(self, spec, dataset, train_cfg: dict, total_steps: int) -> dict:
         """Build this rank's engine (model, layout, optimizer: raylm.runtime.engine) and
         open the data."""
+        self._doing("building its engine")
         import torch
 
         from raylm.data.reader import Prefetcher, make_reader
@@ -258,6 +284,7 @@ class RankWorker:
         ``export``: first put this rank's state in Ray's object store, in checkpoint
         form (Engine.export_state), for the ranks of a new layout to read; returns what
         it wrote (``rebuild``), else True."""
+        self._doing("leaving its group")
         import gc
 
         import ray
@@ -312,7 +339,7 @@ class RankWorker:
             self.collective_timeout_s = self.cfg["collective_timeout_s"]
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
-        self.faults.die_at(self.rank, state.step, "recovery", self.generation)
+        self.faults.trip(self.rank, state.step, "recovery", self.generation)
         self.build(self.spec, self.dataset, self.cfg, self.total_steps)
         fetched = self.engine.import_state(state, ray.get_runtime_context().get_node_id(),
                                            self._seed_rank)
@@ -352,7 +379,8 @@ class RankWorker:
         return True
 
     def _train_step(self, step: int, micro_batch_ids: list, next_ids) -> StepResult:
-        self.faults.die_at(self.rank, step, "step", self.generation)
+        self._doing_step(step, 0)
+        self.faults.trip(self.rank, step, "step", self.generation)
         t0 = time.time()
         # Since the last step returned, less the calls run since (its commit, a
         # checkpoint, an evaluation): the rank idle at the step boundary, waiting for the
@@ -369,13 +397,15 @@ class RankWorker:
         meter = self._meter()
         clock = StepClock(self.device)
         t_fb = clock.mark()
+        self._doing_step(step, 1)
         with self._region("raylm.forward_backward"):
             sums = e.forward_backward(batches, step, rounds, meter)
         t_clip = clock.mark()
         for hook in hooks:
             hook.remove()
         # (after the gradient sync, before the step is prepared)
-        self.faults.die_at(self.rank, step, "update", self.generation)
+        self._doing_step(step, 2)
+        self.faults.trip(self.rank, step, "update", self.generation)
         with self._region("raylm.clip"):
             prepared = e.prepare_update()  # clip (the norm over the whole model)
         t_end = clock.mark()
@@ -399,6 +429,7 @@ class RankWorker:
             out.sample_ids = [int(i) for ids in micro_batch_ids for i in ids if i >= 0]
         if self.profiler is not None and not self.profiler.step():
             self.profiler = None  # (its trace is written)
+        self._doing_step(step, 3)
         self.returned_at, self.busy_s = time.time(), 0.0
         return out
 
@@ -419,7 +450,8 @@ class RankWorker:
         if self.prepared != step:
             raise RuntimeError(f"rank {self.rank}: commit of step {step}, but the prepared "
                                f"step is {self.prepared}")
-        self.faults.die_at(self.rank, step, "commit", self.generation)
+        self._doing_step(step, 4)
+        self.faults.trip(self.rank, step, "commit", self.generation)
         t0 = time.time()
         self._state_settled()
         clock = StepClock(self.device)
@@ -528,6 +560,7 @@ class RankWorker:
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, micro_batch_ids: list, eval_dataset=None) -> EvalResult:
         """Summed loss and token count over this rank's eval batches, reduced over dp."""
+        self._doing("evaluating")
         from raylm.data.reader import make_reader
         from raylm.parallel.data import all_reduce_sum
 
@@ -550,13 +583,15 @@ class RankWorker:
 
     # -- checkpoints and output ------------------------------------------------------------
     def save_checkpoint(self, path: str) -> bool:
-        self.faults.die_at(self.rank, self.committed_step, "checkpoint", self.generation)
+        self._doing("saving a checkpoint")
+        self.faults.trip(self.rank, self.committed_step, "checkpoint", self.generation)
         t0 = time.time()
         self.engine.save(path)
         self.busy_s += time.time() - t0
         return True
 
     def load_checkpoint(self, path: str, step: int) -> bool:
+        self._doing("loading a checkpoint")
         self._state_settled()
         self.engine.load(path, step, self._seed_rank)
         self.committed_step = step
@@ -565,6 +600,7 @@ class RankWorker:
     def save_pretrained(self, output_dir: str) -> bool:
         """Rank 0 writes one ordinary Hugging Face model (safetensors), assembled by the
         engine from the ranks' shards and stages where the layout splits it."""
+        self._doing("saving the model")
         model = self.engine.hf_model()  # collective over the ranks that hold shards
         if self.rank == 0:
             from transformers.utils import logging as hf_logging

@@ -1,0 +1,41 @@
+"""The step deadline and the choice of the ranks a stuck step waits on (raylm.runtime.
+health), without Ray: pure functions of the run's step times and the ranks' reports."""
+
+from __future__ import annotations
+
+from raylm.runtime.health import StepDeadline, behind, describe_doing
+
+
+def test_the_deadline_is_the_floor_until_steps_are_measured():
+    d = StepDeadline(factor=10, floor_s=60)
+    assert d.limit() == 60
+    for _ in range(5):
+        d.add(0.1)
+    assert d.limit() == 60  # 10 x 0.1 s is below the floor
+
+
+def test_the_deadline_follows_the_recent_median_as_steps_slow_down():
+    d = StepDeadline(factor=10, floor_s=1, window=4)
+    for t in (0.2, 0.2, 0.2, 0.2):
+        d.add(t)
+    assert d.limit() == 2.0
+    # Steps slow down for real (a slower phase): the median, and the deadline, follow;
+    # a single slow step moves neither.
+    d.add(5.0)
+    assert d.limit() == 2.0
+    for t in (3.0, 3.0, 3.0):
+        d.add(t)
+    assert d.limit() == 30.0
+
+
+def test_the_ranks_furthest_behind_in_a_step_are_the_ones_waited_on():
+    doings = [(5, 1, "forward and backward"), (5, 0, "data"), (5, 1, "forward and backward")]
+    assert behind(doings) == [1]
+    assert behind([(4, 4, "optimizer step"), (5, 0, "data")]) == [0]
+    # All in the same place (stuck in one collective): none is behind another.
+    assert behind([(5, 1, "a"), (5, 1, "b")]) == [0, 1]
+
+
+def test_what_a_rank_did_reads_as_words():
+    assert describe_doing((5, 1, "forward and backward")) == "step 5: forward and backward"
+    assert describe_doing((4, -1, "evaluating")) == "evaluating"
