@@ -283,6 +283,7 @@ def quiet(args, cfg, lines) -> None:
     figures = {
         "step_s_watched": steps["watched"], "step_s_unwatched": steps["unwatched"],
         "watch_overhead": steps["watched"] / steps["unwatched"] - 1,
+        "step_s_runs": {k: [float(x) for x in v] for k, v in runs.items()},
         "freeze_to_next_step_s": next_step - freeze.t,
         "detect_s": lost_t - freeze.t, "release_and_settle_s": settle,
         "regroup_s": regroup, "first_step_s": next_step - shrink_t,
