@@ -8,7 +8,8 @@ round trip with the same arguments and answer, measured in the same run.
 raylm trains a tiny GPT-2 (1 x 32, block 32, 2 samples a rank) so that a step takes a few
 milliseconds and the boundary shows; the bare actor answers at once. What raylm adds over
 the bare round trip is its own: the driver's work between the answers and the next call,
-the call's arguments and the answer's size. Asserts nothing; prints medians (ms).
+the call's arguments and the answer's size. Asserts nothing; prints medians (ms) and
+writes them to benchmarks/results/bench_boundary-<date>.json.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def main(argv=None) -> int:
 
     from raylm.runtime.cluster import start_local
 
+    from benchmarks.results import write
+
     start_local(num_cpus=2, log_to_driver=False)  # as `raylm train` starts Ray
+    figures = {}
     try:
         print(f"{'ranks':>5} {'bare actor':>11} {'raylm':>8} {'raylm - bare':>13} "
               f"{'raylm step':>11} {'sent ahead':>11}")
@@ -106,8 +110,11 @@ def main(argv=None) -> int:
             boundary, step, ahead = raylm_ms(n, args.steps)
             print(f"{n:>5} {bare:>9.2f}ms {boundary:>6.2f}ms {boundary - bare:>11.2f}ms "
                   f"{step:>9.2f}ms {ahead:>5}/{args.steps}", flush=True)
+            figures[f"ranks_{n}"] = {"bare_ms": bare, "raylm_ms": boundary, "step_ms": step,
+                                     "sent_ahead": ahead, "steps": args.steps}
     finally:
         ray.shutdown()
+    print(f"written to {write('bench_boundary', figures)}")
     return 0
 
 
