@@ -170,6 +170,28 @@ def test_a_stuck_rank_is_caught_by_the_step_deadline(
     assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log)
 
 
+def test_a_straggler_is_named_and_each_step_records_the_slowest_rank(
+        unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """Rank 1 sleeps 0.3 s after its gradient sync in steps 3-8 (its peers wait for it
+    in the clip's all-reduce): each of those steps records it as the rank furthest behind,
+    and after 4 such steps in a row it is named as a straggler. The run computes the
+    unchanged losses."""
+    caplog.set_level("INFO", logger="raylm")
+    out = tmp_path / "out"
+    with inject(*({"rank": 1, "step": s, "phase": "update", "action": "stall",
+                   "seconds": 0.3} for s in range(2, 8))):
+        result = train(elastic_config(out, corpus_dir, cache_root, straggler_steps=4),
+                       callbacks=(Watch(),))
+    assert "rank 1 is a straggler" in caplog.text and "4 steps in a row" in caplog.text
+    slow = {h["step"]: h for h in result.history if 3 <= h["step"] <= 8}
+    assert all(h["slowest_rank"] == 1 and h["slowest_behind_s"] > 0.2
+               for h in slow.values()), slow
+    assert result.failures == 0
+    np.testing.assert_allclose([h["loss"] for h in result.history],
+                               [unchanged["losses"][s] for s in range(1, STEPS + 1)],
+                               rtol=1e-5)
+
+
 def assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log: str,
                                             before: int = 3, after: int = 2) -> None:
     assert result.failures == 1
@@ -244,6 +266,7 @@ def test_a_rank_lost_then_room_again_shrinks_and_grows_back(
      "--heartbeat_interval_s 5 must be below --heartbeat_timeout_s 5"),
     (dict(step_deadline_floor_s=0), "--step_deadline_floor_s must be > 0"),
     (dict(step_deadline_factor=1), "--step_deadline_factor must be > 1"),
+    (dict(straggler_factor=0.5), "--straggler_factor must be > 1"),
 ])
 def test_elastic_bounds_errors_before_any_actor(kw, message, ray_cluster, tmp_path,
                                                 corpus_dir, cache_root):

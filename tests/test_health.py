@@ -3,7 +3,7 @@ health), without Ray: pure functions of the run's step times and the ranks' repo
 
 from __future__ import annotations
 
-from raylm.runtime.health import StepDeadline, behind, describe_doing
+from raylm.runtime.health import StepDeadline, Stragglers, behind, describe_doing
 
 
 def test_the_deadline_is_the_floor_until_steps_are_measured():
@@ -39,3 +39,28 @@ def test_the_ranks_furthest_behind_in_a_step_are_the_ones_waited_on():
 def test_what_a_rank_did_reads_as_words():
     assert describe_doing((5, 1, "forward and backward")) == "step 5: forward and backward"
     assert describe_doing((4, -1, "evaluating")) == "evaluating"
+
+
+def test_a_rank_slower_than_its_peers_step_after_step_is_a_straggler():
+    s = Stragglers(factor=2, steps=3)
+    peers = [0, 0, 0]
+    for step in range(2):
+        worst, behind_s, persistent = s.observe([0.1, 0.35, 0.1], peers)
+        assert (worst, round(behind_s, 9), persistent) == (1, 0.25, [])
+    worst, behind_s, persistent = s.observe([0.1, 0.35, 0.1], peers)
+    assert (worst, persistent) == (1, [1])
+    # A step at par ends the streak: named again only after 3 more slow steps.
+    s.observe([0.1, 0.1, 0.1], peers)
+    assert s.observe([0.1, 0.35, 0.1], peers)[2] == []
+
+
+def test_ranks_are_compared_with_their_peers_only():
+    """Two pipeline stages of different cost, each with 2 data-parallel replicas: the
+    heavier stage is not slow; a replica twice as slow as its own peer is."""
+    s = Stragglers(factor=1.5, steps=1)
+    peers = ["stage0", "stage0", "stage1", "stage1"]
+    assert s.observe([0.1, 0.1, 0.3, 0.3], peers)[2] == []
+    worst, _, persistent = s.observe([0.1, 0.1, 0.3, 0.6], peers)
+    assert worst == 3 and persistent == [3]
+    # A rank with no peer (dp = 1) is compared with nobody.
+    assert Stragglers(1.5, 1).observe([0.1, 0.9], ["a", "b"]) == (None, 0.0, [])

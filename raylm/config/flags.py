@@ -482,6 +482,11 @@ class ClusterFlags:
     step_deadline_floor_s: float = _f(
         120.0, "The shortest step deadline (the first steps compile and warm up).",
         "cluster")
+    straggler_factor: float = _f(
+        2.0, "A rank whose own work in a step (less its waits on the others) is over this "
+        "many times its peers' median is slow in that step.", "cluster")
+    straggler_steps: int = _f(
+        20, "A rank slow in this many steps in a row is named as a straggler.", "cluster")
 
     peak_tflops: float = _f(
         0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "

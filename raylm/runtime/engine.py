@@ -158,6 +158,7 @@ class Engine:
         self.loss_scale = 1.0
         self.overflow = False
         self.sync_s = 0.0  # the last step's exposed gradient sync (finish_sync)
+        self.count_wait_s = 0.0  # the last step's wait for the global token count
 
     # -- what the loop asks ------------------------------------------------------------------
     # Whether this rank reads samples (a middle pipeline stage does not: its input comes
@@ -187,6 +188,7 @@ class Engine:
         each rank needs the global count before its first backward: it is summed over
         dp in the background while the first forward runs."""
         local_tokens = sum(self.count(b, step) for b in batches)
+        self.count_wait_s = 0.0
         global_tokens, count_work = all_reduce_sum_async([local_tokens], self.dp_group,
                                                          self.device)
         sync = self.grad_sync
@@ -197,7 +199,7 @@ class Engine:
                 mb_loss, _ = self.loss_sum(b, step)
                 loss_sum += mb_loss.detach()
                 if i == 0 and count_work is not None:
-                    count_work.wait()
+                    self._wait_count(count_work)
                 if i == len(batches) - 1:
                     sync.arm(loss_sum)  # buckets reduce as their grads are ready
                 scaled = mb_loss / global_tokens[0].to(mb_loss.dtype)
@@ -205,7 +207,7 @@ class Engine:
                 sync.end_round()
         if not batches:  # no samples for this rank in an epoch's short last step
             if count_work is not None:
-                count_work.wait()
+                self._wait_count(count_work)
             sync.arm(loss_sum)
         for _ in range(rounds - len(batches)):
             sync.end_round(force=True)  # as many rounds as the other ranks
@@ -213,6 +215,11 @@ class Engine:
         # (0-d tensors: read by the caller once the step's work is launched, so that on
         # a GPU the clip's kernels queue behind backward's with no host sync between.)
         return Sums(global_loss, global_tokens[0], local_tokens)
+
+    def _wait_count(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.count_wait_s = time.perf_counter() - t0
 
     def finish_sync(self):
         """The gradient sync's end (what backward did not hide of it), timed: sync_s."""
@@ -502,7 +509,9 @@ class PipelineEngine(Engine):
         before the schedule runs (the last stage divides each micro-batch's loss by it)."""
         pipe, sync = self.pipeline, self.grad_sync
         local_tokens = sum(self.count(b, step) for b in batches) if pipe.has_last else 0
+        t0 = time.perf_counter()
         global_tokens = all_reduce_sum([local_tokens], self.dp_group, self.device)[0]
+        self.count_wait_s = time.perf_counter() - t0
         loss = self.pipeline_loss
         loss.global_tokens, loss.scale = float(global_tokens) or 1.0, self.loss_scale
         ids, labels, kwargs = self.stack(batches, step)

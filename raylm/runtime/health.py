@@ -1,6 +1,6 @@
 """Quiet failures, watched: a heartbeat that does not depend on the training thread (each
-rank answers ``ping`` on a thread of its own), and a step deadline from the run's own step
-times.
+rank answers ``ping`` on a thread of its own), a step deadline from the run's own step
+times, and stragglers (ranks persistently slower than their peers).
 
 A rank that does not answer its heartbeat within ``timeout_s`` is lost (frozen, or its
 node cut off). A step that does not end within ``StepDeadline.limit`` is stuck; the ranks
@@ -97,6 +97,40 @@ class StepDeadline:
         if not self.times:
             return self.floor_s
         return max(self.floor_s, self.factor * statistics.median(self.times))
+
+
+class Stragglers:
+    """Ranks slower than their peers (the ranks doing the same work: the same pipeline
+    stage and tensor-parallel shard) step after step. A rank is slow in a step when its
+    own work (its step less its waits on the others) is over ``factor`` times its peers'
+    median; slow in ``steps`` steps in a row, it is a straggler."""
+
+    def __init__(self, factor: float, steps: int):
+        self.factor, self.steps = factor, steps
+        self.streak: dict = {}  # rank -> slow steps in a row
+
+    def observe(self, own: list[float], peers: list) -> tuple:
+        """``own``: each rank's own work in the step; ``peers``: each rank's key of the
+        work it shares with its peers. Returns (the rank furthest behind its peers'
+        median, or None with no peers; by how many seconds; the ranks that have just
+        been slow for ``steps`` steps in a row)."""
+        worst, behind_s, persistent = None, 0.0, []
+        for r, t in enumerate(own):
+            others = [own[k] for k in range(len(own)) if k != r and peers[k] == peers[r]]
+            if not others:
+                continue
+            median = statistics.median(others)
+            if worst is None or t - median > behind_s:
+                worst, behind_s = r, t - median
+            slow = t > self.factor * median
+            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
+            if self.streak[r] == self.steps:
+                persistent.append(r)
+        return worst, behind_s, persistent
+
+    def reset(self) -> None:
+        """The group changed: ranks are renumbered."""
+        self.streak.clear()
 
 
 def behind(doings: list[tuple]) -> list[int]:

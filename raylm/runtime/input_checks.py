@@ -359,6 +359,10 @@ def _check_watch(cfg: TrainConfig) -> None:
         raise ConfigError(f"--heartbeat_interval_s {cfg.heartbeat_interval_s:g} must be "
                           f"below --heartbeat_timeout_s {cfg.heartbeat_timeout_s:g}: a rank "
                           "would be lost between two heartbeats")
+    if not cfg.straggler_factor > 1:
+        raise ConfigError(f"--straggler_factor must be > 1 (got {cfg.straggler_factor:g})")
+    if cfg.straggler_steps < 1:
+        raise ConfigError(f"--straggler_steps must be >= 1 (got {cfg.straggler_steps})")
     if not cfg.step_deadline_factor > 1:
         raise ConfigError(f"--step_deadline_factor must be > 1 (got "
                           f"{cfg.step_deadline_factor:g}): a step may take longer than "

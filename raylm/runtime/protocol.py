@@ -44,6 +44,9 @@ class StepResult:
     optimizer_s: Optional[float]  # the last commit's (None before the first)
     step_s: float
     boundary_idle_s: Optional[float]  # idle since the last answer (None: the first step)
+    # Waiting on the other ranks: the token count, the exposed gradient sync, the clip's
+    # all-reduce (step_s less this: the rank's own work, raylm.runtime.health.Stragglers)
+    peer_wait_s: float = 0.0
     snapshot_s: float = 0.0  # what --snapshot_steps cost this rank since the last step
     memory: Optional[dict] = None  # what the rank holds, on the step that measures it
     sample_ids: Optional[list] = None  # --log_sample_ids: the replica's samples

@@ -11,12 +11,14 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
 import time
 from typing import Optional
 
 from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.plan.layout import Plan
 from raylm.plan.text import human_bytes
+from raylm.runtime.health import Stragglers
 from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.profiling import WindowBreakdown, slowest_breakdown
 
@@ -40,6 +42,7 @@ class Reporter:
         self.flops_per_token = self.peak_flops = None  # for the mfu, when the peak is known
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
         self.window = Window()
+        self.stragglers = Stragglers(cfg.straggler_factor, cfg.straggler_steps)
 
     # -- model FLOPs ------------------------------------------------------------------------
     def measure_flops(self, device: str) -> None:
@@ -65,8 +68,10 @@ class Reporter:
         return tokens_per_second * self.flops_per_token / (self.peak_flops * world_size)
 
     def new_window(self) -> None:
-        """Start a logging window afresh (the step loop's start, after a pause)."""
+        """Start a logging window afresh (the step loop's start, after a pause; the
+        group may have changed)."""
         self.window = Window()
+        self.stragglers.reset()
 
     # -- each step --------------------------------------------------------------------------
     def step(self, results: list, out, wall: float, waited: float, scale, after,
@@ -92,6 +97,7 @@ class Reporter:
                "breakdown": slowest_breakdown(results),
                "peak_rss_bytes": [r.peak_rss_bytes for r in results],
                "world_size": plan.world_size}
+        self._stragglers(results, plan, rec)
         if scale is not None:  # fp16: the scale used, and the state after the step
             rec.update({"loss_scale": scale.scale, "skipped": overflow,
                         "loss_scale_after": after.to_dict()})
@@ -118,6 +124,23 @@ class Reporter:
             self._log_window(rec, scale, plan, stream is not None)
         return rec
 
+    def _stragglers(self, results: list, plan: Plan, rec: dict) -> None:
+        """The rank furthest behind its peers in the step, into its record; a warning
+        for a rank slow step after step (--straggler_factor, --straggler_steps)."""
+        own = [r.step_s - r.peer_wait_s for r in results]
+        peers = [(c["pp"], c["tp"]) for c in map(plan.dims.coords, range(len(results)))]
+        worst, behind_s, persistent = self.stragglers.observe(own, peers)
+        if worst is None:
+            return
+        rec["slowest_rank"], rec["slowest_behind_s"] = worst, behind_s
+        for r in persistent:
+            others = [own[k] for k in range(len(own)) if k != r and peers[k] == peers[r]]
+            log.warning("rank %d is a straggler: its own work took %.3f s in step %d, "
+                        "its peers' median %.3f s, slower than --straggler_factor %g x "
+                        "theirs in %d steps in a row (--straggler_steps)", r, own[r],
+                        self.record.step, statistics.median(others),
+                        self.cfg.straggler_factor, self.cfg.straggler_steps)
+
     def _log_window(self, rec: dict, scale, plan: Plan, streaming: bool) -> None:
         """Speed over the steps since the last log (with their boundaries)."""
         w = self.window
@@ -129,7 +152,9 @@ class Reporter:
                  "tokens_per_second": w.tokens / elapsed,
                  "world_size": plan.world_size,
                  # seconds per step, of the slowest rank (runtime.profiling)
-                 "breakdown": w.parts.take()}
+                 "breakdown": w.parts.take(),
+                 # the logged step's rank furthest behind its peers (runtime.health)
+                 **{k: rec[k] for k in ("slowest_rank", "slowest_behind_s") if k in rec}}
         if streaming:  # the driver's wait for Ray Data, per step
             entry["stream_wait_s"] = w.stream_wait / w.steps
         mfu = self.mfu(entry["tokens_per_second"], plan.world_size)

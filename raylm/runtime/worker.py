@@ -400,18 +400,18 @@ class RankWorker:
         self._doing_step(step, 1)
         with self._region("raylm.forward_backward"):
             sums = e.forward_backward(batches, step, rounds, meter)
-        t_clip = clock.mark()
         for hook in hooks:
             hook.remove()
         # (after the gradient sync, before the step is prepared)
         self._doing_step(step, 2)
         self.faults.trip(self.rank, step, "update", self.generation)
+        t_clip = clock.mark()
         with self._region("raylm.clip"):
             prepared = e.prepare_update()  # clip (the norm over the whole model)
         t_end = clock.mark()
         # The step's figures, read once all its work is launched: on a GPU this is the
         # step's one wait for the device (the clip's kernels queued behind backward's).
-        tokens = float(sums.tokens)
+        tokens, clip_s = float(sums.tokens), clock.span(t_clip, t_end)
         self.prepared = step
         out = StepResult(
             loss=float(sums.loss) / max(tokens, 1.0), tokens=int(tokens),
@@ -420,8 +420,9 @@ class RankWorker:
             overflow=prepared.overflow, peak_rss_bytes=prepared.peak_rss_bytes,
             # Where the step's time went (raylm.runtime.profiling).
             data_wait_s=t_data, forward_backward_s=clock.span(t_fb, t_clip) - e.sync_s,
-            grad_sync_s=e.sync_s, clip_s=clock.span(t_clip, t_end),
+            grad_sync_s=e.sync_s, clip_s=clip_s,
             optimizer_s=self._optimizer_s(), step_s=0.0, boundary_idle_s=idle,
+            peer_wait_s=e.count_wait_s + e.sync_s + clip_s,
             snapshot_s=self.snapshot_s, memory=self._memory(meter))
         out.step_s, self.snapshot_s = time.time() - t0, 0.0
         # Each sample once: from the first stage's first tensor-parallel rank.
