@@ -149,6 +149,8 @@ class Driver:
     def _enter(self, state: State, detail: str = "") -> None:
         log.info("driver: %s%s", state.value, f" ({detail})" if detail else "")
         self.state = state
+        # Heartbeats are watched while the run trains (raylm.runtime.health).
+        self.group.watch(state is State.RUNNING)
 
     @property
     def workers(self) -> list:

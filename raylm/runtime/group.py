@@ -57,7 +57,8 @@ class WorkerGroup:
         self.collective_timeout_s = collective_timeout_s
         self.timeout_s = collective_timeout_s + 60  # a wait's default bound
         self.huge_pages = huge_pages
-        self.heartbeats = heartbeats  # every wait watches the ranks' heartbeats
+        self.heartbeats = heartbeats  # the waits watch them while ``watching``
+        self.watching = False
         self.ranks: list[Rank] = []
         self.pg = None  # the group's placement group
         self.growth_pgs: list = []  # those of ranks that joined a running group
@@ -148,7 +149,7 @@ class WorkerGroup:
         pending = list(refs)
         t0 = time.time()
         deadline = t0 + timeout_s
-        beats = self.heartbeats
+        beats = self.heartbeats if self.watching else None
         got = {}
         try:
             while pending:
@@ -172,6 +173,14 @@ class WorkerGroup:
             return [got[ref] for ref in refs]
         except (RayActorError, RayTaskError, GetTimeoutError) as e:
             raise WorkerFailure(first_line(e)) from e
+
+    def watch(self, on: bool) -> None:
+        """Watch the ranks' heartbeats in every wait from now on (while the run trains:
+        setting up, regrouping and rebuilding run long calls of their own, bounded by
+        their own timeouts), or stop. Each watch starts afresh."""
+        if on and not self.watching and self.heartbeats is not None:
+            self.heartbeats.pings.clear()
+        self.watching = on
 
     def _check_heartbeats(self) -> None:
         """Raise for the ranks silent past the heartbeat timeout (frozen, or their node
