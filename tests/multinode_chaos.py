@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from raylm import TrainConfig, train
-from multinode_common import pid_alive, start_cluster
+from multinode_common import pid_alive, samples, start_cluster, wait_gone
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 # The suite runs 32 steps (three events, at steps 4, 12 and 17 with seed 0, a rank
@@ -40,12 +40,6 @@ def config(out, **kw):
                 do_eval=False, log_sample_ids=True, max_failures=50)
     base.update(kw)
     return TrainConfig(**base)
-
-
-def samples(out):
-    with open(os.path.join(out, "samples.jsonl")) as f:
-        return {r["step"]: sorted(i for ids in r["ranks"] for i in ids)
-                for r in map(json.loads, f)}
 
 
 class Chaos:
@@ -93,9 +87,7 @@ try:
     reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=6))
     chaos = Chaos(cluster, seed=0)
     hit = train(config(out), callbacks=(chaos,))
-    deadline = time.time() + 30
-    while any(pid_alive(p) for p in chaos.pids) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_gone(chaos.pids)
     print(f"events: {chaos.events}", file=sys.stderr)
     print("RESULT " + json.dumps({
         "events": chaos.events, "failures": hit.failures,

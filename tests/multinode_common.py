@@ -1,6 +1,7 @@
 """What the multi-node scenario scripts share (they run as scripts: tests/ is their
 import path)."""
 
+import json
 import logging
 import os
 import time
@@ -20,6 +21,40 @@ def pid_alive(pid):
     # A zombie (exited, not yet reaped) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pids, timeout_s: float = 30.0) -> None:
+    """Until none of ``pids`` runs (a lost node's processes exit once their raylet is
+    gone), or ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while any(pid_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def samples(out):
+    """{step: its sample ids, sorted} from a run's samples.jsonl."""
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        return {r["step"]: sorted(i for ids in r["ranks"] for i in ids)
+                for r in map(json.loads, f)}
+
+
+def descendants(pid):
+    """``pid`` and every process under it."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
 
 
 class RemoveNodeOfRank:

@@ -14,12 +14,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import ray
 
 from raylm import TrainConfig, train
-from multinode_common import RemoveNodeOfRank, pid_alive, start_cluster
+from multinode_common import RemoveNodeOfRank, pid_alive, start_cluster, wait_gone
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 STEPS = 12
@@ -82,9 +81,7 @@ try:
     reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=4))
     watch = Watch(cluster)
     hit = train(config(out), callbacks=(watch,))
-    deadline = time.time() + 30
-    while any(pid_alive(p) for p in watch.pids) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_gone(watch.pids)
     print("RESULT " + json.dumps({
         "removed": watch.removed is not None, "failures": hit.failures,
         "reference": [h["loss"] for h in reference.history],

@@ -380,3 +380,16 @@ def test_precision_and_compile_flag_errors_are_one_line_from_the_command(flags, 
     rc, errors, err = run_cli(capsys, *base_args(tmp_path, corpus_dir, cache_root), *flags)
     assert rc == 2 and "Traceback" not in err
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_an_nccl_that_cannot_abort_its_communicators_together_is_refused():
+    """--use_gpu recovers in memory by aborting each rank's NCCL communicators together,
+    which NCCL does since 2.22; an older one is one clear error, a newer one passes."""
+    from raylm.runtime.input_checks import check_nccl
+
+    gpu = TrainConfig(train_file=["x.txt"], use_gpu=True)
+    with pytest.raises(ConfigError, match=r"NCCL is 2\.21\.5; .* needs NCCL 2\.22 or later"):
+        check_nccl(gpu, (2, 21, 5))
+    check_nccl(gpu, (2, 22, 3))
+    check_nccl(gpu, (2, 27, 7))
+    check_nccl(TrainConfig(train_file=["x.txt"]), (2, 18, 1))  # (CPU ranks: gloo)

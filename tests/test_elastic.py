@@ -192,6 +192,36 @@ def test_a_straggler_is_named_and_each_step_records_the_slowest_rank(
                                rtol=1e-5)
 
 
+def test_a_straggler_is_replaced_with_a_fresh_rank_on_request(
+        unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """--replace_stragglers: rank 1, slower from step 3, is named a straggler after 4
+    steps in a row, ended, and the others carry on in memory; a fresh rank starts in the
+    place it left and joins through the growth path. Not a failure; the losses are the
+    unchanged run's, every sample once, nothing redone, the replicas equal at the end."""
+    caplog.set_level("INFO", logger="raylm")
+    watch, out = Watch(grow_from=1), tmp_path / "out"
+    with inject(*({"rank": 1, "step": s, "phase": "update", "action": "stall",
+                   "seconds": 0.3} for s in range(2, 8))):
+        result = train(elastic_config(out, corpus_dir, cache_root, straggler_steps=4,
+                                      replace_stragglers=True, cpus_per_worker=1),
+                       callbacks=(watch,))
+    log = caplog.text
+    assert "rank 1 is a straggler" in log and "replacing rank 1 (pid" in log
+    assert "ending rank 1 (pid" in log and "a straggler replaced at step 7" in log
+    assert "shrank in memory to 2 rank(s)" in log and "grew in memory to 3 rank(s)" in log
+    assert "0 committed steps redone" in log and "restoring" not in log
+    assert result.failures == 0
+    sizes = [h["world_size"] for h in result.history]
+    assert sizes[:6] == [3] * 6 and 2 in sizes and sizes[-1] == 3, sizes
+    np.testing.assert_allclose([h["loss"] for h in result.history],
+                               [unchanged["losses"][s] for s in range(1, STEPS + 1)],
+                               rtol=1e-5)
+    assert samples_per_step(out) == unchanged["samples"]
+    assert watch.digests is not None and len(watch.digests) == 3
+    assert len(set(watch.digests)) == 1
+    assert_nothing_left(watch)
+
+
 def assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log: str,
                                             before: int = 3, after: int = 2) -> None:
     assert result.failures == 1

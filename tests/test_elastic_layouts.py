@@ -12,6 +12,8 @@ while the survivors rebuild makes the run fall back to the latest checkpoint.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,25 @@ def assert_single_process_run(result, out, single) -> None:
                                    [single["history"][s][key] for s in steps], rtol=1e-5,
                                    err_msg=key)
     assert samples_per_step(out) == single["samples"]
+
+
+def test_a_survivor_blocked_on_a_peer_that_left_is_released(single, ray_cluster, corpus_dir,
+                                                            cache_root, tmp_path, caplog):
+    """dp=2 x tp=2, rank 1 dies in its gradient sync: rank 2 waits in its own sync on
+    rank 0, which failed and left the group without its connections closing (other
+    objects still hold that group). Rank 2 is released from its peers' connections, not
+    counted lost: all three survivors answer, and two of them are re-laid out."""
+    caplog.set_level("INFO", logger="raylm")
+    watch, out = Watch(), tmp_path / "out"
+    with inject({"rank": 1, "step": 3, "phase": "sync"}):
+        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, tp=2),
+                       callbacks=(watch,))
+    [failure] = [line for line in caplog.text.splitlines() if "rank failure at step 4" in line]
+    assert re.search(r"; dead: rank 1 \(pid \d+, node \w+\)$", failure), failure
+    assert "re-laid out in memory on 2 rank(s)" in caplog.text
+    assert [h["world_size"] for h in result.history] == [4, 4, 4, 2, 2, 2]
+    assert_single_process_run(result, out, single)
+    assert_nothing_left(watch)
 
 
 @pytest.mark.parametrize("layout,action", [(dict(pp=2), "die"), (dict(tp=2), "die"),

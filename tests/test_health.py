@@ -1,9 +1,14 @@
-"""The step deadline and the choice of the ranks a stuck step waits on (raylm.runtime.
-health), without Ray: pure functions of the run's step times and the ranks' reports."""
+"""The step deadline, the choice of the ranks a stuck step waits on, stragglers, and a
+survivor released from a silent peer (raylm.runtime.health), without Ray: functions of
+the run's step times and the ranks' reports, and real sockets."""
 
 from __future__ import annotations
 
-from raylm.runtime.health import StepDeadline, Stragglers, behind, describe_doing
+import socket
+import threading
+
+from raylm.runtime.health import StepDeadline, Stragglers, behind, describe_doing, \
+    local_endpoints, release_sockets
 
 
 def test_the_deadline_is_the_floor_until_steps_are_measured():
@@ -48,7 +53,7 @@ def test_a_rank_slower_than_its_peers_step_after_step_is_a_straggler():
         worst, behind_s, persistent = s.observe([0.1, 0.35, 0.1], peers)
         assert (worst, round(behind_s, 9), persistent) == (1, 0.25, [])
     worst, behind_s, persistent = s.observe([0.1, 0.35, 0.1], peers)
-    assert (worst, persistent) == (1, [1])
+    assert (worst, persistent) == (1, [(1, 0.1)])
     # A step at par ends the streak: named again only after 3 more slow steps.
     s.observe([0.1, 0.1, 0.1], peers)
     assert s.observe([0.1, 0.35, 0.1], peers)[2] == []
@@ -61,6 +66,31 @@ def test_ranks_are_compared_with_their_peers_only():
     peers = ["stage0", "stage0", "stage1", "stage1"]
     assert s.observe([0.1, 0.1, 0.3, 0.3], peers)[2] == []
     worst, _, persistent = s.observe([0.1, 0.1, 0.3, 0.6], peers)
-    assert worst == 3 and persistent == [3]
+    assert worst == 3 and persistent == [(3, 0.3)]
     # A rank with no peer (dp = 1) is compared with nobody.
     assert Stragglers(1.5, 1).observe([0.1, 0.9], ["a", "b"]) == (None, 0.0, [])
+
+
+def test_a_survivor_blocked_on_a_silent_peer_is_released_by_its_own_side():
+    """A thread blocked reading from a peer that never answers (frozen, or cut off) is
+    released when this process shuts down its sockets to that peer's endpoints; its
+    connection to another peer, and the listener, stay open."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    silent = socket.create_connection(listener.getsockname())
+    other = socket.create_connection(listener.getsockname())
+    ours_to_silent, _ = listener.accept()
+    ours_to_other, _ = listener.accept()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(ours_to_silent.recv(1)),
+                              daemon=True)
+    reader.start()
+    # the silent peer's endpoints, as its heartbeat reported them
+    assert silent.getsockname() in local_endpoints()
+    assert release_sockets([silent.getsockname()]) == 1
+    reader.join(timeout=5)
+    assert not reader.is_alive() and got == [b""]
+    other.sendall(b"x")
+    assert ours_to_other.recv(1) == b"x"  # untouched
+    assert listener.getsockname() in local_endpoints()  # (still listening)
+    for s in (listener, silent, other, ours_to_silent, ours_to_other):
+        s.close()

@@ -109,3 +109,34 @@ def test_a_stream_loses_a_node_grows_back_and_its_blocks_never_reach_the_driver(
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
     assert any("shrank in memory to 1 rank(s)" in l for l in log), log
     assert any("grew in memory to 2 rank(s)" in l for l in log), log
+
+
+def test_a_node_cut_off_is_passed_in_memory_and_used_again_once_back(corpus_dir,
+                                                                     cache_root):
+    """Every process of the 1-rank node of a dp=3 run frozen at once (its raylet too:
+    Ray reaches nothing there, as when its network is cut) after step 4: the heartbeat
+    declares its rank lost, the survivors shut down their own connections to it and
+    carry on in memory with 2 ranks, the node gets no newcomer while it is frozen, and
+    once thawed it takes one again: the run grows back to 3. Dropout on: the losses are
+    a one-rank run's of the same global batch, every sample once, nothing redone, the
+    replicas end equal, nothing left running."""
+    r, proc = run_script("multinode_cutoff.py", corpus_dir, cache_root, 300)
+    log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
+    assert r["failures"] == 1, log
+    assert r["hit_steps"] == list(range(1, 17))
+    np.testing.assert_allclose(r["hit"], r["reference"], rtol=1e-5)
+    assert r["samples_equal"] and r["samples_once"]
+    sizes = [r["sizes"][str(s)] for s in range(1, 17)]
+    assert sizes[:4] == [3] * 4 and sizes[4:9] == [2] * 5 and sizes[-1] == 3, sizes
+    # passed within a few heartbeat timeouts (2 s), the step after the freeze included
+    assert r["past_cut_s"] < 3 * 2.0, r["past_cut_s"]
+    # frozen: the node is avoided, and no newcomer started; thawed: used again
+    assert r["unreachable_seen"] and all(r["unreachable_seen"])
+    assert not any(r["newcomers_while_cut"])
+    assert any(f"no heartbeat for 2 s (frozen, or its node cut off): rank {r['cut_rank']}"
+               in l for l in log), log
+    assert any("answers again: it may take new ranks" in l for l in log), log
+    assert any("grew in memory to 3 rank(s)" in l for l in log), log
+    assert not any("restoring" in l or "will be redone" in l for l in log), log
+    assert r["digests"] is not None and len(set(r["digests"])) == 1
+    assert r["left_running"] == [] and r["placement_groups"] == ["REMOVED"]

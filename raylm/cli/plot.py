@@ -69,13 +69,15 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
         twin.plot(steps, [100 * m for m in mfu], "--", color="tab:orange", alpha=0.8)
         twin.set_ylabel("MFU (%)", color="tab:orange")
     for r in records:
-        if r.get("event") not in ("failure", "resize"):
+        if r.get("event") not in ("failure", "replace", "resize"):
             continue
         failure = r["event"] == "failure"
         for ax in axes.flat:
             ax.axvline(r["step"], color="tab:red" if failure else "grey",
                        linestyle="--" if failure else ":", alpha=0.7)
-        ax_loss.annotate("failure" if failure else f"{r['world_size']} ranks",
+        label = {"failure": "failure", "replace": "straggler replaced"}.get(
+            r["event"], f"{r['world_size']} ranks")
+        ax_loss.annotate(label,
                          (r["step"], 1), xycoords=("data", "axes fraction"), fontsize=8,
                          rotation=90, va="top", ha="right")
     for ax in axes.flat:

@@ -487,6 +487,10 @@ class ClusterFlags:
         "many times its peers' median is slow in that step.", "cluster")
     straggler_steps: int = _f(
         20, "A rank slow in this many steps in a row is named as a straggler.", "cluster")
+    replace_stragglers: bool = _f(
+        False, "Replace a straggler with a fresh rank: it is ended, the others carry on "
+        "in memory, and a new rank joins where there is room (as when a node joins).",
+        "cluster")
 
     peak_tflops: float = _f(
         0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "

@@ -393,10 +393,12 @@ def wait_for_workers(least: int, cpus_per_worker: float, use_gpu: bool, group: i
     return n
 
 
-def free_ranks(cpus_per_worker: float, use_gpu: bool, group: int = 1) -> int:
+def free_ranks(cpus_per_worker: float, use_gpu: bool, group: int = 1,
+               avoid: set = frozenset()) -> int:
     """How many more rank actors the cluster could place now (its unreserved CPUs and
     GPUs; a node that joined, or one the autoscaler launched, shows up here), in whole
-    groups of ``group`` per node (a tensor-parallel group never spans nodes)."""
+    groups of ``group`` per node (a tensor-parallel group never spans nodes), on nodes
+    not in ``avoid``."""
     fits = [ranks_fitting(free, cpus_per_worker, use_gpu, 0)
-            for free in available_resources_per_node().values()]
+            for node, free in available_resources_per_node().items() if node not in avoid]
     return sum(n - n % group for n in fits)

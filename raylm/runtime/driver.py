@@ -530,10 +530,13 @@ class Driver:
         run = self.record
         if self.failed_at_size is None:  # (a failure during a recovery: the first one's)
             self.failed_at_size = run.plan.world_size
-        self.report.event("failure", first_line(failure))
-        run.failures += 1
+        self.report.event("replace" if failure.replacing else "failure",
+                          first_line(failure))
+        if not failure.replacing:
+            run.failures += 1
         self.decision = self.failure_policy.decide(run.failures, str(failure))
-        return Transition(State.RECOVERING, self.decision.reason)
+        return Transition(State.RECOVERING, "replacing a straggler" if failure.replacing
+                          else self.decision.reason)
 
     def _recovered(self, steps: int) -> Transition:
         """The run carries on after a recovery (a resize event if the group changed)."""

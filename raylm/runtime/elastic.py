@@ -87,18 +87,21 @@ class Recovery(Elastic):
         every rank), each first puts its state in the object store for a new layout."""
         run, plan = self.record, self.record.plan
         t0 = time.time()
-        if failure.lost:  # frozen or stuck: ended first, which releases their peers
+        if failure.lost:  # frozen or stuck: ended first, their peers released
             self.group.end(failure.lost)
+        if plan.use_gpu:  # (NCCL: nothing raises on a lost peer; not run on 2+ GPUs yet)
+            self.group.abort()
         export = plan.zero_stage == 0 and plan.dp > 1 and not plan.full_replica_per_rank
         failed = self.group.inflight  # (the failed calls: their errors are known soon)
         leaving = self.group.send(lambda r, w: w.leave_group.remote(export))
-        live, dead = self.group.live()
+        live, dead = self.group.live(failure.lost)
         for ref in failed + leaving:
             try:
                 ray.get(ref, timeout=0)
             except Exception as e:
                 log.info("  %s", first_line(e))
-        log.warning("rank failure at step %d: %s%s", run.step + 1, failure,
+        log.warning("%s at step %d: %s%s", "a straggler replaced" if failure.replacing
+                    else "rank failure", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")
         return Survivors(live, [leaving[i] for i in live], export, t0)
 
@@ -279,7 +282,8 @@ class Growth(Elastic):
             cluster.refresh_request()  # (an autoscaler request lapses unless renewed)
             group = plan.dims.node_group_size
             room = plan.world_size + len(self._free_slots(group)) + \
-                cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu, group)
+                cluster.free_ranks(plan.cpus_per_worker, plan.use_gpu, group,
+                                   self.group.unreachable_nodes())
             n = self.scaling.grow_to(plan, room)
             if n is not None:
                 self._start_newcomers(plan, n - plan.world_size)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylm.plan.layout import Plan
@@ -29,17 +29,20 @@ from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
 
-# How long the survivors of a failure get to return from the failed step (WorkerGroup.live).
+# How long the survivors of a failure get to return from the failed step (WorkerGroup.live),
+# and after how long one still blocked is released from all its peers.
 SURVIVOR_GRACE_S = 10.0
+RELEASE_AFTER_S = 1.0
 
 
 class WorkerFailure(Exception):
     """A rank failed, died or did not answer in time; ``lost``: the indices of ranks
-    found frozen or stuck (raylm.runtime.health), to be ended before anything else."""
+    found frozen or stuck (raylm.runtime.health), to be ended before anything else;
+    ``replacing``: not a failure but stragglers to replace (not counted)."""
 
-    def __init__(self, message: str, lost: Optional[list] = None):
+    def __init__(self, message: str, lost: Optional[list] = None, replacing: bool = False):
         super().__init__(message)
-        self.lost = list(lost or [])
+        self.lost, self.replacing = list(lost or []), replacing
 
 
 @dataclass
@@ -65,6 +68,9 @@ class WorkerGroup:
         self.generation = 0  # of the process group: how many times the ranks (re)joined
         self.pending = PendingCommit()  # the prepared step to commit before anything else
         self.inflight: list = []  # the last calls sent to every rank (a failure's settle)
+        # Nodes that lost ranks and have not answered since: {node id: a task pinned
+        # there (health.end's)}. No newcomer goes there until that task returns.
+        self.unreachable: dict = {}
 
     # -- what the driver reads --------------------------------------------------------------
     @property
@@ -237,15 +243,24 @@ class WorkerGroup:
         self.inflight = [a.train_step.remote(req) for a, req in zip(self.actors, requests)]
         return self.inflight
 
-    def live(self) -> tuple[list[int], list[str]]:
+    def live(self, lost: tuple = ()) -> tuple[list[int], list[str]]:
         """(indices of the ranks that answer, descriptions of those that do not). An
         actor answers after the calls queued before it: a survivor once its failed step
-        has returned (at once, or once a peer it waits on has left the group). One that
-        does not within SURVIVOR_GRACE_S counts as lost (a rank hung in its own code)."""
-        refs = [a.info.remote() for a in self.actors]
-        live, dead = [], []
+        has returned (at once, or once a peer it waits on has left the group or been
+        released from). One still blocked after RELEASE_AFTER_S waits in a collective on
+        peers that died or left without their connections closing (a group other objects
+        still hold): it is released from all of them (``release``). One that does not
+        answer within SURVIVOR_GRACE_S counts as lost (a rank hung in its own code);
+        ``lost``: ranks already ended, not asked."""
+        asked = [i for i in range(len(self.ranks)) if i not in set(lost)]
+        refs = [self.ranks[i].actor.info.remote() for i in asked]
+        answered = set(ray.wait(refs, num_returns=len(refs), timeout=RELEASE_AFTER_S)[0])
+        blocked = [i for i, ref in zip(asked, refs) if ref not in answered]
+        if blocked:
+            self.release(blocked, from_all=True)
+        live, dead = [], [self.describe(i) for i in lost]
         deadline = time.time() + SURVIVOR_GRACE_S
-        for i, ref in enumerate(refs):
+        for i, ref in zip(asked, refs):
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.time()))
                 live.append(i)
@@ -293,11 +308,16 @@ class WorkerGroup:
     def free_slots(self, plan: Plan, taken_too: tuple = (), group: int = 1) -> list:
         """The places in the run's bundles no rank holds (lost ranks'), one (placement
         group, bundle) per rank, in whole groups of ``group`` per bundle (a tensor-
-        parallel group shares one); ``taken_too``: slots newcomers hold."""
+        parallel group shares one), none on an unreachable node; ``taken_too``: slots
+        newcomers hold."""
         taken = collections.Counter(self.slots + list(taken_too))
-        free = []
+        avoid, free = self.unreachable_nodes(), []
         for pg in [self.pg] + self.growth_pgs:
+            nodes = placement_group_table(pg).get("bundles_to_node_id", {}) \
+                if avoid and pg is not None else {}
             for b, bundle in enumerate(pg.bundle_specs if pg is not None else ()):
+                if nodes.get(b) in avoid:
+                    continue
                 places = cluster.ranks_fitting(bundle, plan.cpus_per_worker, plan.use_gpu,
                                                0) - taken[(pg, b)]
                 free += [(pg, b)] * (places - places % group)
@@ -305,12 +325,59 @@ class WorkerGroup:
 
     def end(self, indices: list[int]) -> None:
         """End ranks that cannot end themselves (frozen, stuck): their actors killed and
-        their processes too, which releases peers blocked on them in a gloo collective.
-        They stay in the group (lost) until the recovery leaves them out."""
+        their processes too, and every other rank released from its connections to them
+        (``release``). Their nodes take no newcomer until a task there has answered
+        (``unreachable_nodes``). They stay in the group (lost) until the recovery leaves
+        them out."""
         for i in indices:
             log.warning("ending %s", self.describe(i))
         kill([self.ranks[i].actor for i in indices])
-        end([self.ranks[i].info for i in indices])
+        self.unreachable.update(end([self.ranks[i].info for i in indices]))
+        self.release(indices)
+
+    def release(self, indices: list[int], from_all: bool = False) -> None:
+        """Every other rank shuts down its sockets to the ranks at ``indices`` (their
+        endpoints from their last heartbeat; raylm.runtime.health.release_sockets): a
+        collective blocked on them raises even when their processes live on, frozen or
+        on a node cut off. ``from_all``: the ranks at ``indices`` shut down theirs to
+        every other rank instead. Not waited for."""
+        beats = self.heartbeats
+        if beats is None:
+            return
+        beats.read()  # (the answers not read yet: a failure early in the run)
+        chosen = set(indices)
+        ends = [beats.endpoints(r.actor) for r in self.ranks]
+        for i, r in enumerate(self.ranks):
+            if (i in chosen) != from_all:
+                continue
+            peers = [k for k in range(len(self.ranks)) if k != i and (from_all or k in chosen)]
+            gone = set().union(*(ends[k] for k in peers))
+            if gone:
+                r.actor.release.remote(sorted(gone))
+
+    def abort(self) -> None:
+        """Every rank aborts its NCCL communicators (a survivor blocked on a peer that
+        died or froze raises nothing on NCCL; raylm.runtime.health.abort_groups), so
+        that every rank can leave the broken group. Not waited for."""
+        for r in self.ranks:
+            r.actor.release.remote([], True)
+
+    def unreachable_nodes(self) -> set:
+        """The nodes still unreachable (see ``unreachable``), after dropping those whose
+        task has returned (usable again) or failed (Ray took the node out)."""
+        if self.unreachable:
+            refs = list(self.unreachable.values())
+            back = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for node, ref in list(self.unreachable.items()):
+                if ref not in back:
+                    continue
+                del self.unreachable[node]
+                try:
+                    ray.get(ref)
+                    log.info("node %s answers again: it may take new ranks", node[:8])
+                except Exception:  # (the task cannot run: the node is gone)
+                    log.info("node %s has left the cluster", node[:8])
+        return set(self.unreachable)
 
     def stop(self) -> None:
         """Stop every rank and free the placement groups."""

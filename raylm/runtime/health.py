@@ -5,23 +5,23 @@ times, and stragglers (ranks persistently slower than their peers).
 A rank that does not answer its heartbeat within ``timeout_s`` is lost (frozen, or its
 node cut off). A step that does not end within ``StepDeadline.limit`` is stuck; the ranks
 furthest behind in it are lost (the others wait on them in a collective). Either way the
-lost ranks are ended (``end``), which on gloo releases the survivors blocked on them.
+lost ranks are ended (``end``) and the survivors released (``release_sockets``: each
+closes its own connections to them), which works when their node is cut off too.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
+import ipaddress
 import os
 import signal
+import socket
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray
-
-log = logging.getLogger("raylm")
 
 
 @dataclass
@@ -38,6 +38,9 @@ class Heartbeats:
     def __init__(self, interval_s: float, timeout_s: float):
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.pings: dict = {}  # id(actor) -> _Ping
+        # id(actor) -> its sockets' local (ip, port)s, as last reported (kept when a
+        # watch starts afresh: the rank sends them again only when they change)
+        self.known: dict = {}
         self.checked_at = 0.0
 
     def due(self) -> bool:
@@ -50,36 +53,48 @@ class Heartbeats:
         keys = [id(a) for a in actors]
         for key in set(self.pings) - set(keys):  # (ranks no longer in the group)
             del self.pings[key]
-        flying = [p.ref for p in self.pings.values() if p.ref is not None]
-        answered = set(ray.wait(flying, num_returns=len(flying), timeout=0)[0]) \
-            if flying else set()
+        for key in set(self.known) - set(keys):
+            del self.known[key]
+        self.read()
         lost = []
         for i, (key, actor) in enumerate(zip(keys, actors)):
             p = self.pings.get(key)
             if p is None:
-                self.pings[key] = _Ping(actor.ping.remote(), now, (0, -1, "starting"))
+                self.pings[key] = _Ping(actor.ping.remote(key in self.known), now,
+                                       (0, -1, "starting"))
                 continue
-            if p.ref is not None and p.ref in answered:
-                try:
-                    p.doing = tuple(ray.get(p.ref))
-                except Exception:  # died: the call it was on fails as well
-                    pass
-                p.ref = None
             if p.ref is not None:
                 if now - p.sent_at > self.timeout_s:
                     lost.append(i)
             elif now - p.sent_at >= self.interval_s:
-                p.ref, p.sent_at = actor.ping.remote(), now
+                p.ref, p.sent_at = actor.ping.remote(key in self.known), now
         return lost
+
+    def read(self) -> None:
+        """Take in the answers that have come (what each rank does, its endpoints)."""
+        flying = {p.ref: key for key, p in self.pings.items() if p.ref is not None}
+        if not flying:
+            return
+        for ref in ray.wait(list(flying), num_returns=len(flying), timeout=0)[0]:
+            key = flying[ref]
+            p = self.pings[key]
+            try:
+                doing, endpoints = ray.get(ref)
+                p.doing = tuple(doing)
+                if endpoints is not None:  # (None: unchanged)
+                    self.known[key] = endpoints
+            except Exception:  # died: the call it was on fails as well
+                pass
+            p.ref = None
 
     def doing(self, actor) -> tuple:
         """What ``actor`` last said it was doing: (step, phase index, words)."""
         p = self.pings.get(id(actor))
         return p.doing if p is not None else (0, -1, "starting")
 
-    def silent_s(self, actor) -> float:
-        p = self.pings.get(id(actor))
-        return time.time() - p.sent_at if p is not None and p.ref is not None else 0.0
+    def endpoints(self, actor) -> frozenset:
+        """The local (ip, port) of every TCP socket ``actor`` had at its last answer."""
+        return self.known.get(id(actor), frozenset())
 
 
 class StepDeadline:
@@ -112,8 +127,8 @@ class Stragglers:
     def observe(self, own: list[float], peers: list) -> tuple:
         """``own``: each rank's own work in the step; ``peers``: each rank's key of the
         work it shares with its peers. Returns (the rank furthest behind its peers'
-        median, or None with no peers; by how many seconds; the ranks that have just
-        been slow for ``steps`` steps in a row)."""
+        median, or None with no peers; by how many seconds; (rank, its peers' median) of
+        the ranks that have just been slow for ``steps`` steps in a row)."""
         worst, behind_s, persistent = None, 0.0, []
         for r, t in enumerate(own):
             others = [own[k] for k in range(len(own)) if k != r and peers[k] == peers[r]]
@@ -125,7 +140,7 @@ class Stragglers:
             slow = t > self.factor * median
             self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
             if self.streak[r] == self.steps:
-                persistent.append(r)
+                persistent.append((r, median))
         return worst, behind_s, persistent
 
     def reset(self) -> None:
@@ -145,11 +160,12 @@ def describe_doing(doing: tuple) -> str:
     return f"step {step}: {words}" if phase >= 0 else words
 
 
-def end(infos: list[dict]) -> None:
+def end(infos: list[dict]) -> dict:
     """End rank processes that cannot end themselves (frozen, stuck): SIGKILL, here when
-    the process is on this node, else from a task on its node. A node that is cut off
-    cannot be reached either way; Ray's health checks end its processes."""
+    the process is on this node, else from a task on its node. Returns {node id: that
+    task}: a node cut off runs it only once it is reachable again."""
     here = ray.get_runtime_context().get_node_id()
+    tasks = {}
     for info in infos:
         pid, node = info.get("pid"), info.get("node_id")
         if not pid:
@@ -159,9 +175,20 @@ def end(infos: list[dict]) -> None:
         else:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            ray.remote(num_cpus=0, max_retries=0)(_sigkill).options(
+            tasks[node] = _remote_sigkill().options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
             ).remote(pid)
+    return tasks
+
+
+_sigkill_task = None
+
+
+def _remote_sigkill():
+    global _sigkill_task
+    if _sigkill_task is None:
+        _sigkill_task = ray.remote(num_cpus=0, max_retries=0)(_sigkill)
+    return _sigkill_task
 
 
 def _sigkill(pid: int) -> Optional[bool]:
@@ -170,3 +197,82 @@ def _sigkill(pid: int) -> Optional[bool]:
         return True
     except ProcessLookupError:
         return False
+
+
+# -- releasing survivors -------------------------------------------------------------------
+# A survivor blocked in a gloo collective on a peer whose process is gone is released
+# when the peer's sockets close. A peer that is frozen, or on a node cut off, closes
+# nothing, and neither gloo's abort nor destroying the group frees a rank blocked in a
+# collective: so the survivor shuts down its own sockets to the peer, found by the
+# peer's local endpoints (which it reported while it was well), from a thread of its
+# own. The collective then raises at once and the process keeps its state. Only those
+# sockets: shutting down gloo's listener too makes gloo end the process.
+
+def _tcp_sockets():
+    """This process's TCP sockets, each as a socket object that shares its fd (detach
+    it after use, so that the fd stays its owner's)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=int(fd))
+        except OSError:  # closed meanwhile
+            continue
+        if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+            yield s
+        else:
+            s.detach()
+
+
+def _endpoint(address) -> tuple:
+    """(ip, port), an IPv4-mapped IPv6 address as IPv4."""
+    ip = ipaddress.ip_address(address[0].split("%")[0])
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), address[1]
+
+
+def local_endpoints() -> frozenset:
+    """The local (ip, port) of every TCP socket of this process (listening ones too):
+    what a peer's connections to it end at."""
+    out = set()
+    for s in _tcp_sockets():
+        try:
+            out.add(_endpoint(s.getsockname()))
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return frozenset(out)
+
+
+def release_sockets(peer_endpoints) -> int:
+    """Shut down this process's connections to ``peer_endpoints`` (a lost peer's
+    ``local_endpoints``): what it is blocked on in them raises. Returns how many."""
+    peer_endpoints, shut = set(map(tuple, peer_endpoints)), 0
+    for s in _tcp_sockets():
+        try:
+            if _endpoint(s.getpeername()) in peer_endpoints:
+                s.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:  # not connected (a listener), or closed meanwhile
+            pass
+        finally:
+            s.detach()
+    return shut
+
+def abort_groups() -> bool:
+    """NCCL: a survivor blocked on a lost peer raises nothing, and closing sockets does
+    not reach the GPU. Abort every communicator of this process at once (torch's abort
+    of the world group aborts them all inside one NCCL group call: aborting them one by
+    one can deadlock, pytorch#119797); the collective under way then fails, and the rank
+    joins a fresh group. False when there was none."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except ValueError:  # destroyed meanwhile (the rank left its group on its own)
+        return False
+    return True

@@ -281,6 +281,32 @@ def _check_numbers(cfg: TrainConfig) -> None:
     _check_best_model(cfg)
     _check_elastic_bounds(cfg)
     _check_watch(cfg)
+    check_nccl(cfg)
+
+
+# Recovering in memory on GPUs aborts each rank's NCCL communicators together (NCCL's
+# group abort, 2.22: NVIDIA/nccl#1013); one by one, the aborts can deadlock.
+NCCL_GROUP_ABORT = (2, 22)
+
+
+def check_nccl(cfg: TrainConfig, version: Optional[tuple] = None) -> None:
+    """--use_gpu with an NCCL whose communicators cannot all be aborted at once (the
+    version of this torch's NCCL, or ``version``; none known on a CPU-only driver)."""
+    if not cfg.use_gpu:
+        return
+    if version is None:
+        try:
+            import torch
+
+            version = torch.cuda.nccl.version()
+        except Exception:  # a CPU-only torch here: the ranks' NCCL is not known
+            return
+    if tuple(version[:2]) < NCCL_GROUP_ABORT:
+        raise ConfigError(
+            f"--use_gpu: this torch's NCCL is {'.'.join(map(str, version))}; recovering in "
+            "memory aborts each rank's NCCL communicators together, which needs NCCL 2.22 "
+            "or later (before it the aborts can deadlock): install a torch built with a "
+            "newer NCCL")
 
 
 def _last_check(cfg: TrainConfig, on_checked) -> None:

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import time
 from typing import Optional
 
@@ -43,6 +42,7 @@ class Reporter:
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
         self.window = Window()
         self.stragglers = Stragglers(cfg.straggler_factor, cfg.straggler_steps)
+        self.to_replace: list = []  # stragglers to replace (--replace_stragglers)
 
     # -- model FLOPs ------------------------------------------------------------------------
     def measure_flops(self, device: str) -> None:
@@ -128,17 +128,18 @@ class Reporter:
         """The rank furthest behind its peers in the step, into its record; a warning
         for a rank slow step after step (--straggler_factor, --straggler_steps)."""
         own = [r.step_s - r.peer_wait_s for r in results]
-        peers = [(c["pp"], c["tp"]) for c in map(plan.dims.coords, range(len(results)))]
+        peers = [tuple(plan.dims.group(r, "dp")) for r in range(len(results))]
         worst, behind_s, persistent = self.stragglers.observe(own, peers)
         if worst is None:
             return
         rec["slowest_rank"], rec["slowest_behind_s"] = worst, behind_s
-        for r in persistent:
-            others = [own[k] for k in range(len(own)) if k != r and peers[k] == peers[r]]
+        if self.cfg.replace_stragglers:
+            self.to_replace += [r for r, _ in persistent]
+        for r, median in persistent:
             log.warning("rank %d is a straggler: its own work took %.3f s in step %d, "
                         "its peers' median %.3f s, slower than --straggler_factor %g x "
                         "theirs in %d steps in a row (--straggler_steps)", r, own[r],
-                        self.record.step, statistics.median(others),
+                        self.record.step, median,
                         self.cfg.straggler_factor, self.cfg.straggler_steps)
 
     def _log_window(self, rec: dict, scale, plan: Plan, streaming: bool) -> None:
@@ -244,7 +245,8 @@ class Reporter:
 
     # -- events -----------------------------------------------------------------------------
     def event(self, event: str, detail: str) -> None:
-        """A failure or a resize in metrics.jsonl (``raylm plot`` marks them)."""
+        """A failure, a replaced straggler or a resize in metrics.jsonl (``raylm plot``
+        marks them)."""
         self.metrics.append({"step": self.record.step, "event": event,
                              "world_size": self.record.plan.world_size, "detail": detail})
 

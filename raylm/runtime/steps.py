@@ -16,6 +16,7 @@ from typing import Optional
 
 from raylm.data.sampler import padded_step_schedule, step_schedule
 from raylm.data.stream import DataStreamError
+from raylm.runtime.group import WorkerFailure
 from raylm.runtime.health import StepDeadline
 from raylm.runtime.protocol import StepRequest, loss_result
 
@@ -163,6 +164,11 @@ class StepLoop:
             for cb in d.callbacks:
                 if hasattr(cb, "on_step_end"):
                     cb.on_step_end(d, run.step, rec)
+            if report.to_replace:  # (--replace_stragglers: the growth path brings new ones)
+                ranks, report.to_replace = report.to_replace, []
+                raise WorkerFailure("replacing " + ", ".join(map(group.describe, ranks)) +
+                                    " (a straggler; --replace_stragglers)", lost=ranks,
+                                    replacing=True)
         return False
 
 

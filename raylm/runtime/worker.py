@@ -73,11 +73,30 @@ class RankWorker:
 
     # -- heartbeat -------------------------------------------------------------------------
     @ray.method(concurrency_group="health")
-    def ping(self) -> tuple:
-        """What this rank is doing (``doing``), answered on a thread of its own: a rank
-        busy training answers; one frozen, or on a node cut off, does not
+    def ping(self, known: bool = False) -> tuple:
+        """What this rank is doing (``doing``) and its sockets' local endpoints (None
+        when ``known`` and unchanged since the last ping), answered on a thread of its
+        own: a rank busy training answers; one frozen, or on a node cut off, does not
         (raylm.runtime.health)."""
-        return getattr(self, "doing", (0, -1, "starting"))
+        from raylm.runtime.health import local_endpoints
+
+        endpoints = local_endpoints()  # (what a peer's connections to this rank end at)
+        changed = not known or endpoints != getattr(self, "reported_endpoints", None)
+        self.reported_endpoints = endpoints
+        return getattr(self, "doing", (0, -1, "starting")), endpoints if changed else None
+
+    @ray.method(concurrency_group="health")
+    def release(self, peer_endpoints, abort: bool = False) -> int:
+        """Shut down this rank's connections to lost peers (their endpoints, from their
+        last heartbeat), beside a training thread that may be blocked on them in a
+        collective: that collective raises, and this rank keeps its state. ``abort``:
+        abort its NCCL communicators too (raylm.runtime.health.abort_groups)."""
+        from raylm.runtime.health import abort_groups, release_sockets
+
+        shut = release_sockets(peer_endpoints)
+        if abort:
+            abort_groups()
+        return shut
 
     def _doing_step(self, step: int, phase: int) -> None:
         self.doing = (step + 1, phase, STEP_PHASES[phase])
