@@ -37,8 +37,11 @@ machine; snapshots keep a copy on another node):
 Quiet failures (``--quiet_only`` for just these; raylm.runtime.health, default settings):
 a rank frozen with SIGSTOP (alive, sockets open) when step --kill_at ends: freeze -> next
 committed step, split into detect (the heartbeat's silence), release and settle, regroup
-and the first step; and the fault-free cost of the heartbeats and the step deadline (the
-median step with them against a run whose heartbeat never comes due). Written to
+and the first step; the fault-free cost of the heartbeats and the step deadline (the
+median step with them against a run whose heartbeat never comes due); a node cut off
+(every process of a 1-rank node of a three-node Cluster frozen, its raylet too, then
+thawed 10 s later: the same split, and thaw -> grown back); and Ray Train v2 with a
+frozen worker (benchmarks/raytrain_elastic.py --fault freeze). Written to
 benchmarks/results/bench_elastic_quiet-<date>.json.
 
 ``--soak_minutes N``: N minutes of 3 ranks with a rank killed every minute (a newcomer
@@ -298,7 +301,114 @@ def quiet(args, cfg, lines) -> None:
           f"{figures['first_step_s']:.2f} s) |")
     print(f"| fault-free step, watched vs unwatched (median) | {steps['watched'] * 1000:.1f} "
           f"ms vs {steps['unwatched'] * 1000:.1f} ms ({figures['watch_overhead']:+.1%}) |")
+    figures["node_cut_off"] = cut_off(args, cfg, lines)
+    if not args.skip_ray_train:
+        figures["ray_train_frozen"] = ray_train_frozen(args)
     print(f"written to {write('bench_elastic_quiet', figures)}")
+
+
+def cut_off(args, cfg, lines) -> dict:
+    """A node cut off: every process of a node (its raylet, its rank) frozen at once, so
+    that nothing there answers Ray either; default raylm settings. Thawed a few steps
+    later: the run grows back onto it."""
+    import ray
+
+    from raylm import train
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from multinode_common import descendants, start_cluster  # noqa: E402
+
+    class Cut:
+        def __init__(self, cluster, at):
+            self.cluster, self.at, self.t, self.thawed = cluster, at, None, None
+            self.frozen = []
+            self.ends, self.rank = {}, None
+
+        def on_step_end(self, driver, step, record):
+            self.ends[step] = time.time()
+            driver.grow_check_s = 0.0
+            info = driver.worker_info
+            if step == self.at and self.t is None:
+                self.rank = next(r for r, i in enumerate(info) if sum(
+                    j["node_id"] == i["node_id"] for j in info) == 1)
+                [node] = [n for n in self.cluster.worker_nodes
+                          if n.node_id == info[self.rank]["node_id"]]
+                self.frozen = descendants(node.all_processes["raylet"][0].process.pid)
+                self.t = time.time()
+                for pid in self.frozen:
+                    os.kill(pid, signal.SIGSTOP)
+            elif self.t is not None and self.thawed is None and \
+                    driver.record.plan.world_size == 2 and time.time() - self.t > 10:
+                for pid in self.frozen:
+                    os.kill(pid, signal.SIGCONT)
+                self.thawed = time.time()
+            elif self.t is not None and self.thawed is None:
+                time.sleep(0.1)  # (steps of a real size while the node is away)
+
+    # Ray's own health checks at its defaults (a node is declared dead after about 15
+    # s of silence), raylm's at its defaults.
+    cluster = start_cluster(workers=1, cpus=2, health_check_period_ms=3000,
+                            health_check_failure_threshold=5, health_check_timeout_ms=10000)
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    cut = Cut(cluster, args.kill_at)
+    try:
+        del lines.lines[:]
+        hit = train(cfg("node-cut-off", max_steps=min(args.steps, 150)), callbacks=(cut,))
+    finally:
+        for pid in cut.frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        ray.shutdown()
+        cluster.shutdown()
+    lost_t = next(t for t, m in lines.lines if m.startswith("ending rank"))
+    shrink_t, shrink = next((t, m) for t, m in lines.lines
+                            if m.startswith("shrank in memory"))
+    settle, regroup = map(float, re.search(
+        r"detect and settle ([\d.]+) s, regroup ([\d.]+) s", shrink).groups())
+    next_step = min(t for t in cut.ends.values() if t > cut.t)
+    back = next((t for t, m in lines.lines if "answers again" in m), None)
+    grew = next((t for t, m in lines.lines if m.startswith("grew in memory")), None)
+    out = {"freeze_to_next_step_s": next_step - cut.t, "detect_s": lost_t - cut.t,
+           "release_and_settle_s": settle, "regroup_s": regroup,
+           "first_step_s": next_step - shrink_t, "failures": hit.failures,
+           "thaw_to_answers_again_s": back - cut.thawed if back and cut.thawed else None,
+           "thaw_to_grown_s": grew - cut.thawed if grew and cut.thawed else None,
+           "world_size_at_end": hit.metrics["world_size"]}
+    print(f"| node cut off (raylet and rank frozen) -> next committed step | "
+          f"{out['freeze_to_next_step_s']:.2f} s (detect {out['detect_s']:.2f} s, release "
+          f"and settle {settle:.2f} s, regroup {regroup:.2f} s, first step "
+          f"{out['first_step_s']:.2f} s); thawed -> grown back "
+          f"{out['thaw_to_grown_s'] or float('nan'):.2f} s |")
+    return out
+
+
+def ray_train_frozen(args) -> dict:
+    """benchmarks/raytrain_elastic.py --fault freeze, same model, its worker health check
+    timeout set to raylm's heartbeat timeout (5 s; Ray's default is far longer)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "raytrain_elastic.py"),
+           "--n_layer", "2", "--fault", "freeze", "--health_timeout_s", "5", "--quick"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    got = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not got:
+        print("Ray Train v2 run failed:", proc.stderr[-2000:])
+        return {}
+    r = json.loads(got[-1][len("RESULT "):])
+    out = {k: r.get(k) for k in ("kill_to_step_s", "kill_detect_s", "kill_restart_group_s",
+                                 "kill_imports_model_ckpt_ddp_s", "kill_first_step_s",
+                                 "kill_steps_redone", "worker_health_check_timeout_s",
+                                 "worker_health_check_timeout_s_default")}
+    print(f"| Ray Train v2, a worker frozen, health check timeout "
+          f"{out['worker_health_check_timeout_s']:g} s (default "
+          f"{out['worker_health_check_timeout_s_default']:g} s) -> next committed step | "
+          f"{out['kill_to_step_s']} s (detected {out['kill_detect_s']} s); steps redone "
+          f"{out['kill_steps_redone']} |")
+    return out
 
 
 def two_nodes(args, cfg, lines) -> None:

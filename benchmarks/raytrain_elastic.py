@@ -54,6 +54,11 @@ Settings that matter (all Ray's own knobs, set here and printed):
   cluster's nodes every 20 s (TICK_INTERVAL_S, no setting), so a joined node is seen
   0-20 s after it is up; that wait is the "detected" part of "join -> carrying work".
 
+``--fault freeze``: rank 1 is frozen (SIGSTOP: alive, its sockets open) instead of
+killed. Ray Train catches a worker that stops answering its health check after
+RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (``--health_timeout_s``; Ray's default is printed),
+then restarts the group from the checkpoint as for a kill.
+
 The SIGKILL makes Ray print "(raylet) A worker died or was killed ..." once: expected.
 Prints a table and one line `RESULT {json}`. Asserts nothing.
 """
@@ -312,6 +317,11 @@ def main() -> None:
                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default: 2)")
     ap.add_argument("--monitor_s", type=float, default=1.0,
                     help="ScalingConfig(elastic_resize_monitor_interval_s) (Ray's default: 60)")
+    ap.add_argument("--fault", choices=("kill", "freeze"), default="kill",
+                    help="kill rank 1 (SIGKILL) or freeze it (SIGSTOP: alive, sockets open)")
+    ap.add_argument("--health_timeout_s", type=float, default=None,
+                    help="RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, what catches a frozen "
+                         "worker (Ray's default is printed)")
     ap.add_argument("--timeout", type=float, default=300.0, help="give up after this long")
     ap.add_argument("--verbose", action="store_true", help="show Ray's logs")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
@@ -320,6 +330,8 @@ def main() -> None:
         args.join_at, args.kill_after, args.steady, args.ckpt_every = 5, 10, 15, 5
 
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.poll_s)
+    if args.health_timeout_s is not None:
+        os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(args.health_timeout_s)
     import ray
     import ray.train
     from ray.cluster_utils import Cluster
@@ -340,7 +352,15 @@ def main() -> None:
     res: dict = {"ray": ray.__version__, "train_v2": True, "ckpt_every": args.ckpt_every,
                  "poll_s": args.poll_s, "monitor_s": args.monitor_s,
                  "n_layer": args.n_layer, "batch_per_worker": args.batch,
-                 "num_workers": [2, 3]}
+                 "num_workers": [2, 3], "fault": args.fault}
+    from ray.train.v2._internal import constants as train_constants
+
+    res["worker_health_check_timeout_s"] = float(os.environ.get(
+        "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S",
+        train_constants.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S))
+    res["worker_health_check_timeout_s_default"] = \
+        train_constants.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S
+    frozen: list = []
     ev: dict = {}
 
     cluster = Cluster(initialize_head=True,
@@ -410,7 +430,10 @@ def main() -> None:
                 victim = next(p for p in watch.pids()
                               if p["group"] == seen_k["pid"] and p["rank"] == 1)
                 ev["t_kill"] = t_kill = time.time()
-                os.kill(victim["pid"], signal.SIGKILL)
+                if args.fault == "freeze":
+                    frozen.append(victim["pid"])
+                os.kill(victim["pid"], signal.SIGSTOP if args.fault == "freeze"
+                        else signal.SIGKILL)
                 old = seen_k["pid"]
                 ev["kill_first"] = watch.wait(
                     lambda s: next((x for x in s if x["t"] > t_kill and x["pid"] != old), None),
@@ -430,6 +453,11 @@ def main() -> None:
             "finished" if "result" in fit_out else "did not finish")
         events = controller_events(session_dir)
     finally:
+        for pid in frozen:  # (nothing left stopped, whatever happened)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         ray.shutdown()
         cluster.shutdown()
 
@@ -487,8 +515,11 @@ def main() -> None:
     print(f"| of which compute / the ray.train.report call (rank 0 medians) | "
           f"{g('compute_s_median', '{:.3f}')} s / {g('report_call_s_median', '{:.3f}')} s "
           f"(with a checkpoint: {g('ckpt_report_call_s_median', '{:.3f}')} s) |")
-    print(f"| kill -> next committed step | {split('kill')} |")
-    print(f"| committed steps redone after the kill | {g('kill_steps_redone', '{}')} "
+    fault = "freeze (SIGSTOP)" if args.fault == "freeze" else "kill"
+    print(f"| {fault} -> next committed step (worker health check timeout "
+          f"{g('worker_health_check_timeout_s', '{:g}')} s, Ray's default "
+          f"{g('worker_health_check_timeout_s_default', '{:g}')} s) | {split('kill')} |")
+    print(f"| committed steps redone after the {args.fault} | {g('kill_steps_redone', '{}')} "
           f"(last step before the kill {g('kill_last_step_before', '{}')}, resumed at "
           f"{g('kill_resumed_at_step', '{}')} with {g('kill_world_after', '{}')} workers; "
           f"rank 0 loss on them vs the first time: max diff "
