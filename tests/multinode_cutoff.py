@@ -79,8 +79,10 @@ class CutOff:
             if driver.newcomers is not None:  # warming up: join at the next boundary
                 warm = driver.newcomers[2]
                 ray.wait(warm, num_returns=len(warm), timeout=60)
-            else:
-                time.sleep(0.3)
+            else:  # until the node answers again (growth starts newcomers next)
+                deadline = time.time() + 60
+                while driver.group.unreachable_nodes() and time.time() < deadline:
+                    time.sleep(0.2)
         if step == STEPS:
             self.digests = driver.state_digests()
 

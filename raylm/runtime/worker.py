@@ -145,6 +145,7 @@ class RankWorker:
         self.collective_timeout_s = collective_timeout_s
         self.device = torch.device("cuda", 0) if plan.use_gpu else torch.device("cpu")
         host, port = master.rsplit(":", 1)
+        _gloo_on_node_address()
         timeout = timedelta(seconds=collective_timeout_s)
         hosted, self.hosted_store = self.hosted_store, None
         if self.rank == 0 and hosted is not None and hosted.port == int(port):
@@ -637,6 +638,28 @@ class RankWorker:
             else:
                 save_in_dtype(model, output_dir, dtype)
         return True
+
+
+def _gloo_on_node_address() -> None:
+    """gloo's connections on the address Ray reaches this node at. Left to itself, gloo
+    binds to what the hostname resolves to: 127.0.0.1 or 127.0.1.1 on many machines,
+    which ranks on other nodes (or in another network namespace) cannot reach. A
+    GLOO_SOCKET_IFNAME of the user's own is kept."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    import ipaddress
+
+    import psutil
+
+    ip = ipaddress.ip_address(ray.util.get_node_ip_address())
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            try:
+                if ipaddress.ip_address(a.address.split("%")[0]) == ip:
+                    os.environ["GLOO_SOCKET_IFNAME"] = name
+                    return
+            except ValueError:  # (a link-layer address)
+                continue
 
 
 def _device_name() -> str:
