@@ -11,18 +11,14 @@ back to 3. A one-rank run of the same global batch is the reference. Needs root 
 netns); prints "SKIP <why>" without it. Prints one JSON line with what the test checks.
 """
 
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
-STEPS, CUT_AFTER, BACK_AFTER = 16, 4, 9
-WATCH = dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0)
 TAG = os.getpid() % 200 + 20
 NS, HOST_IF, NS_IF = f"raylm-cut-{os.getpid()}", f"rlh{os.getpid()}", f"rln{os.getpid()}"
 HOST_IP, NS_IP = f"10.213.{TAG}.1", f"10.213.{TAG}.2"
@@ -59,59 +55,11 @@ except (OSError, subprocess.CalledProcessError) as e:
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raylm import TrainConfig, train  # noqa: E402
-from multinode_common import descendants, pid_alive, samples, wait_gone  # noqa: E402
+from multinode_common import descendants  # noqa: E402
+from multinode_cut import CutOff, run_and_report  # noqa: E402
 
 
-def config(out, **kw):
-    base = dict(model_type="gpt2", config_overrides="n_layer=2,n_embd=32,n_head=2,"
-                "n_positions=64", train_file=[corpus], block_size=32, data_cache_dir=cache_root,
-                output_dir=out, max_steps=STEPS, save_steps=1000, logging_steps=1,
-                disable_tqdm=True, learning_rate=1e-3, num_workers=3, cpus_per_worker=1,
-                per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                do_eval=False, log_sample_ids=True, max_failures=5, **WATCH)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-class Cut:
-    def __init__(self, ns_node):
-        self.ns_node, self.cut_at, self.back_at, self.past_cut_s = ns_node, None, None, None
-        self.newcomers_while_cut, self.unreachable_seen = [], []
-        self.pids, self.digests, self.sizes, self.cut_rank = set(), None, {}, None
-
-    def on_step_end(self, driver, step, record):
-        self.pids.update(driver.worker_pids)
-        self.sizes[step] = driver.record.plan.world_size
-        driver.grow_check_s = 0.0
-        if step == CUT_AFTER:
-            [self.cut_rank] = [r for r, i in enumerate(driver.worker_info)
-                               if i["node_id"] == self.ns_node]
-            self.cut_at = time.time()
-            # (from the namespace's side: the head's address stays usable on the head)
-            ip("link", "set", NS_IF, "down", ns=NS)
-        elif self.cut_at is not None and self.back_at is None:
-            if self.past_cut_s is None:
-                self.past_cut_s = time.time() - self.cut_at
-            self.newcomers_while_cut.append(driver.newcomers is not None)
-            self.unreachable_seen.append(self.ns_node in driver.group.unreachable)
-            time.sleep(0.3)
-            if step == BACK_AFTER:
-                ip("link", "set", NS_IF, "up", ns=NS)
-                self.back_at = time.time()
-        elif self.back_at is not None and driver.record.plan.world_size < 3:
-            if driver.newcomers is not None:  # warming up: join at the next boundary
-                warm = driver.newcomers[2]
-                ray.wait(warm, num_returns=len(warm), timeout=60)
-            else:  # until the node answers again (growth starts newcomers next)
-                deadline = time.time() + 60
-                while driver.group.unreachable_nodes() and time.time() < deadline:
-                    time.sleep(0.2)
-        if step == STEPS:
-            self.digests = driver.state_digests()
-
-
-node_proc, cluster, cut = None, None, None
+node_proc, cluster = None, None
 try:
     # Ray's own health checks tolerate the cut (a node is declared dead after 60 s).
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -127,27 +75,12 @@ try:
     deadline = time.time() + 60
     while time.time() < deadline and sum(n["Alive"] for n in ray.nodes()) < 2:
         time.sleep(0.5)
-    [ns_node] = [n["NodeID"] for n in ray.nodes()
-                 if n["Alive"] and n["NodeManagerAddress"] == NS_IP]
+    assert any(n["Alive"] and n["NodeManagerAddress"] == NS_IP for n in ray.nodes())
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    ref_out, out = tempfile.mkdtemp() + "/ref", tempfile.mkdtemp() + "/out"
-    reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=6))
-    cut = Cut(ns_node)
-    hit = train(config(out), callbacks=(cut,))
-    wait_gone(cut.pids)
-    print("RESULT " + json.dumps({
-        "failures": hit.failures, "cut_rank": cut.cut_rank, "past_cut_s": cut.past_cut_s,
-        "reference": [h["loss"] for h in reference.history],
-        "hit": [h["loss"] for h in hit.history],
-        "hit_steps": [h["step"] for h in hit.history], "sizes": cut.sizes,
-        "newcomers_while_cut": cut.newcomers_while_cut,
-        "unreachable_seen": cut.unreachable_seen,
-        "samples_equal": samples(out) == samples(ref_out),
-        "samples_once": all(len(ids) == len(set(ids)) for ids in samples(out).values()),
-        "digests": cut.digests,
-        "left_running": [p for p in cut.pids if pid_alive(p)],
-        "placement_groups": sorted({t["state"] for t in
-                                    ray.util.placement_group_table().values()})}))
+    # (the link cut from the namespace's side: the head's address stays usable there)
+    run_and_report(corpus, cache_root, CutOff(
+        lambda driver, rank: ip("link", "set", NS_IF, "down", ns=NS),
+        lambda: ip("link", "set", NS_IF, "up", ns=NS)))
 finally:
     ray.shutdown()
     if node_proc is not None:  # the namespace's Ray node: its processes, by pid
