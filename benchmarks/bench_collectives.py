@@ -8,7 +8,8 @@ own reduce-scatter and all-reduce of the same buffer, and the all-gather.
 Each size: n processes (torch.multiprocessing, gloo over loopback, one torch thread each)
 run every collective --repeat times after a barrier; the median per call in ms, rank 0's.
 The reduce-scatters are checked against the all-reduce's section (raylm's must equal it).
-Asserts nothing else: timings on a shared machine vary; run it twice.
+Asserts nothing else: timings on a shared machine vary; run it twice. Written to
+benchmarks/results/bench_collectives-<date>.json.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
 
     ctx = mp.get_context("spawn")
     print(f"{'procs':>5} {'MiB':>6} " + " ".join(f"{k:>25}" for k in KINDS) + "   (ms)")
+    figures = {"config": {"repeat": args.repeat}, "rows": {}}
     for n in args.procs:
         queue = ctx.Queue()
         port = free_port()
@@ -94,6 +96,11 @@ def main(argv=None) -> int:
             p.join(timeout=60)
         for mib, times in rows:
             print(f"{n:>5} {mib:>6g} " + " ".join(f"{times[k]:>25.1f}" for k in KINDS))
+            figures["rows"][f"{n} procs, {mib:g} MiB"] = {"procs": n, "mib": mib,
+                                                          "ms": dict(times)}
+    from benchmarks.results import write
+
+    print(f"written to {write('bench_collectives', figures)}")
     return 0
 
 

@@ -25,6 +25,8 @@ seconds, and tokens/s over the pass. Then a `raylm.train --streaming` run of a t
 on the corpus: the share of its step time spent waiting for data (the driver's wait for
 Ray Data and the ranks' reads, steps after the first; the issue's goal: under 2%), and
 its time to the first step against raylm-cache's whole pass.
+
+The figures are written to benchmarks/results/bench_data-<date>.json.
 """
 
 from __future__ import annotations
@@ -244,6 +246,12 @@ def main() -> None:
                     print(f"raylm-stream / {name}: tokens/s "
                           f"{(base['tokens'] / base['pass_s']) / (r['tokens'] / r['pass_s']):.2f}"
                           f", time to first {base['first_s'] / r['first_s']:.2f}")
+        figures = {"config": {"mb": args.mb, "shards": args.shards,
+                              "block_size": args.block_size, "piece_mb": args.piece_mb,
+                              "window": args.window, "procs": args.procs,
+                              "steps": args.steps, "cpus": args.cpus, "skip": args.skip},
+                   "rows": {name: dict(r, tokens_per_s=r["tokens"] / r["pass_s"])
+                            for name, r in rows.items()}}
         if "train" not in args.skip:
             t = row_train(files, str(work / "out"), str(work / "cache"), args.block_size,
                           args.steps, args.piece_mb, args.window)
@@ -252,7 +260,11 @@ def main() -> None:
                   f"{rows['raylm-cache']['pass_s'] if 'raylm-cache' in rows else float('nan'):.1f}"
                   f" s); data wait {100 * t['wait_share']:.2f}% of step time over "
                   f"{t['steps']} steps (goal < 2%); {t['tokens_per_second']:,.0f} tokens/s")
+            figures["train_streaming"] = t
         print(json.dumps({"rows": rows}, default=str))
+        from benchmarks.results import write
+
+        print(f"written to {write('bench_data', figures)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

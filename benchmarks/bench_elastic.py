@@ -48,7 +48,9 @@ benchmarks/results/bench_elastic_quiet-<date>.json.
 takes its place): goodput = fault-free step time x steps committed / wall time, from the
 first step (``--soak_only``: just that, after 60 fault-free steps for the step time).
 
-Prints tables; asserts nothing.
+Prints tables; asserts nothing. Each part is written to benchmarks/results/: bench_elastic,
+bench_elastic_quiet, bench_elastic_two_nodes, bench_elastic_raytrain and bench_elastic_soak
+(-<date>.json; NAME-quick-<date>.json with --quick).
 """
 
 from __future__ import annotations
@@ -188,6 +190,24 @@ def main() -> None:
           f"{rel[grown:grown + 10].max():.1e} / {rel.max():.1e} |")
     print(f"| steps at 3 / 2 / 3 ranks | {args.kill_at} / {grown - args.kill_at} / "
           f"{len(sizes) - grown} |")
+    from benchmarks.results import write
+
+    figures = {
+        "config": {"model": f"gpt2 {size}", "block_size": 64, "ranks": 3,
+                   "steps": args.steps, "kill_at": args.kill_at, "grow_from": args.grow_from,
+                   "quick": args.quick},
+        "step_s": float(step_s), "boundary_idle_s": float(idle),
+        "boundary_share": float(idle / step_s), "kill_to_next_step_s": after_kill,
+        "detect_and_settle_s": detect, "regroup_s": regroup, "steps_redone": 0,
+        "room_seen_to_joined_s": grew_t - room, "join_pause_s": pause,
+        "max_rel_loss_diff": {"to_the_kill": float(rel[:args.kill_at].max()),
+                              "at_dp2": float(rel[args.kill_at:grown].max()),
+                              "10_steps_after_the_join": float(rel[grown:grown + 10].max()),
+                              "to_the_end": float(rel.max())},
+        "steps_at": {"3_ranks_before": args.kill_at, "2_ranks": grown - args.kill_at,
+                     "3_ranks_after": len(sizes) - grown},
+        "world_size_at_end": hit.metrics["world_size"]}
+    print("written to", write("bench_elastic" + ("-quick" if args.quick else ""), figures))
     if args.soak_minutes:
         soak(args, cfg, step_s)
     quiet(args, cfg, lines)
@@ -234,6 +254,13 @@ def soak(args, cfg, step_s) -> None:
     print(f"| soak: {args.soak_minutes:g} min, {killer.kills} kill(s) | {killer.steps - 1} steps "
           f"committed; goodput {(killer.steps - 1) * step_s / wall:.1%} (fault-free step "
           f"{step_s * 1000:.0f} ms) |")
+    from benchmarks.results import write
+
+    figures = {"minutes": args.soak_minutes, "kills": killer.kills,
+               "steps_committed": killer.steps - 1, "wall_s": wall,
+               "fault_free_step_s": float(step_s),
+               "goodput": (killer.steps - 1) * step_s / wall, "quick": args.quick}
+    print("written to", write("bench_elastic_soak" + ("-quick" if args.quick else ""), figures))
 
 
 def quiet(args, cfg, lines) -> None:
@@ -304,7 +331,8 @@ def quiet(args, cfg, lines) -> None:
     figures["node_cut_off"] = cut_off(args, cfg, lines)
     if not args.skip_ray_train:
         figures["ray_train_frozen"] = ray_train_frozen(args)
-    print(f"written to {write('bench_elastic_quiet', figures)}")
+    figures["quick"] = args.quick
+    print("written to", write("bench_elastic_quiet" + ("-quick" if args.quick else ""), figures))
 
 
 def cut_off(args, cfg, lines) -> dict:
@@ -474,6 +502,17 @@ def two_nodes(args, cfg, lines) -> None:
               f"{times[every][1] * 1000:.0f} ms per step |")
     print(f"| ZeRO-1 rank killed, --snapshot_steps 5: kill -> next committed step | "
           f"{after(snap_kill):.2f} s; {restored} |")
+    from benchmarks.results import write
+
+    figures = {
+        "dp2_pp2_kill_to_next_step_s": after(pp_kill), "dp2_pp2_relaid": relaid,
+        "snapshots": {f"every {every}" if every else "none": {
+            "step_s": float(times[every][0]), "snapshot_wait_s": float(times[every][1]),
+            "vs_none": float(times[every][0] / base)} for every in (0, 10, 1)},
+        "zero1_restore_kill_to_next_step_s": after(snap_kill), "zero1_restored": restored,
+        "steps": n, "quick": args.quick}
+    print("written to", write("bench_elastic_two_nodes" + ("-quick" if args.quick else ""),
+                              figures))
 
 
 def ray_train_side_by_side(args) -> None:
@@ -497,6 +536,12 @@ def ray_train_side_by_side(args) -> None:
     print(f"| node join -> carrying work | {r.get('join_to_step_s')} s; steps redone "
           f"{r.get('join_steps_redone')} |")
     print(f"| steady-state step at 3 workers (median) | {r.get('step_s_world3_median')} s |")
+    from benchmarks.results import write
+
+    figures = {k: r.get(k) for k in ("kill_to_step_s", "kill_steps_redone", "join_to_step_s",
+                                     "join_steps_redone", "step_s_world3_median")}
+    figures["quick"] = args.quick
+    print("written to", write("bench_elastic_raytrain" + ("-quick" if args.quick else ""), figures))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ same lines (the works' lines, --copies times, with their line breaks):
                     and datasets alike, once: cached after)
 
 Columns: seconds and rows/s; then the export's ratio to tokenizing.
+
+The figures are written to benchmarks/results/bench_given-<date>.json.
 """
 
 from __future__ import annotations
@@ -86,6 +88,15 @@ def main() -> None:
     print(f"export / tokenize: {by['export'] / by['tokenize']:.2f}; "
           f"export / write parquet: {by['export'] / by['write parquet']:.1f}")
     ray.shutdown()
+    from benchmarks.results import write
+
+    figures = {"config": {"copies": args.copies, "blocks": args.blocks,
+                          "block_size": args.block_size, "rows": len(rows), "text_mib": mb},
+               "rows": {name: {"seconds": secs, "rows_per_s": len(rows) / secs}
+                        for name, secs in results},
+               "export/tokenize": by["export"] / by["tokenize"],
+               "export/write parquet": by["export"] / by["write parquet"]}
+    print(f"written to {write('bench_given', figures)}")
 
 
 if __name__ == "__main__":

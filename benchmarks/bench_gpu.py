@@ -31,7 +31,8 @@ It also loads the bf16 row's saved model with plain transformers on the GPU and 
 its logits against the rank's own, and asks raylm for 2 GPU ranks on a 1-GPU cluster,
 which must be one clear error before any actor starts.
 
-Asserts nothing; prints a table (and --json).
+Asserts nothing; prints a table (and --json) and writes the rows to
+benchmarks/results/bench_gpu-<date>.json (-quick, -cpu for those runs).
 """
 
 from __future__ import annotations
@@ -484,22 +485,34 @@ def main(argv=None) -> int:
     print()
     print(f"{'row':<25} {'s/step':>8} {'tokens/s':>10} {'mfu':>6} {'vs plain':>8} "
           f"{'max |dloss|':>11} {'max |dgnorm|':>12} {'loss first -> last':>19} {'call s':>7}")
+    written = {}  # the result file's rows
     for name in rows:
         if name not in results:
             print(f"{name:<25} FAILED")
             continue
         r = results[name]
+        w = written[name] = {
+            "median_s": r["median_s"], "tokens_per_s": r["tokens_per_s"], "mfu": r.get("mfu"),
+            "vs_plain": None, "max_loss_diff": None, "max_rel_grad_norm_diff": None,
+            "first_loss": r["losses"][0], "last_loss": r["losses"][-1],
+            "whole_call_s": r.get("whole_call_s"),
+            "parts_ms": {k: 1000 * v for k, v in r["parts"].items()}}
         ref = results.get("plain-" + name.split("-", 1)[-1].removesuffix("-model"))
         ratio = dl = dg = "n/a"
         if ref and ref is not r:
-            ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}"
+            w["vs_plain"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            ratio = f"{w['vs_plain']:.3f}"
         if ref and ref is not r and not (args.dropout or args.attn_dropout):
             n = min(len(r["losses"]), len(ref["losses"]))
-            dl = f"{max(abs(a - b) for a, b in zip(r['losses'][:n], ref['losses'][:n])):.1e}"
+            w["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"][:n],
+                                                                 ref["losses"][:n]))
+            dl = f"{w['max_loss_diff']:.1e}"
             pairs = [(a, b) for a, b in zip(r["grad_norms"][:n], ref["grad_norms"][:n])
                      if a is not None and b is not None]
             if pairs:
-                dg = f"{max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs):.1e}"
+                w["max_rel_grad_norm_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                                  for a, b in pairs)
+                dg = f"{w['max_rel_grad_norm_diff']:.1e}"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
         call = f"{r['whole_call_s']:.0f}" if "whole_call_s" in r else ""
         print(f"{name:<25} {r['median_s']:>8.4f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
@@ -524,6 +537,17 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "gpu": gpu, "torch": torch.__version__,
                        "results": results, "errors": errors, "notes": notes}, f, indent=2)
+    from benchmarks.results import write
+
+    figures = {"config": {"device": gpu, "torch": torch.__version__,
+                          "model": f"gpt2 {config_overrides(args)}",
+                          "block_size": args.block_size, "global_batch": args.global_batch,
+                          "warmup": args.warmup, "steps": args.steps,
+                          "dropout": args.dropout, "attn_dropout": args.attn_dropout,
+                          "quick": args.quick},
+               "rows": written, "failed": sorted(errors), "notes": notes}
+    name = "bench_gpu" + ("-quick" if args.quick else "") + ("-cpu" if not cuda else "")
+    print(f"written to {write(name, figures)}")
     return 1 if errors else 0
 
 

@@ -17,6 +17,8 @@ processes at once each read every image, in batches of 64 in id order:
 Each process reports its anonymous memory (RssAnon: the heap, which only the process
 holds and the kernel cannot drop) and its file-backed pages (RssFile) after the pass,
 less what it held before, and the images it read per second. Linux only (/proc).
+
+The figures are written to benchmarks/results/bench_image_cache-<date>.json.
 """
 
 from __future__ import annotations
@@ -121,8 +123,9 @@ def main() -> None:
     ds = ray.data.range(n, override_num_blocks=max(1, n // 2000)).map_batches(pictures)
     start = time.perf_counter()
     built, _ = build_given_images(given_images(ds, "train_dataset"), size, 3, work)
+    build_s = time.perf_counter() - start
     print(f"built the cache of {n} images ({n * size * size * 3 / 2**20:.0f} MiB of "
-          f"pixels) in {time.perf_counter() - start:.1f} s: {built.cache_dir}")
+          f"pixels) in {build_s:.1f} s: {built.cache_dir}")
     ray.shutdown()
     parquet = []  # the same shards as parquet (the first format), for the baseline
     for i, path in enumerate(built.shard_files):
@@ -146,6 +149,18 @@ def main() -> None:
           f"{np.mean([r['anon'] for r in mm]):.0f} / {np.mean([r['anon'] for r in base]):.0f}"
           f" MiB per process; read speed x{ratio:.2f}")
     print(json.dumps({"images": n, "ranks": args.ranks, "results": rows}))
+    from benchmarks.results import write
+
+    figures = {"config": {"images": n, "size": size, "ranks": args.ranks, "batch": BATCH,
+                          "pixels_mib": n * size * size * 3 / 2**20},
+               "build_s": build_s,
+               "rows": {kind: {"anon_per_proc_mib": float(np.mean([r["anon"] for r in res])),
+                               "file_per_proc_mib": float(np.mean([r["file"] for r in res])),
+                               "images_per_s_per_proc": float(np.mean(
+                                   [r["images_per_s"] for r in res]))}
+                        for kind, res in rows.items()},
+               "mmap/in memory, read speed": float(ratio)}
+    print(f"written to {write('bench_image_cache', figures)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ Asserts nothing: on a shared 2-core machine a single run varies by +-10%. What t
 pipeline parallelism buy (memory per rank, models that do not fit one worker) shows in
 the memory columns; their communication costs show in tokens/s, which on CPU with gloo
 and 4 actors on 2 cores is all overhead relative to dp.
+
+The figures are written to benchmarks/results/bench_layouts-<date>.json
+(-quick with --quick).
 """
 
 from __future__ import annotations
@@ -176,6 +179,22 @@ def main(argv=None) -> int:
               f"{r['rss_max'] / mib:>9,.0f} MiB {r['rss_mean'] / mib:>5,.0f} MiB "
               f"{r['held_max'] / mib:>7.1f} MiB {pred:>11} "
               f"{r['first_loss']:>8.3f} -> {r['last_loss']:.3f}")
+    shape = {name: (dp, pp, tp) for name, dp, pp, tp in LAYOUTS}
+    figures = {
+        "config": {"model": f"gpt2 {overrides(args)}", "block_size": args.block_size,
+                   "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+                   "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
+        "layouts": {r["name"]: {
+            "dp": shape[r["name"]][0], "pp": shape[r["name"]][1], "tp": shape[r["name"]][2],
+            "median_s": r["median_s"], "tokens_per_s": r["tokens_per_s"],
+            "vs_dp4": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
+            "rss_max_mib": r["rss_max"] / mib, "rss_mean_mib": r["rss_mean"] / mib,
+            "held_mib": r["held_max"] / mib,
+            "predicted_mib": r["predicted_max"] / mib if r["predicted_max"] else None,
+            "first_loss": r["first_loss"], "last_loss": r["last_loss"]} for r in rows}}
+    from benchmarks.results import write
+
+    print(f"written to {write('bench_layouts' + ('-quick' if args.quick else ''), figures)}")
     return 0
 
 

@@ -65,7 +65,8 @@ stage. Expected: gpipe m K on every stage (all forwards before any backward), 1f
 (p - s) K on stage s; for every schedule the script also replays torch's action order
 (+K at F, -K at B, and at W for a split backward: the I pass retains the graph until W).
 
-Asserts nothing (timings on a shared 2-core machine are noisy: repeat a run).
+Asserts nothing (timings on a shared 2-core machine are noisy: repeat a run). Written to
+benchmarks/results/bench_pipeline-<date>.json (bench_pipeline-quick-<date>.json with --quick).
 """
 
 from __future__ import annotations
@@ -528,6 +529,8 @@ def main(argv=None) -> int:
 
     from raylm.plan.partition import check_schedule, virtual_stages
 
+    from benchmarks.results import write
+
     p, m = args.pp, args.microbatches
     cfg = dict(pp=p, m=m, t_f=args.t_f, t_b=args.t_b, w_frac=args.w_frac,
                virtual=args.virtual, act_kib=args.act_kib, mb_rows=args.mb_rows,
@@ -713,6 +716,18 @@ def main(argv=None) -> int:
             json.dump({"args": vars(args), "summary": summary, "runs": runs,
                        "ideal": {k: {kk: vv for kk, vv in v.items()} for k, v in info.items()},
                        "wall_s": wall}, f, indent=2, default=str)
+    peaks = {}  # schedule -> stage -> [measured, expected] KiB, the best round's
+    for sched in args.schedules:
+        best = min(runs[sched], key=lambda r: r["median_s"])
+        peaks[sched] = {f"s{s}": [best["peak_bytes"].get(s, 0) // 1024,
+                                  info[sched]["expected_peak"][s] * args.act_kib]
+                        for s in sorted(info[sched]["expected_peak"])}
+    figures = {"config": dict(cfg, steps=args.steps, warmup=args.warmup, rounds=args.repeat,
+                              quick=args.quick),
+               "schedules": {s: dict(summary[s], v=info[s]["v"]) for s in args.schedules},
+               "peak_activation_kib": peaks, "wall_s": wall,
+               "goal": {"schedule": GOAL[0], "max_ratio_sim": GOAL[1]}}
+    print(f"written to {write('bench_pipeline' + ('-quick' if args.quick else ''), figures)}")
     return 0
 
 

@@ -29,6 +29,9 @@ time of recomputation is one more forward (full) or a few memory-bound passes
 has no bf16 or fp16 arithmetic (autocast emulates it, about 30x slower per matrix
 multiply) and its compiled kernels gain little on a small model, so read the memory and
 loss columns here.
+
+The figures are written to benchmarks/results/bench_precision-<date>.json
+(-quick with --quick).
 """
 
 from __future__ import annotations
@@ -124,6 +127,27 @@ def main(argv=None) -> int:
               f"{r['weight_copies'] / mib:>6.2f} MiB {r['predicted_weight_copies'] / mib:>6.2f} "
               f"MiB {r['rss_max'] / mib:>9,.0f} MiB {diff:>20} {mfu:>6}")
     write_json(args, rows)
+    figures = {
+        "config": {"model": f"gpt2 {overrides(args)}", "block_size": args.block_size,
+                   "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+                   "dp": DP, "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
+        "runs": {}}
+    for r in rows:
+        n = min(len(r["losses"]), len(base["losses"])) if base else 0
+        figures["runs"][r["name"]] = {
+            "median_s": r["median_s"], "tokens_per_s": r["tokens_per_s"],
+            "vs_fp32": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
+            "activations_mib": r["activations"] / mib,
+            "predicted_activations_mib": r["predicted_activations"] / mib,
+            "weight_copies_mib": r["weight_copies"] / mib,
+            "predicted_weight_copies_mib": r["predicted_weight_copies"] / mib,
+            "rss_max_mib": r["rss_max"] / mib,
+            "max_loss_diff_vs_fp32": max(abs(x - y) for x, y in zip(
+                r["losses"][:n], base["losses"][:n])) if n else None,
+            "mfu": r["mfu"]}
+    from benchmarks.results import write
+
+    print(f"written to {write('bench_precision' + ('-quick' if args.quick else ''), figures)}")
     return 0
 
 

@@ -10,6 +10,9 @@ and in raylm's case Ray Data's idle actors are then stopped, as its driver does.
 
 On a machine whose cores the ranks fill, this CPU time comes out of the step. Asserts
 nothing; prints each process's share of one core and the totals.
+
+The figures are written to benchmarks/results/bench_ray_idle-<date>.json
+(-no_data with --no_data).
 """
 
 from __future__ import annotations
@@ -134,6 +137,16 @@ def main() -> None:
         print(f"{n:<20} " + f"{cells[0]:>12.2f} {cells[1]:>8.2f}")
     tot = [statistics.median(sum(r.values()) for r in runs[m]) for m in modes]
     print(f"{'total':<20} {tot[0]:>12.2f} {tot[1]:>8.2f}")
+    from benchmarks.results import write
+
+    figures = {"config": {"window_s": args.window, "rounds": args.rounds,
+                          "ray_data_first": not args.no_data},
+               "percent_of_one_core": {
+                   n: {m: statistics.median(r.get(n, 0.0) for r in runs[m]) for m in modes}
+                   for n in names},
+               "total_percent_of_one_core": dict(zip(modes, tot))}
+    name = "bench_ray_idle" + ("-no_data" if args.no_data else "")
+    print(f"written to {write(name, figures)}")
 
 
 if __name__ == "__main__":

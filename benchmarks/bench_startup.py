@@ -14,7 +14,8 @@ the call:
                    the last run of its shape left up (the first run of each shape starts
                    them and is not counted)
 
-Prints the median seconds of each part over the runs, and the whole call's wall time.
+Prints the median seconds of each part over the runs, and the whole call's wall time;
+writes them to benchmarks/results/bench_startup-<date>.json.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def main(argv=None) -> int:
     for name, runs in rows.items():
         cells = [statistics.median(r.get(k, 0.0) for r in runs) for k, _ in cols]
         print(f"{name:<8}" + "".join(f"{c:>15.2f}" for c in cells))
+    from benchmarks.results import write
+
+    figures = {"config": {"runs": args.runs, "model": f"gpt2 {TINY}", "steps": 2},
+               "rows": {name: {"parts_s": {t: statistics.median(r.get(k, 0.0) for r in runs)
+                                           for k, t in cols if k != "call"},
+                               "whole_call_s": statistics.median(r["call"] for r in runs)}
+                        for name, runs in rows.items()}}
+    print(f"written to {write('bench_startup', figures)}")
     return 0
 
 

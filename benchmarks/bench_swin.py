@@ -8,6 +8,9 @@ depth drawn per sample: raylm.models.dropout.SampleDropout), and the ratios.
 
 A model this small is bound by the host launching its kernels, so it shows what raylm
 does per operation on the host. Needs scikit-learn (the digits) and torchvision.
+
+The figures are written to benchmarks/results/bench_swin-<date>.json
+(-cpu with --device cpu).
 """
 
 from __future__ import annotations
@@ -163,6 +166,19 @@ def main(argv=None) -> int:
     print("  raylm's step (medians, ms): " + ", ".join(f"{k} {v:.2f}"
                                                       for k, v in parts.items()))
     print(json.dumps({k: round(v, 3) for k, v in rows.items()}))
+    from benchmarks.results import write
+
+    figures = {"config": {"device": args.device, "steps": args.steps, "batch": args.batch,
+                          "precision": "bf16" if args.bf16 else "fp32"},
+               "rows": {name: {"ms_per_step": ms, "vs_plain": base / ms}
+                        for name, ms in rows.items()},
+               "raylm_parts_ms": parts}
+    if args.device == "cuda":
+        import torch
+
+        figures["config"]["gpu"] = torch.cuda.get_device_name()
+    name = "bench_swin" + ("-cpu" if args.device == "cpu" else "")
+    print(f"written to {write(name, figures)}")
     if traces:
         print_traces(traces, args.device == "cuda")
     return 0

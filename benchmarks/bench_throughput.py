@@ -40,8 +40,10 @@ The loss column checks that every row trains the same model on the same samples:
 row's (torchrun, Ray Train) is its rank 0's half of the batch, and the HF Trainer logs
 (block - 1) / block of the same loss (hf_trainer_baseline.py says why).
 
-Prints a table and the ratios; asserts nothing (timings on a shared 2-core machine are
-noisy: repeat a run before trusting a difference of a few percent).
+Prints a table and the ratios and writes them to
+benchmarks/results/bench_throughput-<date>.json (bench_throughput-quick-<date>.json with
+--quick); asserts nothing (timings on a shared 2-core machine are noisy: repeat a run
+before trusting a difference of a few percent).
 """
 
 from __future__ import annotations
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     from raylm.data.tokenized import build_tokenized_dataset
     from raylm.models.loading import resolve_model
 
+    from benchmarks.results import write
+
     logging.basicConfig(level=logging.WARNING)
     rows = [r for r in ORDER if r in (args.only or ORDER)]
     work = tempfile.mkdtemp(prefix="raylm-bench-")
@@ -342,6 +346,25 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs, "ratios": ratios}, f, indent=2)
+    goals = {f"{a}/{b}": goal for a, b, goal in GOALS}
+    figures = {
+        "config": {"model": f"gpt2 {config_overrides(args)}", "block_size": args.block_size,
+                   "global_batch": args.global_batch, "warmup": args.warmup,
+                   "steps": args.steps, "rounds": args.repeat, "quick": args.quick},
+        "rows": {name: {
+            "procs": best[name]["procs"], "median_s": best[name]["median_s"],
+            "mean_s": best[name]["mean_s"], "tokens_per_s_best": best[name]["tokens_per_s"],
+            "tokens_per_s_median": med[name], "first_loss": best[name]["first_loss"],
+            "last_loss": best[name]["last_loss"],
+            "whole_call_s": statistics.median(x["run_wall_s"] for x in runs[name]),
+            "parts_ms": {k: 1000 * v for k, v in (best[name].get("parts") or {}).items()}}
+            for name in rows},
+        "ratios": {k: dict(v, goal=goals[k]) for k, v in ratios.items()}}
+    if "raylm-2" in best and "raytrain-2" in best:
+        figures["whole_call"] = {"raylm-2/raytrain-2": (
+            figures["rows"]["raylm-2"]["whole_call_s"]
+            / figures["rows"]["raytrain-2"]["whole_call_s"]), "goal_max": 0.5}
+    print(f"written to {write('bench_throughput' + ('-quick' if args.quick else ''), figures)}")
     return 0
 
 

@@ -49,6 +49,9 @@ Asserts nothing: on a shared 2-core machine a single run varies by +-10%. What Z
 (state per rank) shows in the second table; what it costs (reduce-scatter and all-gather
 in place of one all-reduce, FSDP's per-block parameter all-gathers at stage 3) shows in
 tokens/s, which on CPU with gloo and up to 4 actors on 2 cores is all overhead.
+
+The figures are written to benchmarks/results/bench_zero-<date>.json
+(-quick, -mmap for those runs).
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ def main(argv=None) -> int:
 
     from raylm.runtime.cluster import start_local
 
+    from benchmarks.results import write
+
     logging.basicConfig(level=logging.WARNING)
     if args.malloc_mmap_threshold:  # inherited by the raylet ray.init starts, so by actors
         for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -224,6 +229,28 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": rows}, f, indent=2)
+    figures = {
+        "config": {"model": f"gpt2 {overrides(args)}", "block_size": args.block_size,
+                   "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+                   "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                   "huge_pages": args.huge_pages == "true",
+                   "malloc_mmap_threshold": args.malloc_mmap_threshold, "quick": args.quick},
+        "psi": rows[0]["ranks"][0]["replica_elements"] if rows else None,
+        "runs": {r["name"]: {
+            "stage": r["stage"], "dp": r["dp"], "median_s": r["median_s"],
+            "tokens_per_s": r["tokens_per_s"], "vs_stage0": r["vs_stage0"],
+            "rss_max_mib": r["rss_max"] / mib, "rss_mean_mib": r["rss_mean"] / mib,
+            "first_loss": r["losses"][0], "last_loss": r["losses"][-1],
+            "max_loss_diff_vs_stage0": r["max_loss_diff_vs_stage0"],
+            "state_mib": {k: [r["measured_max"][k] / mib, r["theory_max"][k] / mib]
+                          for k in KINDS},
+            "held_mib": r["held_max"] / mib, "theory_mib": r["theory_total_max"] / mib,
+            "measured_over_theory": [r["ratio_min"], r["ratio_max"]],
+            "activations_mib": r["activations_max"] / mib,
+            "parts_ms": {k: 1000 * v for k, v in r["parts"].items()}} for r in rows}}
+    name = "bench_zero" + ("-quick" if args.quick else "") + (
+        "-mmap" if args.malloc_mmap_threshold else "")
+    print(f"written to {write(name, figures)}")
     return 0
 
 
