@@ -5,7 +5,7 @@ checkpoint form of raylm.parallel.checkpoint_form (the model's own parameter nam
 shapes, whatever the dp, tp, pp and ZeRO stage that wrote them), so DCP reshards on load
 into any other layout. This module only moves that form: to files, into Ray's object
 store (raylm.checkpoint.memory) and back. RNG states are per rank, written with
-safetensors (no pickle anywhere in a checkpoint). The LR schedule is a pure function of
+safetensors (DCP's own .metadata file is a pickle: load only checkpoints you trust). The LR schedule is a pure function of
 the step, so it is rebuilt from the step rather than stored.
 """
 

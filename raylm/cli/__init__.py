@@ -1,0 +1,1 @@
+"""The `raylm` command: train, plan, plot and tokenizer, with flags made from TrainConfig."""

@@ -197,14 +197,10 @@ class DataFlags:
         "this size: the pieces of one file tokenize in parallel, on any node. Each piece "
         "is packed into blocks on its own.", "data")
     streaming: Optional[bool] = _f(
-        None, "Tokenize while training runs instead of into the cache first: Ray Data "
-        "reads the pieces in a seeded order and the ranks train on its blocks as they "
-        "come, so the first step starts within seconds whatever the corpus size. Needs "
-        "--max_steps. The order is shuffled within windows of --shuffle_buffer_size "
-        "samples; it does not depend on the layout, and a checkpoint resumes it where it "
-        "stood. Unset: streaming for training data over 1 GiB when the run allows it "
-        "(--max_steps, steps strategies, a --validation_file or no evaluation), else the "
-        "cache.", "data")
+        None, "Tokenize while training runs instead of into the cache first: Ray Data's "
+        "blocks in a seeded, layout-independent order, shuffled within --shuffle_buffer_size "
+        "samples; resumable. Needs --max_steps. Unset: on for training data over 1 GiB "
+        "when the run allows it.", "data")
     shuffle_buffer_size: int = _f(
         1000, "--streaming: samples per shuffle window (datasets' buffer_size). The "
         "driver holds two or three windows' block references.", "data")
@@ -235,12 +231,10 @@ class OptimisationFlags:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     optim: str = _f(
-        "adamw_torch_fused", "The optimizer, by the HF Trainer's names: adamw_torch_fused "
-        "(default, as the Trainer's: torch's AdamW with fused=True, one kernel over all "
-        "tensors; on CPU 5x faster than the loop: 7 ms against 40 ms a step for 5M "
-        "parameters) or adamw_torch (torch's AdamW as a hand-written loop builds it). The "
-        "same update either way, to the last bits; a run may resume with the other.",
-        choices=OPTIMIZERS)
+        "adamw_torch_fused", "The optimizer, by the HF Trainer's names: "
+        "adamw_torch_fused (default: torch's AdamW in one fused kernel) or adamw_torch (its "
+        "per-tensor loop). The same update to the last bits; a run may resume with the "
+        "other.", choices=OPTIMIZERS)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
     bf16: bool = _f(
         False, "Mixed precision in bfloat16: the forward and backward under torch.autocast "
@@ -277,10 +271,9 @@ class OptimisationFlags:
     max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs.")
     seed: int = _f(42, "Seed for model init, data order and dropout.")
     per_sample_attention_dropout: bool = _f(
-        True, "Draw attention dropout per sample like every other dropout (a resized run "
-        "then computes an unchanged run's losses): the model runs eager attention, whose "
-        "probabilities are materialized, about half of sdpa's speed on a GPU. False keeps "
-        "the model's fused attention, which draws attention dropout per rank.")
+        True, "Draw attention dropout per sample like every other dropout, so a resized run "
+        "computes an unchanged run's losses; the model then runs eager attention, slower "
+        "than the fused kernel. False keeps fused attention (its dropout drawn per rank).")
     data_seed: Optional[int] = _f(
         None, "Seed for the data order alone (default: --seed), as TrainingArguments: the "
         "same samples in another order with the same initial model.")
@@ -381,10 +374,9 @@ class ClusterFlags:
         "actors' bundles (ray.autoscaler.sdk.request_resources) and releases the request "
         "when the run ends. 0: no request (the run's start size).", "cluster")
     snapshot_steps: int = _f(
-        0, "Every this many steps each rank copies its state to memory on its own node and "
-        "on another one, off the step's critical path: losing a rank or a node whose state "
-        "has no live copy (dp=1, ZeRO partitions) then costs at most this many steps, not "
-        "--save_steps. Needs a cluster of two nodes or more. 0: off.", "cluster")
+        0, "Every this many steps each rank copies its state into memory on its own node "
+        "and another, off the step's path, so losing state with no live copy costs at "
+        "most this many steps. Needs two nodes or more. 0: off.", "cluster")
     cpus_per_worker: float = _f(
         1.0, "CPUs each rank actor reserves (fractions allowed); torch uses that many "
         "threads.", "cluster")
@@ -407,18 +399,13 @@ class ClusterFlags:
         "--worker_memory_gb (see `raylm plan`).", "cluster",
         choices=("none", "selective", "full"))
     torch_compile: bool = _f(
-        False, "Compile with torch.compile: each transformer block's forward (identical "
-        "blocks share one graph; embeddings, head, schedule and FSDP stay eager), or the "
-        "rank's whole forward and loss (--torch_compile_scope model). Works with every layout, ZeRO stage, activation "
-        "checkpointing and --bf16/--fp16, except pipelines of models cut by torch.export "
-        "(one error). Dropout then draws its masks in the compiled graph, per rank.",
-        "cluster")
+        False, "Compile with torch.compile: each transformer block's forward, or the whole "
+        "forward and loss (--torch_compile_scope model). Every layout but pipelines cut "
+        "by torch.export.", "cluster")
     torch_compile_scope: str = _f(
-        "blocks", "What --torch_compile compiles: blocks (each transformer block's "
-        "forward; every layout) or model (the rank's whole forward, and its loss, as "
-        "graphs of their own: where the rank holds the whole model with nothing wrapping "
-        "its blocks, i.e. no pipeline, no tensor parallelism, ZeRO 0-2 and no activation "
-        "checkpointing; it compiles for longer).", "cluster", choices=("blocks", "model"))
+        "blocks", "What --torch_compile compiles: blocks (every layout) or model (the "
+        "whole forward and loss; only with no pipeline, no tensor parallelism, ZeRO 0-2 and no "
+        "activation checkpointing).", "cluster", choices=("blocks", "model"))
     torch_compile_backend: Optional[str] = _f(
         None, "--torch_compile's backend (default: inductor).", "cluster")
     torch_compile_mode: Optional[str] = _f(
@@ -449,25 +436,18 @@ class ClusterFlags:
         "and optimizer states in host memory and step on the CPU (FSDP2's "
         "CPUOffloadPolicy).", "cluster")
     reshard_after_forward: Optional[bool] = _f(
-        None, "With ZeRO-3 (FSDP2's option of the same name): True frees each block's "
-        "gathered parameters after its forward and gathers them again for its backward, "
-        "in every micro-batch (ZeRO-3's memory: two blocks gathered at a time). False keeps "
-        "them gathered from the step's first forward to its last backward, and their "
-        "gradients unsharded until then: one all-gather and one reduce-scatter per step "
-        "instead of two all-gathers and a reduce-scatter per micro-batch, for the memory "
-        "of every gathered parameter and its gradient during the step (between steps, "
-        "and in checkpoints, the state stays sharded). Unset: False where that fits "
-        "--worker_memory_gb, without a pipeline (--pp > 1) or --cpu_offload, else True "
-        "(see `raylm plan`).", "cluster")
+        None, "ZeRO-3 (FSDP2's option): True frees each block's gathered parameters after "
+        "its forward and gathers them again for backward; False keeps them gathered through "
+        "the step, for fewer collectives and more memory. Unset: False where it fits "
+        "--worker_memory_gb, without --pp or --cpu_offload (see `raylm plan`).", "cluster")
     max_failures: int = _f(
-        3, "Worker or node failures to recover from (restart from the latest checkpoint) "
-        "before the run fails.", "cluster")
+        3, "Rank or node failures to recover from (in memory, from a snapshot or from the "
+        "latest checkpoint) before the run fails.", "cluster")
     use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "cluster")
     huge_pages: bool = _f(
-        True, "Rank processes allocate in transparent huge pages (glibc's "
-        "glibc.malloc.hugetlb=1, where the kernel's THP mode is madvise): a tenth of the "
-        "page faults on the large tensors every step frees and allocates again. false: "
-        "the system's default. A GLIBC_TUNABLES of your own is kept either way.", "cluster")
+        True, "Rank processes allocate in transparent huge pages "
+        "(glibc.malloc.hugetlb=1), for fewer page faults on the tensors each step frees "
+        "and allocates again. A GLIBC_TUNABLES of your own is kept.", "cluster")
     collective_timeout_s: float = _f(
         300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
     heartbeat_interval_s: float = _f(

@@ -54,6 +54,9 @@ log = logging.getLogger("raylm")
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns: where the model went, the final metrics (as
+    ``all_results.json``), each optimizer step's record and the failures recovered from."""
+
     output_dir: str
     metrics: dict
     history: list = field(default_factory=list)  # one dict per optimizer step
