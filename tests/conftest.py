@@ -66,3 +66,20 @@ def corpus_dir(tmp_path_factory):
 def cache_root(tmp_path_factory):
     """Tokenized-block cache shared by the session's runs (tokenize once)."""
     return str(tmp_path_factory.mktemp("raylm-cache"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The tiers of a matrix: a module's ``FAST_PARAMS`` names, per parametrized test, the
+    cases the fast tier runs (``-m "not slow"``); its other cases are marked slow."""
+    seen = {}
+    for item in items:
+        fast = getattr(item.module, "FAST_PARAMS", {}).get(getattr(item, "originalname", ""))
+        if fast is not None:
+            seen.setdefault((item.module, item.originalname), set()).add(item.callspec.id)
+            if item.callspec.id not in fast:
+                item.add_marker(pytest.mark.slow)
+    if not any("::" in a for a in config.args):  # whole modules collected: check the names
+        for (module, name), ids in seen.items():
+            missing = module.FAST_PARAMS[name] - ids
+            assert not missing, f"{module.__name__}.FAST_PARAMS[{name!r}]: no case {missing}"

@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from tests.helpers_cluster import HeadNode
+
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
 
 REPO = Path(__file__).parents[1]
 

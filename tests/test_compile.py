@@ -18,6 +18,8 @@ from raylm import train
 from tests.test_pipeline import assert_parity, assert_recomputed
 from tests.test_tensor_layouts import reference, tp_config  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
 RUNS = [  # (dp, pp, tp, ZeRO stage, model, activation checkpointing)
     (2, 1, 2, 3, "gpt2", "full"),
     (1, 2, 1, 0, "llama", "selective"),

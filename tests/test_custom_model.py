@@ -370,6 +370,7 @@ class StopAfter:
             raise Interrupted(f"stopped after step {step}")
 
 
+@pytest.mark.slow
 def test_a_ray_dataset_trains_as_a_file_of_its_rows(lines, ray_cluster, cache_root,
                                                      tmp_path):
     """train(train_dataset=ray.data...) on dp=2 matches one process trained on a parquet
@@ -488,6 +489,7 @@ def test_a_bad_dataset_is_one_clear_error(make, flags, message, lines, ray_clust
 WIDE_PLAN = {**TP_PLAN, "embed": "embedding_rowwise", "head": "colwise_gather_output"}
 
 
+@pytest.mark.slow
 def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single_process(
         reference, ray_cluster, corpus_dir, cache_root, tmp_path):
     """train(..., tp_plan=) on tp=2 inside the pp=2 stages of the export split (the traced

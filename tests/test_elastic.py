@@ -97,6 +97,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["between steps", "between steps, the last rank", "sync",
                                    "update", "commit", "checkpoint"])
 def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
@@ -126,6 +127,7 @@ def test_a_lost_rank_is_dropped_in_memory_with_the_unchanged_losses(
 WATCH = dict(heartbeat_interval_s=0.3, heartbeat_timeout_s=3.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase,workers", [("step", 3), ("sync", 3), ("commit", 3),
                                            ("update", 2)])
 def test_a_frozen_rank_is_ended_and_dropped_in_memory(
@@ -151,6 +153,7 @@ def test_a_frozen_rank_is_ended_and_dropped_in_memory(
     assert max(h["step_time_s"] for h in result.history) < 6 * WATCH["heartbeat_timeout_s"]
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_is_caught_by_the_step_deadline(
         unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """A rank that answers its heartbeat but makes no progress (it sleeps before its
@@ -170,6 +173,7 @@ def test_a_stuck_rank_is_caught_by_the_step_deadline(
     assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log)
 
 
+@pytest.mark.slow
 def test_a_straggler_is_named_and_each_step_records_the_slowest_rank(
         unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """Rank 1 sleeps 0.3 s after its gradient sync in steps 3-8 (its peers wait for it
@@ -192,6 +196,7 @@ def test_a_straggler_is_named_and_each_step_records_the_slowest_rank(
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_straggler_is_replaced_with_a_fresh_rank_on_request(
         unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """--replace_stragglers: rank 1, slower from step 3, is named a straggler after 4
@@ -255,6 +260,7 @@ def assert_nothing_left(watch) -> None:
     assert states <= {"REMOVED"}, states
 
 
+@pytest.mark.slow
 def test_a_rank_lost_then_room_again_shrinks_and_grows_back(
         unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """3 ranks of 1 CPU on 4: a rank killed after step 3; the two survivors carry on in

@@ -22,6 +22,8 @@ from raylm.runtime.faults import inject
 from tests.conftest import TINY_GPT2
 from tests.test_elastic import Watch, assert_nothing_left, samples_per_step
 
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
 STEPS = 6
 
 

@@ -35,6 +35,7 @@ def default_run(ray_cluster, cache_root, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_default_run_writes_a_model_that_transformers_loads(default_run):
     out = str(default_run)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl",
@@ -75,6 +76,7 @@ def pretrained_dir(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
         pretrained_dir, ray_cluster, cache_root, tmp_path):
     """--model_name_or_path starts from the saved weights: step 1's loss is the saved
@@ -124,13 +126,16 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
 
 
 def test_run_file_with_flags_winning(ray_cluster, cache_root, tmp_path, caplog):
-    """A YAML run file supplies settings; flags on the command line win. The second run
+    """A YAML run file supplies settings; flags on the command line win. A second run
     on the same data, tokenizer and block size reuses the tokenized cache."""
     caplog.set_level("INFO", logger="raylm")
     run = tmp_path / "run.yaml"
     run.write_text("max_steps: 50\nlearning_rate: 2e-3\nlogging_steps: 1\n"
                    "per_device_train_batch_size: 2\nnum_workers: 1\ndo_eval: false\n"
                    "disable_tqdm: true\n")
+    assert main(["train", str(run), "--max_steps", "1", "--output_dir", str(tmp_path / "first"),
+                 "--data_cache_dir", cache_root]) == 0
+    caplog.clear()
     out = tmp_path / "out"
     assert main(["train", str(run), "--max_steps", "2", "--output_dir", str(out),
                  "--data_cache_dir", cache_root]) == 0

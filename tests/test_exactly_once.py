@@ -8,11 +8,14 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from raylm import TrainConfig, train
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.prepare import prepare_data
 from tests.conftest import TINY_GPT2
+
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
 
 WORKERS = 4
 # An epoch of 42 samples (run_clm's --max_train_samples: the first 42 of the training

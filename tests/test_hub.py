@@ -91,6 +91,7 @@ def raylm(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_hub_model_ids_and_revisions_resolve_offline_from_the_cache(hub):
     def planned(*extra):
         proc = raylm("plan", "--model_name_or_path", "acme/tiny-gpt2", "--cache_dir",
@@ -121,6 +122,7 @@ def test_a_hub_name_that_cannot_be_had_offline_is_one_line(hub, args, says):
     assert says in line, line
 
 
+@pytest.mark.slow
 def test_eval_of_a_hub_model_equals_transformers_on_the_same_blocks(hub, ray_cluster,
                                                                     cache_root, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,6 +179,7 @@ def test_dataset_name_with_its_own_splits_refuses_files(hub, tmp_path):
         check_inputs(cfg)
 
 
+@pytest.mark.slow
 def test_run_clm_readme_command_runs_unchanged(hub, ray_cluster, tmp_path):
     """The first command of transformers' examples/pytorch/language-modeling/README.md,
     with only its output path changed, after `raylm train` instead of

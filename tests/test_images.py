@@ -280,6 +280,7 @@ def torchvision_swin_eval(saved: dict, build: dict, cfg) -> tuple:
 SWIN_MLP_PLAN = {"features.*.*.mlp.0": "colwise", "features.*.*.mlp.3": "rowwise"}
 
 
+@pytest.mark.slow
 def test_every_image_once_per_epoch_on_1_and_2_ranks(ray_cluster, image_dir, cache_root,
                                                      tmp_path):
     per_layout = []
@@ -643,6 +644,12 @@ def test_a_saved_classifier_of_other_classes_trains_a_new_head(ray_cluster, imag
     assert model.config.id2label == dict(enumerate(CLASSES))
     assert_weights_match(model.state_dict(), reference.state, reference.exact,
                          reference.lr_sum, label="new head", allowance=reference.allowance)
+
+
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_vit_under_tensor_parallelism_matches_single_process": {"tp2"},
+}
 
 
 @pytest.mark.parametrize("layout", [dict(num_workers=2, tp=2),

@@ -30,6 +30,8 @@ import pytest
 from tests.conftest import REPO, TINY_GPT2
 from tests.helpers_cluster import RAY_BIN, HeadNode
 
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
 STEPS = 4
 EXCLUDES = [".venv", "venv", ".git", "**/__pycache__", ".pytest_cache", "*.egg-info",
             "raylm-output", "build"]

@@ -8,12 +8,15 @@ import shutil
 import time
 
 import numpy as np
+import pytest
 
 import raylm
 from raylm import TrainConfig, train
 from raylm.runtime import kept
 from tests.conftest import SHAKESPEARE, TINY_GPT2
 from tests.test_elastic import _gone
+
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
 
 
 class Pids:

@@ -10,7 +10,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO, SHAKESPEARE, TINY_GPT2
+
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
 
 # Its own process: the test session's Ray cluster is already up in this one.
 SCRIPT = textwrap.dedent("""

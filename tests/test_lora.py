@@ -66,6 +66,12 @@ def trained_model(out: str):
 RUNS = [(1, 1, 2, 0), (1, 2, 1, 0), (2, 1, 1, 2), (2, 1, 1, 3)]
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_lora_layout_matches_single_process": {"dp1-pp2-tp1", "dp2-pp1-tp1-zero3"},
+}
+
+
 @pytest.mark.parametrize("dp,pp,tp,stage", RUNS,
                          ids=[f"dp{d}-pp{p}-tp{t}" + (f"-zero{z}" if z else "")
                               for d, p, t, z in RUNS])

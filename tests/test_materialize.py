@@ -427,6 +427,7 @@ def _eight_blocks():
     return ModelSpec(config=config, pretrained_path=None, tokenizer_dir="", vocab_size=128)
 
 
+@pytest.mark.slow
 def test_a_split_layout_builds_only_its_share(tmp_path):
     """Under pipeline and tensor parallelism without ZeRO-3 (pp=2 x tp=2 here), a rank
     builds the model's meta-device skeleton and fills only the weights it holds, one

@@ -142,6 +142,12 @@ def assert_mlm_parity(result, ref, steps=STEPS):
 RUNS = [(1, 1, 2, 0), (2, 1, 1, 2)]
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_mlm_layout_matches_single_process": {"dp2-pp1-tp1-zero2"},
+}
+
+
 @pytest.mark.parametrize("dp,pp,tp,stage", RUNS,
                          ids=[f"dp{d}-pp{p}-tp{t}" + (f"-zero{z}" if z else "")
                               for d, p, t, z in RUNS])
@@ -178,6 +184,7 @@ def test_mlm_pipeline_then_resume_under_data_parallel(reference, ray_cluster, co
     assert sorted(g["score"] for g in guesses)[::-1] == [g["score"] for g in guesses]
 
 
+@pytest.mark.slow
 def test_bert_tutorial_end_to_end(ray_cluster, corpus_dir, cache_root, tmp_path):
     """The tutorial, by its commands: train an uncased WordPiece tokenizer, pretrain a BERT
     from scratch with masked LM on two plays (dp=2), fine-tune it on a third line by line

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
 
 def run_script(name: str, corpus_dir, cache_root, timeout: int):
     """Run a multi-node scenario in its own process (one Ray connection per process);

@@ -44,6 +44,11 @@ def reference(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
                                     GLOBAL_BATCH, STEPS)
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_data_parallel_matches_single_process": {"1x4", "2x2-selective"},
+}
+
 # (workers, micro-batches per worker, activation checkpointing: recomputing the blocks
 # in backward is the same arithmetic, so the same losses)
 @pytest.mark.parametrize("workers,accum,recompute", [(1, 4, "none"), (2, 2, "selective"),

@@ -86,6 +86,13 @@ RECOMPUTE = {("gpt2", 2, "1f1b"): "full", ("llama", 2, "zero_bubble"): "full",
              ("gpt2", 4, "interleaved_1f1b"): "selective", ("llama", 4, "gpipe"): "full"}
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_pipeline_matches_single_process": {"2-1f1b-gpt2", "4-interleaved_1f1b-llama",
+        "2-zero_bubble-llama"},
+    "test_pipeline_other_models": {"t5", "gpt_neox"},
+}
+
 # pp outermost (the last decorator): the runs of one world size in a row, each taking the
 # last one's rank processes (conftest's kept_ranks).
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
@@ -116,6 +123,7 @@ def test_pipeline_other_models(model, reference, ray_cluster, corpus_dir, cache_
     assert_recomputed(result.output_dir, mode)
 
 
+@pytest.mark.slow
 def test_data_parallel_times_pipeline(reference, ray_cluster, corpus_dir, cache_root,
                                       tmp_path):
     # dp=2 x pp=2: each replica runs 2 micro-batches through its own pipeline; gradients
@@ -127,6 +135,7 @@ def test_data_parallel_times_pipeline(reference, ray_cluster, corpus_dir, cache_
     assert_parity(result, reference("gpt2"))
 
 
+@pytest.mark.slow
 def test_manual_split_and_short_last_step(ray_cluster, corpus_dir, cache_root, tmp_path):
     """--pp_split is honoured, and an epoch's short last step (filled up with padding
     rows) trains on exactly its samples: the losses equal an unpipelined run's."""
@@ -144,6 +153,7 @@ def test_manual_split_and_short_last_step(ray_cluster, corpus_dir, cache_root, t
                                [h["loss"] for h in flat.history], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_pipeline_layouts(reference, ray_cluster, corpus_dir,
                                                    cache_root, tmp_path):
     """A checkpoint written under pp=2 resumes under pp=1 and under pp=4 with the same

@@ -70,6 +70,12 @@ RUNS = [  # (dp, pp, tp, zero stage)
 ]
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_bf16_layout_matches_single_process_bf16": {"dp2-pp1-tp1-zero3", "dp1-pp2-tp1"},
+}
+
+
 @pytest.mark.parametrize("dp,pp,tp,stage", RUNS,
                          ids=[f"dp{d}-pp{p}-tp{t}" + (f"-zero{z}" if z else "")
                               for d, p, t, z in RUNS])
@@ -116,6 +122,7 @@ def assert_bf16_memory_predicted(output_dir, stage):
             assert abs(p["weight_copies"] / m["weight_copies"] - 1) < 0.15, r
 
 
+@pytest.mark.slow
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, corpus_dir,
                                                                  cache_root, tmp_path):
     """dp=2 x pp=2 in fp16: at step 2 one rank's gradients overflow (injected: its first
@@ -151,6 +158,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     assert_close_to(result, Reference(losses, norms, state, None, None), "fp16 dp=2 x pp=2")
 
 
+@pytest.mark.slow
 def test_50_bf16_steps_train_as_fp32_does(ray_cluster, corpus_dir, cache_root, tmp_path):
     """bf16 changes the arithmetic, not the training: after 50 steps raylm's bf16 run's
     loss is within 2% of single-process fp32's on the same samples (the tiny GPT-2 of

@@ -22,6 +22,8 @@ from raylm.cli.main import main
 from tests.conftest import TINY_GPT2_DROPOUT
 from tests.dashboards import tensorboard_scalars, wandb_history
 
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
 STEPS = 20
 SAVE = 10
 

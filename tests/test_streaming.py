@@ -93,6 +93,7 @@ def runs(ray_cluster, corpus, cache_root, tmp_path_factory):
     return {n: train(config(base / f"w{n}", corpus, cache_root, n)) for n in (1, 2, 4)}
 
 
+@pytest.mark.slow
 def test_streaming_is_exactly_once_and_the_same_on_1_2_and_4_ranks(runs, corpus, cache_root):
     expected = every_sample(corpus, cache_root)
     assert len(plan_pieces(sorted(str(p) for p in corpus.iterdir()), PIECE_MB)) == 7
@@ -125,6 +126,7 @@ class StopAt:
             raise KeyboardInterrupt
 
 
+@pytest.mark.slow
 def test_streaming_resumes_mid_epoch_where_the_stream_stood(runs, corpus, cache_root,
                                                              tmp_path):
     cfg = config(tmp_path / "out", corpus, cache_root, 2, save_steps=6)
@@ -141,6 +143,7 @@ def test_streaming_resumes_mid_epoch_where_the_stream_stood(runs, corpus, cache_
     assert resumed.metrics["stream_samples_read"] < whole.metrics["stream_samples_read"]
 
 
+@pytest.mark.slow
 def test_a_rank_lost_mid_stream_leaves_every_sample_trained_once(runs, corpus, cache_root,
                                                                  tmp_path):
     killer = KillRank(at_step=5, rank=1)
@@ -164,6 +167,7 @@ class FirstStep:
             self.at = time.time()
 
 
+@pytest.mark.slow
 def test_the_first_step_comes_long_before_the_corpus_could_be_tokenized(
         ray_cluster, cache_root, tmp_path):
     """A corpus whose whole tokenization takes at least 90 s: (one 4 MiB piece's measured
@@ -376,6 +380,7 @@ def test_a_pipeline_that_cannot_keep_up_is_logged_once_with_its_rates(caplog):
     assert not fast.stream_warned and not caplog.records
 
 
+@pytest.mark.slow
 def test_masked_lm_streams_the_same_on_1_and_2_ranks(ray_cluster, corpus, corpus_dir,
                                                     cache_root, tmp_path):
     """BERT's masked LM under --streaming: a sample's masks are drawn per (seed, step,
@@ -417,6 +422,7 @@ def s3(corpus):
         yield endpoint
 
 
+@pytest.mark.slow
 def test_a_corpus_in_an_object_store_streams_and_trains_as_it_does_from_disk(
         runs, s3, corpus, cache_root, tmp_path):
     """--train_file s3://bucket/dir: the files are listed, cut into byte ranges and read by
@@ -432,6 +438,7 @@ def test_a_corpus_in_an_object_store_streams_and_trains_as_it_does_from_disk(
     assert len(result.history) == STEPS
 
 
+@pytest.mark.slow
 def test_a_token_cache_in_an_object_store_commits_whole_and_is_reused(
         ray_cluster, s3, corpus, cache_root, monkeypatch):
     """--data_cache_dir s3://...: a build from the bucket's files into the bucket holds the

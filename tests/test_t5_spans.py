@@ -143,6 +143,12 @@ def test_corrupted_inputs_and_targets():
 RUNS = [(2, 1, 1), (1, 1, 2), (1, 2, 1)]  # (dp, pp, tp)
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_span_corruption_layout_matches_single_process": {"dp1-pp2-tp1"},
+}
+
+
 @pytest.mark.parametrize("dp,pp,tp", RUNS, ids=[f"dp{d}-pp{p}-tp{t}" for d, p, t in RUNS])
 def test_span_corruption_layout_matches_single_process(dp, pp, tp, reference, ray_cluster,
                                                        corpus_dir, cache_root, tmp_path):

@@ -61,10 +61,18 @@ LAYOUTS = [  # (dp, pp, tp, model, sequence parallel, activation checkpointing)
 ]
 
 
-@pytest.mark.parametrize("dp,pp,tp,model,sp,recompute", LAYOUTS,
-                         ids=[f"{m}-dp{d}-pp{p}-tp{t}{'-sp' if s else ''}"
-                              + ("" if r == "none" else f"-{r}")
-                              for d, p, t, m, s, r in LAYOUTS])
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_layout_matches_single_process": {"gpt2-dp1-pp1-tp2", "llama-dp1-pp1-tp2-sp-selective",
+        "gpt2-dp2-pp1-tp2-full"},
+}
+
+
+@pytest.mark.parametrize("dp,pp,tp,model,sp,recompute", [
+    pytest.param(d, p, t, m, s, r, id=f"{m}-dp{d}-pp{p}-tp{t}{'-sp' if s else ''}"
+                 + ("" if r == "none" else f"-{r}"),
+                 marks=pytest.mark.slow if d * p * t == 8 else ())
+    for d, p, t, m, s, r in LAYOUTS])
 def test_layout_matches_single_process(dp, pp, tp, model, sp, recompute, reference,
                                        ray_cluster, corpus_dir, cache_root, tmp_path):
     cfg = tp_config(tmp_path / "out", corpus_dir, cache_root, model, dp=dp, pp=pp, tp=tp,
@@ -91,6 +99,7 @@ def assert_memory_predicted(output_dir, ranks):
         assert abs(predicted - measured) <= 0.15 * measured, (r["coords"], r)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_layouts(reference, ray_cluster, corpus_dir, cache_root,
                                           tmp_path):
     """A checkpoint written under dp=2 x tp=2 resumes under pp=2 x tp=2, under tp=4, and

@@ -146,6 +146,7 @@ def epoch_run(ray_cluster, cache_root, tmp_path_factory):
     return out, recs, samples
 
 
+@pytest.mark.slow
 def test_epoch_strategies_log_evaluate_and_save_at_epoch_ends(epoch_run):
     out, recs, samples = epoch_run
     steps = len(samples)
@@ -244,6 +245,7 @@ def weights(directory) -> dict:
     return load_file(os.path.join(directory, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_and_the_best_checkpoint_is_the_model_saved(best_runs):
     for name, out in best_runs.items():
         results = json.loads((out / "all_results.json").read_text())

@@ -47,6 +47,13 @@ RUNS = [  # (stage, dp, pp, tp, activation checkpointing)
 RESHARDED = {(3, 2, 1, 1, "none")}
 
 
+# The cases of these matrices the fast tier runs (tests/conftest.py); the rest are slow.
+FAST_PARAMS = {
+    "test_zero_matches_single_process": {"stage1-dp2", "stage2-dp2-selective", "stage3-dp2",
+        "stage2-dp2-pp2"},
+}
+
+
 @pytest.mark.parametrize("stage,dp,pp,tp,recompute", RUNS,
                          ids=[f"stage{s}-dp{d}" + (f"-pp{p}" if p > 1 else "") +
                               (f"-tp{t}" if t > 1 else "") + ("" if r == "none" else f"-{r}")
@@ -120,6 +127,7 @@ def assert_zero_memory(output_dir, stage, dp, group):
         np.testing.assert_allclose(total, 8 * ranks[0]["replica_elements"], rtol=0.01)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_stages(reference, ray_cluster, corpus_dir, cache_root,
                                          tmp_path):
     """A checkpoint written under ZeRO-3 with dp=4 resumes under ZeRO-1 with dp=2 (and
@@ -140,6 +148,7 @@ def test_checkpoint_moves_between_stages(reference, ray_cluster, corpus_dir, cac
                                    rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_zero3_tensor_parallel_checkpoint_resumes_without_it(reference, ray_cluster,
                                                             corpus_dir, cache_root, tmp_path):
     """ZeRO-3 over tensor-parallel shards (each rank its dp rows of its tp shard of a
