@@ -234,10 +234,9 @@ def run(argv=None) -> int:
     The process ends right after: gc.freeze() moves every object into a generation the
     collector no longer walks, and the interpreter's exit then skips walking the
     hundreds of thousands of objects torch, transformers, Ray and pyarrow left (their
-    modules are still cleared, atexit handlers, thread joins and flushes still run). 1.2
-    of the 1.3 s from the last line printed to the process's exit here (a 2-rank run of
-    a tiny GPT-2). Not in main(): a program or a test that calls main() goes on, with
-    its garbage collected as usual."""
+    modules are still cleared, atexit handlers, thread joins and flushes still run),
+    most of the time between the last line printed and the exit. Not in main(): a
+    program or a test that calls main() goes on, with its garbage collected as usual."""
     code = main(argv)
     gc.freeze()
     return code

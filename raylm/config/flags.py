@@ -337,9 +337,9 @@ class OutputFlags:
         False, "Also write the sample ids each data-parallel rank trained on, per step, to "
         "output_dir/samples.jsonl (a data audit).", "output")
     profile: bool = _f(
-        False, "Trace --profile_steps steps on every rank with torch's profiler (after one "
-        "step of warm-up) into output_dir/profile/rank-N.json (chrome://tracing, Perfetto). "
-        "Every run logs each step's time breakdown in metrics.jsonl regardless.", "output")
+        False, "Trace --profile_steps steps on every rank with torch's profiler (after an "
+        "untraced step and one of warm-up) into output_dir/profile/rank-N.json "
+        "(chrome://tracing, Perfetto). Every run logs each step's time breakdown in metrics.jsonl regardless.", "output")
     profile_steps: int = _f(
         3, "How many steps --profile traces.", "output")
     disable_tqdm: bool = _f(False, "No progress bar (logs only).", "output")
