@@ -29,8 +29,8 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
-FILE = re.compile(r"^(?P<name>[\w-]+?)-(?P<date>\d{4}-\d{2}-\d{2})\.json$")
+sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.results import files, names  # noqa: E402 -- the naming is results.py's
 RATE = re.compile(r"per_s(_|$)")  # tokens/s, rows/s: thousands
 UNIT = re.compile(r"_(s|ms|mib|kib)$")
 RATIO_WORDS = ("ratio", "vs_", "/", "_over_", "share", "goodput", "mfu")
@@ -68,23 +68,6 @@ CPU_FLAGS = {"bench_gpu": "--device cpu", "bench_swin": "--device cpu"}  # their
 
 # ---------------------------------------------------------------------------------------
 # Result files
-
-def files(name: str) -> list:
-    """(date, path) of every result file of exactly ``name``, oldest first."""
-    out = []
-    for f in os.listdir(RESULTS) if os.path.isdir(RESULTS) else ():
-        m = FILE.match(f)
-        if m and m["name"] == name:
-            out.append((m["date"], os.path.join(RESULTS, f)))
-    return sorted(out)
-
-
-def names() -> list:
-    """Every name that has a result file."""
-    got = {m["name"] for f in (os.listdir(RESULTS) if os.path.isdir(RESULTS) else ())
-           if (m := FILE.match(f))}
-    return sorted(got)
-
 
 def variants(name: str) -> list:
     return [n for n in names() if n.startswith(name + "-")]

@@ -7,9 +7,13 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+# NAME[-VARIANT]-YYYY-MM-DD.json: the one place the naming is defined (report.py reads it).
+FILE = re.compile(r"^(?P<name>[\w-]+?)-(?P<date>\d{4}-\d{2}-\d{2})\.json$")
 
 
 def machine() -> dict:
@@ -37,11 +41,29 @@ def commit() -> str:
 
 
 def write(name: str, figures: dict) -> str:
-    """Write ``figures`` with the date, commit and machine; returns the file's path."""
+    """Write ``figures`` with the date, commit and machine; returns the file's path.
+    Written whole or not at all (a temporary file renamed)."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"{name}-{now:%Y-%m-%d}.json")
-    with open(path, "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}-{now:%Y-%m-%d}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump({"date": now.isoformat(timespec="seconds"), "commit": commit(),
                    "machine": machine(), "figures": figures}, f, indent=2)
+    os.replace(path + ".tmp", path)
     return path
+
+
+def files(name: str) -> list:
+    """(date, path) of every result file of exactly ``name``, oldest first."""
+    out = []
+    for f in os.listdir(RESULTS) if os.path.isdir(RESULTS) else ():
+        m = FILE.match(f)
+        if m and m["name"] == name:
+            out.append((m["date"], os.path.join(RESULTS, f)))
+    return sorted(out)
+
+
+def names() -> list:
+    """Every name (NAME or NAME-VARIANT) that has a result file."""
+    return sorted({m["name"] for f in (os.listdir(RESULTS) if os.path.isdir(RESULTS) else ())
+                   if (m := FILE.match(f))})

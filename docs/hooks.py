@@ -10,54 +10,41 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib.util
 import os
 import re
 import sys
-import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 RESULTS = re.compile(r"<!-- raylm:results ([\w-]+) -->")
 
 
-def _report():
+def _load_report():
+    """benchmarks/report.py, loaded once for the build (it is not a package module)."""
     spec = importlib.util.spec_from_file_location(
         "raylm_bench_report", os.path.join(ROOT, "benchmarks", "report.py"))
-    if spec is None or not os.path.exists(spec.origin):
-        return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _type_name(tp) -> str:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is typing.Union and args:
-        tp = args[0]
-    if typing.get_origin(tp) is list:
-        return "list"
-    return getattr(tp, "__name__", str(tp))
+REPORT = _load_report()
 
 
 def flags_markdown() -> str:
     """One table per ``--help`` group: flag, type, default, help."""
-    from raylm.cli.args import GROUP_TITLES
-    from raylm.config import TrainConfig
+    from raylm.cli.args import GROUP_TITLES, config_flags
 
-    hints = typing.get_type_hints(TrainConfig)
     groups: dict[str, list[str]] = {}
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        names = ", ".join(f"`--{n}`" for n in (f.name, *meta.get("aliases", ())))
-        text = meta.get("help", "").replace("|", "\\|").replace("\n", " ")
-        if "choices" in meta:
-            text += " Choices: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
-        shown = "" if default in (None, []) else f"`{default}`"
-        groups.setdefault(meta.get("group", "training"), []).append(
-            f"| <span id=\"{f.name}\"></span>{names} | {_type_name(hints[f.name])} | "
+    for flag in config_flags():
+        names = ", ".join(f"`--{n}`" for n in flag.names)
+        text = flag.help.replace("|", "\\|").replace("\n", " ")
+        if flag.choices is not None:
+            text += " Choices: " + ", ".join(f"`{c}`" for c in flag.choices) + "."
+        shown = "" if flag.default in (None, []) else f"`{flag.default}`"
+        groups.setdefault(flag.group, []).append(
+            f"| <span id=\"{flag.name}\"></span>{names} | {flag.type.__name__} | "
             f"{shown} | {text} |")
     out = []
     for name, rows in groups.items():
@@ -96,8 +83,9 @@ def modules_markdown() -> str:
         if not os.path.exists(init):
             continue
         out += [f"### `{package}`", ""]
-        if os.path.exists(init) and _first_sentence(init):
-            out += [_first_sentence(init) + ".", ""]
+        summary = _first_sentence(init)
+        if summary:
+            out += [summary + ".", ""]
         if modules:
             out += ["| module | what |", "| --- | --- |"]
             out += [f"| `{m[:-3]}` | {_first_sentence(os.path.join(folder, m))} |"
@@ -113,19 +101,12 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         markdown = markdown.replace("<!-- raylm:tests -->", tests_markdown())
     if "<!-- raylm:modules -->" in markdown:
         markdown = markdown.replace("<!-- raylm:modules -->", modules_markdown())
-    if RESULTS.search(markdown):
-        report = _report()
-        if report is None:
-            raise RuntimeError("benchmarks/report.py is missing")
-        markdown = RESULTS.sub(lambda m: report.tables(m.group(1)), markdown)
-    return markdown
+    return RESULTS.sub(lambda m: REPORT.tables(m.group(1)), markdown)
 
 
 def on_files(files, config):
     from mkdocs.structure.files import File
 
-    report = _report()
-    if report is not None and hasattr(report, "plots"):
-        for name, data in report.plots().items():
-            files.append(File.generated(config, f"benchmarks/figures/{name}", content=data))
+    for name, data in REPORT.plots().items():
+        files.append(File.generated(config, f"benchmarks/figures/{name}", content=data))
     return files

@@ -132,38 +132,60 @@ def _base_type(tp):
     return tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> None:
+@dataclasses.dataclass
+class Flag:
+    """One TrainConfig field as a flag: what --help and the docs' flags page both show."""
+
+    name: str
+    names: tuple  # the field's name, then its aliases
+    group: str
+    type: type  # bool, int, float, str or list
+    default: object
+    help: str
+    choices: tuple | None
+    metavar: str  # of a list flag
+
+
+def config_flags(only: tuple = ()) -> list:
+    """Every TrainConfig field (or those in ``only``) as a Flag, in declaration order."""
     hints = typing.get_type_hints(TrainConfig)
-    groups = {}
+    out = []
     for f in dataclasses.fields(TrainConfig):
         if only and f.name not in only:
             continue
         meta = f.metadata
-        gname = meta.get("group", "training")
-        if gname not in groups:
-            groups[gname] = parser.add_argument_group(GROUP_TITLES.get(gname, gname))
-        group = groups[gname]
         tp = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(Flag(
+            name=f.name, names=(f.name, *meta.get("aliases", ())),
+            group=meta.get("group", "training"),
+            type=list if typing.get_origin(tp) is list else tp,
+            default=f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+            help=meta.get("help", ""), choices=meta.get("choices"),
+            metavar=meta.get("metavar", "PATH")))
+    return out
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> None:
+    groups = {}
+    for flag in config_flags(only):
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(
+                GROUP_TITLES.get(flag.group, flag.group))
         # argparse %-formats help text: a literal % ("15% of the tokens") is written %%.
-        kwargs = {"help": meta.get("help", "").replace("%", "%%"),
-                  "default": argparse.SUPPRESS}
-        if tp is bool:
+        kwargs = {"help": flag.help.replace("%", "%%"), "default": argparse.SUPPRESS}
+        if flag.type is bool:
             kwargs.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
-        elif tp is list or typing.get_origin(tp) is list:
-            kwargs.update(nargs="+", action="extend", metavar=meta.get("metavar", "PATH"))
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
+        elif flag.type is list:
+            kwargs.update(nargs="+", action="extend", metavar=flag.metavar)
         else:
-            kwargs.update(type=tp)
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-        if default not in (None, [], False) and "default:" not in kwargs["help"].lower():
-            kwargs["help"] += f" (default: {default})"
-        names = (f.name, *meta.get("aliases", ()))
-        flags = [f"--{n}" for n in names]
-        flags += [f"--{n.replace('_', '-')}" for n in names if "_" in n]
-        group.add_argument(*flags, dest=f.name, **kwargs)
+            kwargs.update(type=flag.type)
+        if flag.choices is not None and flag.type is not bool:
+            kwargs["choices"] = flag.choices
+        if flag.default not in (None, [], False) and "default:" not in kwargs["help"].lower():
+            kwargs["help"] += f" (default: {flag.default})"
+        flags = [f"--{n}" for n in flag.names]
+        flags += [f"--{n.replace('_', '-')}" for n in flag.names if "_" in n]
+        groups[flag.group].add_argument(*flags, dest=flag.name, **kwargs)
 
 
 def load_run_file(path: str) -> dict:
