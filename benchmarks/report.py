@@ -155,6 +155,22 @@ def table(header: list, rows: list) -> list:
     return out + [""]
 
 
+def columns(rows: dict, first: str, spec: list) -> list:
+    """A table with a row per entry of ``rows`` (name -> dict): the name, then for each
+    (title, how) of ``spec`` the row's value: ``how`` is a key (shown by num) or a
+    function of the row."""
+    return table([first] + [title for title, _ in spec],
+                 [[f"`{k}`"] + [how(r) if callable(how) else num(r.get(how), how)
+                                for _, how in spec] for k, r in rows.items()])
+
+
+def losses(r: dict) -> str:
+    """A run's first and last loss."""
+    if r.get("first_loss") is None:
+        return ""
+    return f"{num(r['first_loss'])} -> {num(r['last_loss'])}"
+
+
 def rows_table(rows: dict) -> list:
     cols = list(dict.fromkeys(c for x in rows.values() for c in x))
     return table([""] + [label(c) for c in cols],
@@ -241,13 +257,10 @@ def t_throughput(f: dict) -> list:
     rows = f["rows"]
     out = ["tokens/s = global batch x block size / median steady-state step time; best "
            "and median of the rounds.", ""]
-    out += table(["run", "processes x threads", "tokens/s best", "tokens/s median",
-                  "s/step (best round)", "loss first -> last", "whole call (s)"],
-                 [[f"`{n}`", r["procs"], num(r["tokens_per_s_best"], "per_s"),
-                   num(r["tokens_per_s_median"], "per_s"), f"{r['median_s']:.3f}",
-                   f"{num(r['first_loss'])} -> {num(r['last_loss'])}"
-                   if r.get("first_loss") is not None else "", num(r["whole_call_s"])]
-                  for n, r in rows.items()])
+    out += columns(rows, "run", [
+        ("processes x threads", lambda r: r["procs"]), ("tokens/s best", "tokens_per_s_best"),
+        ("tokens/s median", "tokens_per_s_median"), ("s/step (best round)", "median_s"),
+        ("loss first -> last", losses), ("whole call (s)", "whole_call_s")])
     if f.get("ratios"):
         out += table(["ratio of tokens/s", "best rounds", "median rounds", "per round",
                       "goal"],
@@ -264,24 +277,22 @@ def t_throughput(f: dict) -> list:
 
 
 def t_boundary(f: dict) -> list:
-    return table(["ranks", "bare actor (ms)", "raylm (ms)", "raylm - bare (ms)",
-                  "raylm step (ms)", "steps sent ahead"],
-                 [[k.removeprefix("ranks_"), num(r["bare_ms"]), num(r["raylm_ms"]),
-                   num(r["raylm_ms"] - r["bare_ms"]), num(r["step_ms"]),
-                   f"{r['sent_ahead']} of {r['steps']}"] for k, r in f.items()])
+    return columns({k.removeprefix("ranks_"): r for k, r in f.items()}, "ranks", [
+        ("bare actor (ms)", "bare_ms"), ("raylm (ms)", "raylm_ms"),
+        ("raylm - bare (ms)", lambda r: num(r["raylm_ms"] - r["bare_ms"])),
+        ("raylm step (ms)", "step_ms"),
+        ("steps sent ahead", lambda r: f"{r['sent_ahead']} of {r['steps']}")])
 
 
 def t_pipeline(f: dict) -> list:
     s = f["schedules"]
-    out = table(["schedule", "v", "measured (s)", "formula (s)", "sim (s)", "sim' (s)",
-                 "/formula", "/sim", "/sim, median round", "/sim'", "overhead/mb (ms)",
-                 "overhead/op (ms)", "overhead/op vs sim' (ms)"],
-                [[f"`{k}`", r["v"], num(r["measured_s"]), num(r["formula_s"]),
-                  num(r["sim_s"]), num(r.get("own_sim_s")), num(r["ratio_formula"], "ratio"),
-                  num(r["ratio_sim"], "ratio"), num(r["ratio_sim_median_rounds"], "ratio"),
-                  num(r.get("ratio_own_sim"), "ratio"), num(r["overhead_per_mb_ms"]),
-                  num(r["overhead_per_op_ms"]), num(r.get("overhead_per_op_own_ms"))]
-                 for k, r in s.items()])
+    out = columns(s, "schedule", [
+        ("v", "v"), ("measured (s)", "measured_s"), ("formula (s)", "formula_s"),
+        ("sim (s)", "sim_s"), ("sim' (s)", "own_sim_s"), ("/formula", "ratio_formula"),
+        ("/sim", "ratio_sim"), ("/sim, median round", "ratio_sim_median_rounds"),
+        ("/sim'", "ratio_own_sim"), ("overhead/mb (ms)", "overhead_per_mb_ms"),
+        ("overhead/op (ms)", "overhead_per_op_ms"),
+        ("overhead/op vs sim' (ms)", "overhead_per_op_own_ms")])
     goal = f.get("goal")
     if goal and goal["schedule"] in s:
         out += [f"Goal: `{goal['schedule']}` measured / sim <= {goal['max_ratio_sim']:g}.", ""]
@@ -289,17 +300,14 @@ def t_pipeline(f: dict) -> list:
     if br:
         out += ["Where the overhead goes (mean wait per op, and occurrences per step over "
                 "all ranks; sleep+: a sleep's overshoot, the OS's):", ""]
-        out += table(["schedule", "handoff (ms)", "handoffs", "local (ms)", "locals",
-                      "sleep+ (ms)"],
-                     [[f"`{k}`", num(b["handoff_ms"]), num(b["handoffs"]),
-                       num(b["local_ms"]), num(b["locals"]), num(b.get("sleep_over_ms"))]
-                      for k, b in br.items()])
+        out += columns(br, "schedule", [
+            ("handoff (ms)", "handoff_ms"), ("handoffs", "handoffs"), ("local (ms)", "local_ms"),
+            ("locals", "locals"), ("sleep+ (ms)", "sleep_over_ms")])
     own = {k: r for k, r in s.items() if "own_f_ms" in r}
     if own:
         out += ["The synthetic stage's own cost per op (a plain loop, no pipeline):", ""]
-        out += table(["schedule", "F own (ms)", "B own (ms)"],
-                     [[f"`{k}`", num(r["own_f_ms"]), num(r["own_b_ms"])]
-                      for k, r in own.items()])
+        out += columns(own, "schedule", [("F own (ms)", "own_f_ms"),
+                                          ("B own (ms)", "own_b_ms")])
     peaks = f.get("peak_activation_kib") or {}
     if peaks:
         out += ["Peak saved activation per stage, KiB, measured / expected from the action "
@@ -312,14 +320,11 @@ def t_pipeline(f: dict) -> list:
 
 def t_zero(f: dict) -> list:
     runs = f["runs"]
-    out = table(["run", "stage", "dp", "s/step", "tokens/s", "vs stage 0",
-                 "peak RSS max (MiB)", "mean (MiB)", "loss first -> last",
-                 "max abs loss diff vs stage 0"],
-                [[f"`{k}`", r["stage"], r["dp"], f"{r['median_s']:.3f}",
-                  num(r["tokens_per_s"], "per_s"), num(r["vs_stage0"], "ratio"),
-                  num(r["rss_max_mib"]), num(r["rss_mean_mib"]),
-                  f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}",
-                  num(r["max_loss_diff_vs_stage0"], "diff")] for k, r in runs.items()])
+    out = columns(runs, "run", [
+        ("stage", "stage"), ("dp", "dp"), ("s/step", "median_s"), ("tokens/s", "tokens_per_s"),
+        ("vs stage 0", "vs_stage0"), ("peak RSS max (MiB)", "rss_max_mib"),
+        ("mean (MiB)", "rss_mean_mib"), ("loss first -> last", losses),
+        ("max abs loss diff vs stage 0", "max_loss_diff_vs_stage0")])
     psi = f.get("psi")
     out += [("State per rank, MiB, measured (largest rank) / the ZeRO paper's figure"
              + (f" for Psi = {psi:,} parameters" if psi else "") + ":"), ""]
@@ -335,27 +340,27 @@ def t_zero(f: dict) -> list:
 
 
 def t_layouts(f: dict) -> list:
-    return table(["layout", "dp x pp x tp", "s/step", "tokens/s", "vs dp4",
-                  "peak RSS max (MiB)", "mean (MiB)", "held/rank (MiB)", "predicted (MiB)",
-                  "loss first -> last"],
-                 [[f"`{k}`", f"{r['dp']} x {r['pp']} x {r['tp']}", f"{r['median_s']:.3f}",
-                   num(r["tokens_per_s"], "per_s"), num(r["vs_dp4"], "ratio"),
-                   num(r["rss_max_mib"]), num(r["rss_mean_mib"]), num(r["held_mib"]),
-                   num(r["predicted_mib"]), f"{num(r['first_loss'])} -> {num(r['last_loss'])}"]
-                  for k, r in f["layouts"].items()])
+    return columns(f["layouts"], "layout", [
+        ("dp x pp x tp", lambda r: f"{r['dp']} x {r['pp']} x {r['tp']}"),
+        ("s/step", "median_s"), ("tokens/s", "tokens_per_s"), ("vs dp4", "vs_dp4"),
+        ("peak RSS max (MiB)", "rss_max_mib"), ("mean (MiB)", "rss_mean_mib"),
+        ("held/rank (MiB)", "held_mib"), ("predicted (MiB)", "predicted_mib"),
+        ("loss first -> last", losses)])
+
+
+def mfu(r: dict) -> str:
+    return f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
 
 
 def t_precision(f: dict) -> list:
-    return table(["run", "s/step", "tokens/s", "vs fp32", "kept for backward (MiB)",
-                  "predicted (MiB)", "weight copies (MiB)", "predicted (MiB)",
-                  "peak RSS max (MiB)", "max abs loss diff vs fp32", "MFU"],
-                 [[f"`{k}`", f"{r['median_s']:.3f}", num(r["tokens_per_s"], "per_s"),
-                   num(r["vs_fp32"], "ratio"), num(r["activations_mib"]),
-                   num(r["predicted_activations_mib"]), num(r["weight_copies_mib"]),
-                   num(r["predicted_weight_copies_mib"]), num(r["rss_max_mib"]),
-                   num(r["max_loss_diff_vs_fp32"], "diff"),
-                   f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"]
-                  for k, r in f["runs"].items()])
+    return columns(f["runs"], "run", [
+        ("s/step", "median_s"), ("tokens/s", "tokens_per_s"), ("vs fp32", "vs_fp32"),
+        ("kept for backward (MiB)", "activations_mib"),
+        ("predicted (MiB)", "predicted_activations_mib"),
+        ("weight copies (MiB)", "weight_copies_mib"),
+        ("predicted (MiB)", "predicted_weight_copies_mib"),
+        ("peak RSS max (MiB)", "rss_max_mib"),
+        ("max abs loss diff vs fp32", "max_loss_diff_vs_fp32"), ("MFU", mfu)])
 
 
 def t_startup(f: dict) -> list:
@@ -369,9 +374,8 @@ def t_startup(f: dict) -> list:
 
 
 def t_data(f: dict) -> list:
-    out = table(["row", "first (s)", "pass (s)", "tokens", "tokens/s"],
-                [[f"`{k}`", num(r["first_s"]), num(r["pass_s"]), num(r["tokens"]),
-                  num(r["tokens_per_s"], "per_s")] for k, r in f["rows"].items()])
+    out = columns(f["rows"], "row", [("first (s)", "first_s"), ("pass (s)", "pass_s"),
+                                     ("tokens", "tokens"), ("tokens/s", "tokens_per_s")])
     t = f.get("train_streaming")
     if t:
         out += table(["`raylm.train --streaming`", ""],
@@ -403,13 +407,11 @@ def t_collectives(f: dict) -> list:
 
 def t_gpu(f: dict) -> list:
     rows = f["rows"]
-    out = table(["row", "s/step", "tokens/s", "MFU", "vs plain", "max abs loss diff",
-                 "max rel. grad-norm diff", "loss first -> last", "whole call (s)"],
-                [[f"`{k}`", f"{r['median_s']:.4f}", num(r["tokens_per_s"], "per_s"),
-                  f"{r['mfu']:.1%}" if r.get("mfu") else "n/a", num(r["vs_plain"], "ratio"),
-                  num(r["max_loss_diff"], "diff"), num(r["max_rel_grad_norm_diff"], "diff"),
-                  f"{num(r['first_loss'])} -> {num(r['last_loss'])}",
-                  num(r.get("whole_call_s"))] for k, r in rows.items()])
+    out = columns(rows, "row", [
+        ("s/step", "median_s"), ("tokens/s", "tokens_per_s"), ("MFU", mfu),
+        ("vs plain", "vs_plain"), ("max abs loss diff", "max_loss_diff"),
+        ("max rel. grad-norm diff", "max_rel_grad_norm_diff"),
+        ("loss first -> last", losses), ("whole call (s)", "whole_call_s")])
     if f.get("failed"):
         out += ["Failed rows: " + ", ".join(f"`{x}`" for x in f["failed"]) + ".", ""]
     out += ["Where a step goes, ms (medians):", ""] + parts_table(rows)
