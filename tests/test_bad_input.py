@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,6 +61,23 @@ def test_missing_train_file_from_the_real_command(tmp_path):
     assert "Traceback" not in proc.stderr
     [line] = [l for l in proc.stderr.splitlines() if "error" in l]
     assert line.startswith("raylm: error: --train_file") and "nope.txt" in line
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "3", "--num_workers", "2"], "--num_workers 2 cannot hold one pp=1 x tp=3 "
+     "replica: give at least 3 workers, or lower --tp or --pp"),
+    (["--pp", "2", "--num_workers", "3"], "dp=1 x tp=1 x pp=2 = 2 does not equal "
+     "--num_workers 3: use a multiple of pp x tp = 2 workers"),
+])
+def test_a_layout_the_flags_cannot_hold_is_told_before_ray_starts(flags, message, tmp_path,
+                                                                  corpus_dir, cache_root):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "train",
+                           *base_args(tmp_path, corpus_dir, cache_root), *flags],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [l for l in proc.stderr.splitlines() if "error" in l] == [f"raylm: error: {message}"]
+    assert "Ray cluster" not in proc.stderr and "ray" not in proc.stderr.replace("raylm", "")
 
 
 @pytest.mark.parametrize("case", ["empty", "no_match", "bad_parquet", "not_utf8"])

@@ -18,6 +18,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from raylm.errors import ConfigError
+
 AXES = ("dp", "pp", "tp")
 # Axes whose groups must sit on one node (their collectives run every layer).
 NODE_LOCAL = ("tp",)
@@ -129,6 +131,32 @@ class ParallelDims:
 
     def describe(self) -> str:
         return " x ".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+
+def check_layout_flags(num_workers: int, dp: int, tp: int, pp: int) -> None:
+    """The flags' own layout (0: unset), before any cluster is asked: the degrees are not
+    negative and, where --num_workers is given with any of them, they make it."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("num_workers", num_workers)):
+        if value < 0:
+            raise ConfigError(f"--{name} must be >= 0")
+    if num_workers and (dp or tp or pp):
+        dims_for_workers(num_workers, dp, tp or 1, pp or 1)
+
+
+def dims_for_workers(num_workers: int, dp: int, tp: int, pp: int) -> ParallelDims:
+    """The layout of ``num_workers`` ranks in pp x tp replicas (``dp`` 0: as many as fit);
+    ConfigError, naming the flags, when they cannot make it."""
+    replica = tp * pp
+    if num_workers < replica:
+        raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
+                          f"replica: give at least {replica} workers, or lower --tp or --pp")
+    dims = ParallelDims(dp=dp or num_workers // replica, pp=pp, tp=tp)
+    if dims.world_size != num_workers:
+        fix = ("drop --dp or change it" if dp else
+               f"use a multiple of pp x tp = {replica} workers")
+        raise ConfigError(f"dp={dims.dp} x tp={tp} x pp={pp} = {dims.world_size} does not "
+                          f"equal --num_workers {num_workers}: {fix}")
+    return dims
 
 
 def _names(axes) -> tuple:

@@ -21,7 +21,7 @@ from raylm.plan.activations import requested_recompute
 from raylm.plan.constraints import (compile_problem, recompute_problem,
                                     reduce_dtype_problem, sequence_parallel_problem,
                                     tensor_pipeline_problem)
-from raylm.plan.dims import ParallelDims
+from raylm.plan.dims import ParallelDims, check_layout_flags, dims_for_workers
 from raylm.plan.partition import (check_schedule, parse_pp_split, partition,
                                   virtual_stages)
 from raylm.plan.planner import choose_for_config, evaluate_layout
@@ -127,9 +127,7 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
     zero = requested_zero_stage(cfg)  # before anything else: one line, no actor
     recompute = requested_recompute(cfg)
     sp = cfg.sequence_parallel  # None: the planner's
-    for name in ("dp", "tp", "pp", "num_workers"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0")
+    check_layout_flags(cfg.num_workers, cfg.dp, cfg.tp, cfg.pp)
     if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("--per_device_train_batch_size and --gradient_accumulation_steps "
                           "must be >= 1")
@@ -164,13 +162,7 @@ def make_plan(cfg, capacity: int, spec=None, seq_len=None, search=None,
         if zero is None:
             zero = chosen.zero_stage if num_workers // (tp * pp) > 1 else 0
         sp, recompute = chosen.sequence_parallel, chosen.recompute
-    if num_workers < tp * pp:
-        raise ConfigError(f"--num_workers {num_workers} cannot hold one pp={pp} x tp={tp} "
-                          "replica")
-    dp = cfg.dp or num_workers // (tp * pp)
-    if dp * tp * pp != num_workers:
-        raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not equal "
-                          f"--num_workers {num_workers}")
+    dp = dims_for_workers(num_workers, cfg.dp, tp, pp).dp
     if (zero is None and dp > 1) or (sp is None and tp > 1) or recompute is None:
         zero, sp, recompute, planned = memory_settings(
             cfg, dp, tp, pp, spec, seq_len, hw, zero if zero is not None or dp > 1 else 0,

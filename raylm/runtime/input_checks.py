@@ -10,6 +10,7 @@ from typing import Optional
 
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError
+from raylm.plan.dims import check_layout_flags
 from raylm.runtime.image_classification import check_image_inputs
 from raylm.runtime.inputs import Inputs, room_for_tasks
 from raylm.runtime.metrics import reporting_to
@@ -280,6 +281,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError("--eval_strategy steps needs --eval_steps N")
     _check_best_model(cfg)
     _check_elastic_bounds(cfg)
+    # (a layout the flags cannot hold: told before Ray starts)
+    check_layout_flags(cfg.num_workers, cfg.dp, cfg.tp, cfg.pp)
     _check_watch(cfg)
     check_nccl(cfg)
 
