@@ -211,6 +211,27 @@ def test_raylm_plot_writes_the_png(epoch_run, tmp_path, capsys):
     assert "no metrics.jsonl here" in capsys.readouterr().err
 
 
+def test_raylm_plot_marks_a_lone_step_and_says_it_is_too_few(tmp_path, caplog):
+    """A run that logged one training step: its point is drawn (marked) and a warning
+    says why there is no curve."""
+    import logging
+
+    from raylm.cli.plot import draw
+
+    record = {"step": 1, "loss": 5.0, "learning_rate": 1e-3, "tokens_per_second": 100.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    with caplog.at_level(logging.WARNING, logger="raylm"):
+        assert main(["plot", str(tmp_path)]) == 0
+    assert "1 training step(s) logged, too few for a curve" in caplog.text
+    assert (tmp_path / "metrics.png").stat().st_size > 0
+    fig = draw([record], "one step")
+    drawn = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) == 1]
+    assert len(drawn) == 3 and all(line.get_marker() == "o" for line in drawn)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 @pytest.fixture(scope="module")
 def best_runs(ray_cluster, cache_root, tmp_path_factory):
     """The same run twice (2 ranks), evaluated and saved every 2 steps, ranking the

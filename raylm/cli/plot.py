@@ -3,15 +3,21 @@
 Four panels against the optimizer step: the training loss (and the evaluation loss of
 each validation set), the learning rate, the perplexity, and the throughput (tokens/s,
 with the model FLOPs utilisation on a second axis when the run logged it). Failures are
-red dashed lines, resizes grey dotted ones labelled with the new number of ranks.
+red dashed lines, resizes grey dotted ones labelled with the new number of ranks. Each
+logged point is marked while there are few enough to tell apart.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from raylm.errors import ConfigError
 from raylm.runtime.metrics import read_metrics
+
+log = logging.getLogger("raylm")
+
+MARKED = 100  # points per line up to which each is marked
 
 
 def _series(records: list, key: str) -> tuple:
@@ -35,14 +41,32 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
     train = [r for r in records if "loss" in r]
     if not train and not any("eval_loss" in r for r in records):
         raise ConfigError(f"{path} holds no logged step yet")
+    if len(train) < 2:
+        log.warning("%s: %d training step(s) logged, too few for a curve (each is a marked "
+                    "point); a run logs every --logging_steps steps", path, len(train))
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    fig = draw(records, os.path.basename(os.path.abspath(output_dir)))
+    out_path = out_path or os.path.join(output_dir, "metrics.png")
+    tmp = out_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_path)  # never a half-written PNG
+    return out_path
+
+
+def draw(records: list, title: str):
+    """The figure of a run's metrics.jsonl records."""
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    marker = dict(marker="o", markersize=3) if len(train) <= MARKED else {}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     (ax_loss, ax_lr), (ax_ppl, ax_tps) = axes
-    ax_loss.plot(*_series(train, "loss"), label="train", color="tab:blue")
+    ax_loss.plot(*_series(train, "loss"), label="train", color="tab:blue", **marker)
     # an image classifier's evaluation reports top-1 accuracy where a language model's
     # reports perplexity
     accuracy = any("eval_accuracy" in r for r in records)
@@ -53,7 +77,7 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
             else f"eval_{name}_perplexity"
         ax_ppl.plot(*_series(records, ppl), "o-", label=name, color=f"C{i + 1}")
     ax_loss.set_title("loss")
-    ax_lr.plot(*_series(train, "learning_rate"), color="tab:purple")
+    ax_lr.plot(*_series(train, "learning_rate"), color="tab:purple", **marker)
     ax_lr.set_title("learning rate")
     ax_ppl.set_title("top-1 accuracy" if accuracy else "perplexity")
     if not ax_ppl.lines:
@@ -61,12 +85,13 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
                     transform=ax_ppl.transAxes, color="grey")
     elif not accuracy:
         ax_ppl.set_yscale("log")
-    ax_tps.plot(*_series(train, "tokens_per_second"), color="tab:green")
+    ax_tps.plot(*_series(train, "tokens_per_second"), color="tab:green", **marker)
     ax_tps.set_title("throughput (tokens/s)")
     if any("mfu" in r for r in train):
         twin = ax_tps.twinx()
         steps, mfu = _series(train, "mfu")
-        twin.plot(steps, [100 * m for m in mfu], "--", color="tab:orange", alpha=0.8)
+        twin.plot(steps, [100 * m for m in mfu], "--", color="tab:orange", alpha=0.8,
+                  **marker)
         twin.set_ylabel("MFU (%)", color="tab:orange")
     for r in records:
         if r.get("event") not in ("failure", "replace", "resize"):
@@ -86,11 +111,6 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
             ax.legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("step")
-    fig.suptitle(os.path.basename(os.path.abspath(output_dir)))
+    fig.suptitle(title)
     fig.tight_layout()
-    out_path = out_path or os.path.join(output_dir, "metrics.png")
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out_path)  # never a half-written PNG
-    return out_path
+    return fig
