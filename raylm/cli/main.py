@@ -24,12 +24,14 @@ TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "confi
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="raylm", description="Ray-native trainer for Hugging Face "
-                           "language models.")
+                           "transformers: language models and image classifiers, on any "
+                           "Ray cluster.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
 
     train = sub.add_parser(
-        "train", help="train or fine-tune a causal language model",
-        description="Train or fine-tune a Hugging Face causal LM on a Ray cluster. With no "
+        "train", usage="raylm train [RUN_FILE] [--FLAG VALUE ...]", help="train or fine-tune a model: causal or masked LM, T5 spans, images",
+        description="Train or fine-tune a Hugging Face model on a Ray cluster: causal LM, "
+        "masked LM, T5 span corruption or image classification (--task). With no "
         "flags: a tiny GPT-2 on the built-in Shakespeare sample, on a local Ray cluster. "
         "Flags mirror Hugging Face's run_clm.py and TrainingArguments, in either spelling "
         "(--per_device_train_batch_size or --per-device-train-batch-size).")
@@ -38,8 +40,9 @@ def build_parser() -> OneLineParser:
     add_config_arguments(train)
 
     plan = sub.add_parser(
-        "plan", help="show how a run would be laid out, its memory and speed (no weights)",
-        description="Print the layout `raylm train` with the same flags would use: with "
+        "plan", usage="raylm plan [RUN_FILE] [--json] [--FLAG VALUE ...] (the flags of train)", help="show how a run would be laid out, its memory and speed (no weights)",
+        description="Show what `raylm train` with these flags would do, without training: "
+        "the layout, each worker's memory and the step time. Print the layout `raylm train` with the same flags would use: with "
         "--dp/--tp/--pp all 0, the planner's choice of dp x tp x pp, micro-batches and "
         "pipeline schedule (the fastest predicted layout that fits worker memory); the "
         "predicted memory per worker (parameters, gradients, optimizer states, activations) "
@@ -60,7 +63,7 @@ def build_parser() -> OneLineParser:
     add_config_arguments(plan)
 
     tok = sub.add_parser(
-        "tokenize", help="tokenize data into raylm's block cache (train reuses it)",
+        "tokenize", usage="raylm tokenize [RUN_FILE] [--FLAG VALUE ...]", help="tokenize data into raylm's block cache (train reuses it)",
         description="Tokenize and pack --train_file (and --validation_file) into the "
         "parquet block cache that `raylm train` with the same data, tokenizer and "
         "block size reuses.")
