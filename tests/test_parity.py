@@ -7,7 +7,9 @@ relative, and the saved weights match the reference's.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -55,11 +57,21 @@ FAST_PARAMS = {
                                                      (4, 1, "full")],
                          ids=["1x4", "2x2-selective", "4x1-full"])
 def test_data_parallel_matches_single_process(workers, accum, recompute, reference,
-                                              ray_cluster, corpus_dir, cache_root, tmp_path):
+                                              ray_cluster, corpus_dir, cache_root, tmp_path,
+                                              caplog):
     ref_losses = reference.losses
     cfg = tiny_config(tmp_path / "out", corpus_dir, cache_root, num_workers=workers,
                       gradient_accumulation_steps=accum, activation_checkpointing=recompute)
+    caplog.set_level("INFO", logger="raylm")
     result = train(cfg)
+    # The log says where the ranks run and their memory in a line each, not per rank.
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    [placed] = [l for l in lines if l.startswith("placed ")]
+    node = ray_cluster.get_runtime_context().get_node_id()[:8]
+    assert placed.startswith(f"placed {workers} rank(s) on 1 node(s): node {node} (")
+    assert placed.endswith(" ranks " + ("0" if workers == 1 else f"0-{workers - 1}"))
+    assert sum(l.startswith("memory per rank") for l in lines) == 1
+    assert not any(re.match(r"(memory )?rank \d+[: ]", l) for l in lines), lines
 
     assert_steps_match(result.history, reference, STEPS, label=f"{workers}x{accum}")
     losses = [h["loss"] for h in result.history]

@@ -318,9 +318,10 @@ class Driver:
             times = {"placement": time.time() - t0}
             with _timed(times, "processes"):
                 group.start(plan, n)
+        log.info("placed %s", group.placement())
         for i in group.infos:
-            log.info("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
-                     i["node_id"][:8], i["ip"])
+            log.debug("rank %d: pid %d on node %s (%s)", i["rank"], i["pid"],
+                      i["node_id"][:8], i["ip"])
         with _timed(times, "process_group"):
             group.regroup(lambda master, generation: [
                 w.join.remote(master, plan, self.cfg.collective_timeout_s, generation)

@@ -88,6 +88,15 @@ class WorkerGroup:
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def placement(self) -> str:
+        """Where the ranks run, in one line: each node's id, address and ranks."""
+        nodes: dict = {}
+        for i in self.infos:
+            nodes.setdefault((i["node_id"][:8], i["ip"]), []).append(i["rank"])
+        where = "; ".join(f"node {node} ({ip}) ranks {spans(ranks)}"
+                          for (node, ip), ranks in nodes.items())
+        return f"{len(self.infos)} rank(s) on {len(nodes)} node(s): {where}"
+
     def describe(self, i: int) -> str:
         info = self.ranks[i].info if i < len(self.ranks) else {}
         return f"rank {i} (pid {info.get('pid')}, node {str(info.get('node_id'))[:8]})"
@@ -433,6 +442,17 @@ def remove(pg) -> None:
             remove_placement_group(pg)
         except Exception:  # already removed
             pass
+
+
+def spans(numbers: list) -> str:
+    """Sorted numbers as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def first_line(e: BaseException) -> str:

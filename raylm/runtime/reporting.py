@@ -209,7 +209,7 @@ class Reporter:
         except Exception as e:  # the report must never stop a run
             log.warning("memory prediction unavailable: %s", e)
             predicted = None
-        ranks = []
+        ranks, totals = [], []
         for r in results:
             m = r.memory
             pred = None
@@ -229,10 +229,21 @@ class Reporter:
                                                       trainable=m.get("replica_trained")),
                           "peak_rss_bytes": r.peak_rss_bytes})
             meas = sum(ranks[-1]["measured"].values())
-            log.info("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
-                     "optimizer %s, activations %s, weight copies %s = %s%s", len(ranks) - 1,
-                     m["coords"]["dp"], m["coords"]["pp"], m["coords"]["tp"],
-                     *(human_bytes(m[k]) for k in MEASURED), human_bytes(meas),
+            totals.append(meas)
+            log.debug("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
+                      "optimizer %s, activations %s, weight copies %s = %s%s", len(ranks) - 1,
+                      m["coords"]["dp"], m["coords"]["pp"], m["coords"]["tp"],
+                      *(human_bytes(m[k]) for k in MEASURED), human_bytes(meas),
+                      f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
+                      if pred else "")
+        if totals:
+            top = max(range(len(totals)), key=totals.__getitem__)
+            pred = ranks[top]["predicted"]
+            low, high = human_bytes(min(totals)), human_bytes(totals[top])
+            spread = f"{low} each" if low == high else \
+                f"{low} to {high}, the most on rank {top}"
+            log.info("memory per rank (parameters, gradients, optimizer, activations, weight "
+                     "copies): %s%s; each rank's in memory.json", spread,
                      f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
                      if pred else "")
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
