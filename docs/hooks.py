@@ -48,7 +48,10 @@ def flags_markdown() -> str:
             f"{shown} | {text} |")
     out = []
     for name, rows in groups.items():
-        out += [f"## {GROUP_TITLES.get(name, name).capitalize()}", "",
+        title = GROUP_TITLES.get(name, name)
+        if not title.startswith("raylm"):  # (the project's name stays lower case)
+            title = title[:1].upper() + title[1:]
+        out += [f"## {title}", "",
                 "| flag | type | default | what |", "| --- | --- | --- | --- |", *rows, ""]
     return "\n".join(out)
 

@@ -19,12 +19,16 @@ import typing
 from raylm.config import ALIASES, TrainConfig
 from raylm.errors import ConfigError
 
+# The --help groups, in the order shown.
 GROUP_TITLES = {
+    "run": "what to run: the task, train and/or evaluate, for how long",
     "model": "model (as in run_clm.py)",
     "data": "data (as in run_clm.py)",
     "training": "optimisation (as in run_clm.py / TrainingArguments)",
     "output": "logging, evaluation and checkpoints",
-    "cluster": "raylm: cluster and layout",
+    "layout": "raylm: the cluster, workers and layout",
+    "elastic": "raylm: failures, elasticity and health",
+    "costmodel": "raylm: the planner's cost model and MFU",
 }
 
 
@@ -147,7 +151,8 @@ class Flag:
 
 
 def config_flags(only: tuple = ()) -> list:
-    """Every TrainConfig field (or those in ``only``) as a Flag, in declaration order."""
+    """Every TrainConfig field (or those in ``only``) as a Flag: by group, in
+    GROUP_TITLES' order, each group in declaration order."""
     hints = typing.get_type_hints(TrainConfig)
     out = []
     for f in dataclasses.fields(TrainConfig):
@@ -162,7 +167,8 @@ def config_flags(only: tuple = ()) -> list:
             default=f.default if f.default is not dataclasses.MISSING else f.default_factory(),
             help=meta.get("help", ""), choices=meta.get("choices"),
             metavar=meta.get("metavar", "PATH")))
-    return out
+    order = list(GROUP_TITLES)
+    return sorted(out, key=lambda flag: order.index(flag.group))
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> None:

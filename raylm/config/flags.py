@@ -110,9 +110,9 @@ class DataFlags:
     """The data (as in run_clm.py): the text or images trained and evaluated on, and how."""
 
     task: Optional[str] = _f(
-        None, "What to train: unset, a language model (the objectives above); "
+        None, "What to train: unset, a language model (see --objective); "
         "image-classification: an image classifier (ViT and any transformers model with an "
-        "image-classification head) on --train_dir, as run_image_classification.", "data",
+        "image-classification head) on --train_dir, as run_image_classification.", "run",
         choices=("image-classification",))
     train_dir: Optional[str] = _f(
         None, "--task image-classification: the training images, an image folder "
@@ -213,10 +213,11 @@ class DataFlags:
 class OptimisationFlags:
     """Optimisation (run_clm / TrainingArguments names)."""
 
-    do_train: Optional[bool] = _f(None, "Train. Default: on, unless only --do_eval is given.")
+    do_train: Optional[bool] = _f(
+        None, "Train. Default: on, unless only --do_eval is given.", "run")
     do_eval: Optional[bool] = _f(
         None, "Evaluate perplexity on the validation split. Alone (without --do_train): "
-        "evaluate the given model, no training. Default: on.")
+        "evaluate the given model, no training. Default: on.", "run")
     per_device_train_batch_size: int = _f(
         8, "Micro-batch size per data-parallel replica.")
     per_device_eval_batch_size: int = _f(8, "Evaluation batch size per data-parallel replica.")
@@ -267,8 +268,8 @@ class OptimisationFlags:
         None, "Extra arguments of the schedule, a JSON object, e.g. '{\"num_cycles\": 2}' "
         "for cosine_with_restarts or '{\"power\": 2.0, \"lr_end\": 1e-6}' for polynomial "
         "(TrainingArguments' lr_scheduler_kwargs).")
-    num_train_epochs: float = _f(3.0, "Epochs to train (ignored when --max_steps > 0).")
-    max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs.")
+    num_train_epochs: float = _f(3.0, "Epochs to train (ignored when --max_steps > 0).", "run")
+    max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs.", "run")
     seed: int = _f(42, "Seed for model init, data order and dropout.")
     per_sample_attention_dropout: bool = _f(
         True, "Draw attention dropout per sample like every other dropout, so a resized run "
@@ -361,122 +362,122 @@ class ClusterFlags:
 
     address: Optional[str] = _f(
         None, "Ray cluster to join ('auto', 'ray://host:10001', host:port). Default: "
-        "$RAY_ADDRESS, else start a local cluster.", "cluster")
+        "$RAY_ADDRESS, else start a local cluster.", "layout")
     num_workers: int = _f(
         0, "Rank actors (dp x tp x pp). 0: as many as the cluster's CPUs (or GPUs with "
-        "--use_gpu) allow.", "cluster")
+        "--use_gpu) allow.", "layout")
     min_workers: int = _f(
         0, "Elastic lower bound: the fewest rank actors the run carries on with after a "
         "failure (in memory where the layout allows); below it the run waits for capacity "
-        "and restarts from the latest checkpoint. 0: one replica (pp x tp).", "cluster")
+        "and restarts from the latest checkpoint. 0: one replica (pp x tp).", "elastic")
     max_workers: int = _f(
         0, "Elastic upper bound: raylm asks an autoscaling cluster for this many rank "
         "actors' bundles (ray.autoscaler.sdk.request_resources) and releases the request "
-        "when the run ends. 0: no request (the run's start size).", "cluster")
+        "when the run ends. 0: no request (the run's start size).", "elastic")
     snapshot_steps: int = _f(
         0, "Every this many steps each rank copies its state into memory on its own node "
         "and another, off the step's path, so losing state with no live copy costs at "
-        "most this many steps. Needs two nodes or more. 0: off.", "cluster")
+        "most this many steps. Needs two nodes or more. 0: off.", "elastic")
     cpus_per_worker: float = _f(
         1.0, "CPUs each rank actor reserves (fractions allowed); torch uses that many "
-        "threads.", "cluster")
-    dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "cluster")
-    tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "cluster")
-    pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "cluster")
+        "threads.", "layout")
+    dp: int = _f(0, "Data-parallel degree (0: raylm chooses).", "layout")
+    tp: int = _f(0, "Tensor-parallel degree (0: raylm chooses).", "layout")
+    pp: int = _f(0, "Pipeline-parallel degree (0: raylm chooses).", "layout")
     sequence_parallel: Optional[bool] = _f(
         None, "With --tp > 1: run norms and dropouts on sequence shards too (activation "
         "memory of those parts divided by tp). Unset: off, or on where a tensor-parallel "
-        "layout needs it to fit --worker_memory_gb (see `raylm plan`).", "cluster")
+        "layout needs it to fit --worker_memory_gb (see `raylm plan`).", "layout")
     gradient_checkpointing: bool = _f(
         False, "Recompute each block's activations in backward instead of keeping them "
         "(full recomputation: about a third more compute; --activation_checkpointing "
-        "selective for the cheaper kind).", "cluster")
+        "selective for the cheaper kind).", "layout")
     activation_checkpointing: Optional[str] = _f(
         None, "What each block keeps for backward: none; selective (its input and the "
         "outputs of its matrix multiplies, attention and collectives: the element-wise "
         "rest is recomputed); full (its input only: its forward runs again). Unset: "
         "full with --gradient_checkpointing, else none, or what the planner needs to fit "
-        "--worker_memory_gb (see `raylm plan`).", "cluster",
+        "--worker_memory_gb (see `raylm plan`).", "layout",
         choices=("none", "selective", "full"))
     torch_compile: bool = _f(
         False, "Compile with torch.compile: each transformer block's forward, or the whole "
         "forward and loss (--torch_compile_scope model). Every layout but pipelines cut "
-        "by torch.export.", "cluster")
+        "by torch.export.", "layout")
     torch_compile_scope: str = _f(
         "blocks", "What --torch_compile compiles: blocks (every layout) or model (the "
         "whole forward and loss; only with no pipeline, no tensor parallelism, ZeRO 0-2 and no "
-        "activation checkpointing).", "cluster", choices=("blocks", "model"))
+        "activation checkpointing).", "layout", choices=("blocks", "model"))
     torch_compile_backend: Optional[str] = _f(
-        None, "--torch_compile's backend (default: inductor).", "cluster")
+        None, "--torch_compile's backend (default: inductor).", "layout")
     torch_compile_mode: Optional[str] = _f(
         None, "--torch_compile's mode (default, reduce-overhead, max-autotune, "
-        "max-autotune-no-cudagraphs).", "cluster",
+        "max-autotune-no-cudagraphs).", "layout",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule when pp > 1 (micro-batches per step = "
-        "--gradient_accumulation_steps).", "cluster",
+        "--gradient_accumulation_steps).", "layout",
         choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
     pp_virtual_stages: int = _f(
         2, "Stages per rank for --pipeline_schedule interleaved_1f1b (zero_bubble always "
-        "runs 2, in a V).", "cluster")
+        "runs 2, in a V).", "layout")
     pp_split: Optional[str] = _f(
         None, "Manual pipeline cut: comma-separated block indices where stages 1, 2, ... "
         "begin, e.g. \"3,6,9\" for 4 stages of a 12-block model (default: balanced by "
-        "compute and parameters; see `raylm plan`).", "cluster")
+        "compute and parameters; see `raylm plan`).", "layout")
     zero_stage: Optional[int] = _f(
         None, "ZeRO over each data-parallel group: 0 replicates; 1 partitions optimizer "
         "states, 2 also gradients, 3 also parameters (FSDP2; the model is built on the meta "
         "device and materialised shard by shard). Unset: 0, or the lowest stage that fits "
-        "--worker_memory_gb when memory is short (see `raylm plan`).", "cluster",
+        "--worker_memory_gb when memory is short (see `raylm plan`).", "layout",
         choices=(0, 1, 2, 3))
     zero_optimization: bool = _f(
-        False, "Merak's switch: True is --zero_stage 1.", "cluster")
+        False, "Merak's switch: True is --zero_stage 1.", "layout")
     cpu_offload: bool = _f(
         False, "With --use_gpu and --zero_stage 3: keep the sharded parameters, gradients "
         "and optimizer states in host memory and step on the CPU (FSDP2's "
-        "CPUOffloadPolicy).", "cluster")
+        "CPUOffloadPolicy).", "layout")
     reshard_after_forward: Optional[bool] = _f(
         None, "ZeRO-3 (FSDP2's option): True frees each block's gathered parameters after "
         "its forward and gathers them again for backward; False keeps them gathered through "
         "the step, for fewer collectives and more memory. Unset: False where it fits "
-        "--worker_memory_gb, without --pp or --cpu_offload (see `raylm plan`).", "cluster")
+        "--worker_memory_gb, without --pp or --cpu_offload (see `raylm plan`).", "layout")
     max_failures: int = _f(
         3, "Rank or node failures to recover from (in memory, from a snapshot or from the "
-        "latest checkpoint) before the run fails.", "cluster")
-    use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "cluster")
+        "latest checkpoint) before the run fails.", "elastic")
+    use_gpu: bool = _f(False, "One GPU per rank actor, NCCL between them.", "layout")
     huge_pages: bool = _f(
         True, "Rank processes allocate in transparent huge pages "
         "(glibc.malloc.hugetlb=1), for fewer page faults on the tensors each step frees "
-        "and allocates again. A GLIBC_TUNABLES of your own is kept.", "cluster")
+        "and allocates again. A GLIBC_TUNABLES of your own is kept.", "layout")
     collective_timeout_s: float = _f(
-        300.0, "Timeout of torch.distributed collectives between rank actors.", "cluster")
+        300.0, "Timeout of torch.distributed collectives between rank actors.", "elastic")
     heartbeat_interval_s: float = _f(
         1.0, "How often the driver asks each rank whether it lives (answered on a thread "
-        "of the rank's own, beside training).", "cluster")
+        "of the rank's own, beside training).", "elastic")
     heartbeat_timeout_s: float = _f(
         5.0, "A rank silent this long is lost (frozen, or its node cut off): it is ended "
-        "and the run recovers.", "cluster")
+        "and the run recovers.", "elastic")
     step_deadline_factor: float = _f(
         10.0, "A step not done within this many times the recent median step time is "
-        "stuck: its ranks furthest behind are ended and the run recovers.", "cluster")
+        "stuck: its ranks furthest behind are ended and the run recovers.", "elastic")
     step_deadline_floor_s: float = _f(
         120.0, "The shortest step deadline (the first steps compile and warm up).",
-        "cluster")
+        "elastic")
     straggler_factor: float = _f(
         2.0, "A rank whose own work in a step (less its waits on the others) is over this "
-        "many times its peers' median is slow in that step.", "cluster")
+        "many times its peers' median is slow in that step.", "elastic")
     straggler_steps: int = _f(
-        20, "A rank slow in this many steps in a row is named as a straggler.", "cluster")
+        20, "A rank slow in this many steps in a row is named as a straggler.", "elastic")
     replace_stragglers: bool = _f(
         False, "Replace a straggler with a fresh rank: it is ended, the others carry on "
         "in memory, and a new rank joins where there is room (as when a node joins).",
-        "cluster")
+        "elastic")
 
     peak_tflops: float = _f(
         0.0, "Peak TFLOP/s of one rank's device in the precision trained, for the model "
         "FLOPs utilisation (mfu) logged with each step. 0: the device's own for known GPUs "
         "(A100, H100, H200, L4, L40S, ...: fp32, or its bf16/fp16 tensor cores under "
-        "--bf16/--fp16); none on CPUs.", "cluster")
+        "--bf16/--fp16); none on CPUs.", "costmodel")
 
 
 @dataclass
@@ -486,18 +487,18 @@ class PlannerCostFlags:
     worker_memory_gb: float = _f(
         0.0, "Memory one rank actor may use, GiB; the planner drops layouts that need more. "
         "0: from the Ray cluster when connected (node memory / workers per node; GPUs: "
-        "80), else 16 for CPU workers and 80 with --use_gpu.", "cluster")
+        "80), else 16 for CPU workers and 80 with --use_gpu.", "costmodel")
     worker_tflops: float = _f(
         0.0, "Sustained TFLOP/s of one rank for the planner's step-time model. 0: 0.05 per "
         "CPU of --cpus_per_worker, or 50 with --use_gpu (H100, fp32); under --bf16/--fp16 "
-        "the CPU figure over 30 (no 16-bit arithmetic) or 400 on GPUs.", "cluster")
+        "the CPU figure over 30 (no 16-bit arithmetic) or 400 on GPUs.", "costmodel")
     node_link_gbps: float = _f(
         0.0, "Bandwidth between two ranks on one node, Gbit/s (tensor-parallel "
         "all-reduces). 0: 10 for CPU workers (gloo), 3600 with --use_gpu (NVLink).",
-        "cluster")
+        "costmodel")
     network_gbps: float = _f(
         0.0, "Bandwidth between ranks on different nodes, per rank, Gbit/s. 0: 5 for CPU "
-        "workers, 400 with --use_gpu (InfiniBand NDR).", "cluster")
+        "workers, 400 with --use_gpu (InfiniBand NDR).", "costmodel")
     workers_per_node: int = _f(
         0, "Rank actors per node for the planner (a tensor-parallel group stays in one "
-        "node). 0: from the Ray cluster when connected, else 8.", "cluster")
+        "node). 0: from the Ray cluster when connected, else 8.", "costmodel")
