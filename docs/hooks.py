@@ -48,7 +48,7 @@ def flags_markdown() -> str:
             f"{shown} | {text} |")
     out = []
     for name, rows in groups.items():
-        title = GROUP_TITLES.get(name, name)
+        title = GROUP_TITLES[name]
         if not title.startswith("raylm"):  # (the project's name stays lower case)
             title = title[:1].upper() + title[1:]
         out += [f"## {title}", "",

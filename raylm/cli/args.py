@@ -176,7 +176,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> N
     for flag in config_flags(only):
         if flag.group not in groups:
             groups[flag.group] = parser.add_argument_group(
-                GROUP_TITLES.get(flag.group, flag.group))
+                GROUP_TITLES[flag.group])
         # argparse %-formats help text: a literal % ("15% of the tokens") is written %%.
         kwargs = {"help": flag.help.replace("%", "%%"), "default": argparse.SUPPRESS}
         if flag.type is bool:

@@ -29,7 +29,8 @@ def build_parser() -> OneLineParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
 
     train = sub.add_parser(
-        "train", usage="raylm train [RUN_FILE] [--FLAG VALUE ...]", help="train or fine-tune a model: causal or masked LM, T5 spans, images",
+        "train", usage="raylm train [RUN_FILE] [--FLAG VALUE ...]",
+        help="train or fine-tune a model: causal or masked LM, T5 spans, images",
         description="Train or fine-tune a Hugging Face model on a Ray cluster: causal LM, "
         "masked LM, T5 span corruption or image classification (--task). With no "
         "flags: a tiny GPT-2 on the built-in Shakespeare sample, on a local Ray cluster. "
@@ -40,9 +41,10 @@ def build_parser() -> OneLineParser:
     add_config_arguments(train)
 
     plan = sub.add_parser(
-        "plan", usage="raylm plan [RUN_FILE] [--json] [--FLAG VALUE ...] (the flags of train)", help="show how a run would be laid out, its memory and speed (no weights)",
+        "plan", usage="raylm plan [RUN_FILE] [--json] [--FLAG VALUE ...] (the flags of train)",
+        help="show how a run would be laid out, its memory and speed (no weights)",
         description="Show what `raylm train` with these flags would do, without training: "
-        "the layout, each worker's memory and the step time. Print the layout `raylm train` with the same flags would use: with "
+        "the layout, each worker's memory and the step time. The layout: with "
         "--dp/--tp/--pp all 0, the planner's choice of dp x tp x pp, micro-batches and "
         "pipeline schedule (the fastest predicted layout that fits worker memory); the "
         "predicted memory per worker (parameters, gradients, optimizer states, activations) "
@@ -63,7 +65,8 @@ def build_parser() -> OneLineParser:
     add_config_arguments(plan)
 
     tok = sub.add_parser(
-        "tokenize", usage="raylm tokenize [RUN_FILE] [--FLAG VALUE ...]", help="tokenize data into raylm's block cache (train reuses it)",
+        "tokenize", usage="raylm tokenize [RUN_FILE] [--FLAG VALUE ...]",
+        help="tokenize data into raylm's block cache (train reuses it)",
         description="Tokenize and pack --train_file (and --validation_file) into the "
         "parquet block cache that `raylm train` with the same data, tokenizer and "
         "block size reuses.")

@@ -209,7 +209,7 @@ class Reporter:
         except Exception as e:  # the report must never stop a run
             log.warning("memory prediction unavailable: %s", e)
             predicted = None
-        ranks, totals = [], []
+        ranks, totals, foreseen = [], [], []  # (measured and predicted totals, per rank)
         for r in results:
             m = r.memory
             pred = None
@@ -228,24 +228,21 @@ class Reporter:
                                                       plan.zero_stage, plan.dp,
                                                       trainable=m.get("replica_trained")),
                           "peak_rss_bytes": r.peak_rss_bytes})
-            meas = sum(ranks[-1]["measured"].values())
-            totals.append(meas)
+            totals.append(sum(ranks[-1]["measured"].values()))
+            foreseen.append(f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
+                            if pred else "")
             log.debug("memory rank %d (dp %d, pp %d, tp %d): parameters %s, gradients %s, "
                       "optimizer %s, activations %s, weight copies %s = %s%s", len(ranks) - 1,
                       m["coords"]["dp"], m["coords"]["pp"], m["coords"]["tp"],
-                      *(human_bytes(m[k]) for k in MEASURED), human_bytes(meas),
-                      f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
-                      if pred else "")
+                      *(human_bytes(m[k]) for k in MEASURED), human_bytes(totals[-1]),
+                      foreseen[-1])
         if totals:
             top = max(range(len(totals)), key=totals.__getitem__)
-            pred = ranks[top]["predicted"]
             low, high = human_bytes(min(totals)), human_bytes(totals[top])
             spread = f"{low} each" if low == high else \
                 f"{low} to {high}, the most on rank {top}"
             log.info("memory per rank (parameters, gradients, optimizer, activations, weight "
-                     "copies): %s%s; each rank's in memory.json", spread,
-                     f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
-                     if pred else "")
+                     "copies): %s%s; each rank's in memory.json", spread, foreseen[top])
         with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
             json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
                                   "sequence_parallel": plan.sequence_parallel,
