@@ -62,7 +62,9 @@ VARIANTS = {"quick": ("--quick", "the small preset: a check of the script, not a
             "cpu": ("--cpu", "on CPU: a check of the script where there is no GPU"),
             "mmap": ("--malloc_mmap_threshold 1048576",
                      "glibc's mmap threshold fixed at 1 MiB"),
-            "no_data": ("--no_data", "no Ray Data pipeline before the window")}
+            "no_data": ("--no_data", "no Ray Data pipeline before the window"),
+            "dropout": ("--dropout 0.1", "dropout 0.1 everywhere: raylm's per-sample masks "
+                        "against torch's own dropout")}
 CPU_FLAGS = {"bench_gpu": "--device cpu", "bench_swin": "--device cpu"}  # their "-cpu"
 
 

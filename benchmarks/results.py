@@ -28,7 +28,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The commit measured ("+changes" when the code differs from it)."""
+    """The commit measured ("+changes" when the code differs from it); BENCH_COMMIT where
+    the tree was copied without its .git (a lent GPU machine)."""
     try:
         head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
@@ -36,7 +37,7 @@ def commit() -> str:
                                   "..", ":!results"], capture_output=True, text=True,
                                  check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("BENCH_COMMIT", "unknown")
     return head + ("+changes" if changed else "")
 
 
