@@ -32,7 +32,7 @@ its logits against the rank's own, and asks raylm for 2 GPU ranks on a 1-GPU clu
 which must be one clear error before any actor starts.
 
 Asserts nothing; prints a table (and --json) and writes the rows to
-benchmarks/results/bench_gpu-<date>.json (-quick, -dropout, -cpu for those runs).
+benchmarks/results/bench_gpu-<date>.json (-quick, -dropout, -sdpa, -cpu for those runs).
 """
 
 from __future__ import annotations
@@ -547,6 +547,7 @@ def main(argv=None) -> int:
                           "quick": args.quick},
                "rows": written, "failed": sorted(errors), "notes": notes}
     name = ("bench_gpu" + ("-quick" if args.quick else "") + ("-dropout" if args.dropout else "")
+            + ("-sdpa" if args.per_sample_attention_dropout == "false" else "")
             + ("-cpu" if not cuda else ""))
     print(f"written to {write(name, figures)}")
     return 1 if errors else 0

@@ -64,7 +64,9 @@ VARIANTS = {"quick": ("--quick", "the small preset: a check of the script, not a
                      "glibc's mmap threshold fixed at 1 MiB"),
             "no_data": ("--no_data", "no Ray Data pipeline before the window"),
             "dropout": ("--dropout 0.1", "dropout 0.1 everywhere: raylm's per-sample masks "
-                        "against torch's own dropout")}
+                        "against torch's own dropout"),
+            "sdpa": ("--per_sample_attention_dropout false",
+                     "attention dropout left in sdpa's fused kernel, drawn per rank")}
 CPU_FLAGS = {"bench_gpu": "--device cpu", "bench_swin": "--device cpu"}  # their "-cpu"
 
 
