@@ -28,8 +28,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The commit measured ("+changes" when the code differs from it); BENCH_COMMIT where
-    the tree was copied without its .git (a lent GPU machine)."""
+    """The commit measured ("+changes" when the code differs from it); BENCH_COMMIT, when
+    set, names it where the tree was copied without its own .git (a lent GPU machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
@@ -37,7 +39,7 @@ def commit() -> str:
                                   "..", ":!results"], capture_output=True, text=True,
                                  check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
     return head + ("+changes" if changed else "")
 
 
