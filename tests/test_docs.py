@@ -86,3 +86,13 @@ def test_example_runs(example, ray_address, tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    # Ray's notices of what raylm set on purpose are not in what a reader sees
+    for notice in ("Progress bars disabled", "Token authentication is enabled"):
+        assert notice not in out.stderr, notice
+    # nor colour codes (the output is a file), nor a rank's progress bar (Ray prefixes a
+    # rank's lines with "(RankWorker pid=N")
+    assert "\x1b[" not in out.stdout + out.stderr
+    bars = [l for l in out.stderr.splitlines() if "pid=" in l and "Loading" in l]
+    assert not bars, bars[:3]
+    if example.name == "getting-started-python.py":  # a program that set up no logging
+        assert re.search(r"raylm INFO step 10/10 +loss", out.stderr), out.stderr[-3000:]

@@ -68,6 +68,7 @@ def test_own_cluster_stops_ray_datas_idle_actors_and_ray_data_still_runs():
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(line[-1][len("RESULT "):])
+    assert "Token authentication is enabled" not in proc.stderr  # (Ray's default, untold)
     assert out["env_left"] == []  # the variables were set for ray.init only
     # --huge_pages: the cluster's workers start with glibc's tunable; a rank without it
     # gets a runtime_env that clears it

@@ -108,8 +108,9 @@ def build_parser() -> OneLineParser:
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
-                        "%(message)s", datefmt="%H:%M:%S")
+    from raylm.runtime.console import FORMAT
+
+    logging.basicConfig(level=logging.INFO, format=FORMAT, datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

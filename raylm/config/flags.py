@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 STRATEGIES = ("no", "steps", "epoch")  # TrainingArguments' IntervalStrategy
 
 # --optim: the HF Trainer's names for torch's AdamW, fused (its default) and not.
@@ -344,6 +345,11 @@ class OutputFlags:
     profile_steps: int = _f(
         3, "How many steps --profile traces.", "output")
     disable_tqdm: bool = _f(False, "No progress bar (logs only).", "output")
+    log_level: str = _f(
+        "passive", "raylm's log level. debug adds each rank's lines (placement, memory); "
+        "passive leaves a Python program's own logging setup as it is, and where it has "
+        "none shows raylm's info lines, as the command line does.", "output",
+        choices=LOG_LEVELS)
     report_to: list = _f(
         [], "Where to send the logged metrics besides output_dir/metrics.jsonl: "
         "tensorboard (event files under --logging_dir), wandb (offline unless WANDB_MODE "

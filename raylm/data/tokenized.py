@@ -610,6 +610,8 @@ def quiet_ray_data() -> None:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # (its notice that the progress bars are off: raylm turned them off)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
 def tokenizing_dataset(pieces: list[Piece], tokenizer_dir: str, block_size: int,

@@ -101,9 +101,17 @@ def from_pretrained(spec, seed: int):
         fresh = from_config(spec.config, spec.trust_remote_code,
                             dtype=torch.float32).state_dict()
     torch.manual_seed(seed)
-    model = model_class(spec.config).from_pretrained(
-        spec.weights_dir, config=spec.config, dtype=torch.float32,
-        trust_remote_code=spec.trust_remote_code, ignore_mismatched_sizes=new_head)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # (each rank's "Loading weights" bar: log noise)
+    try:
+        model = model_class(spec.config).from_pretrained(
+            spec.weights_dir, config=spec.config, dtype=torch.float32,
+            trust_remote_code=spec.trust_remote_code, ignore_mismatched_sizes=new_head)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     if new_head:
         body = model.base_model_prefix + "."
         unexpected = model.load_state_dict(

@@ -154,6 +154,10 @@ LOCAL_ENV = {"REPORTER_UPDATE_INTERVAL_MS": "60000", "GLIBC_TUNABLES": HUGE_PAGE
 _LOCAL: dict = {}  # the cluster start_local started and the variables it gave it
 
 
+def _not_auth_on(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this")
+
+
 def start_local(**init_kwargs) -> None:
     """Start a Ray cluster of this driver's own, with LOCAL_SYSTEM_CONFIG and LOCAL_ENV
     (a variable already set is kept); ``init_kwargs`` go to ``ray.init``."""
@@ -167,9 +171,14 @@ def start_local(**init_kwargs) -> None:
     # driver's own environment stays as it was.
     added = {k: v for k, v in LOCAL_ENV.items() if k not in os.environ}
     os.environ.update(added)
+    # Ray's notice that it turned token authentication on (its default): not raylm's to
+    # tell on every run. Its warning when authentication is off is kept.
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    auth.addFilter(_not_auth_on)
     try:
         ray.init(**kwargs)
     finally:
+        auth.removeFilter(_not_auth_on)
         for k in added:
             os.environ.pop(k, None)
     _LOCAL.clear()

@@ -34,6 +34,7 @@ from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition
 from raylm.runtime import cluster, faults, kept
 from raylm.runtime.best import BestTracker
+from raylm.runtime.console import console
 from raylm.runtime.controller import Controller, State, Transition
 from raylm.runtime.elastic import Growth, Recovery
 from raylm.runtime.group import WorkerFailure, WorkerGroup, first_line
@@ -635,7 +636,8 @@ def train(config: TrainConfig, callbacks: tuple = (), model_init=None,
     (raylm.data.given)."""
     if not isinstance(config, TrainConfig):
         raise ConfigError("train() takes a raylm.TrainConfig")
-    return Driver(config, callbacks, model_init=model_init,
-                  compute_loss_func=compute_loss_func, tp_plan=tp_plan,
-                  datasets={"train_dataset": train_dataset,
-                            "eval_dataset": eval_dataset}).run()
+    with console(config.log_level):
+        return Driver(config, callbacks, model_init=model_init,
+                      compute_loss_func=compute_loss_func, tp_plan=tp_plan,
+                      datasets={"train_dataset": train_dataset,
+                                "eval_dataset": eval_dataset}).run()
