@@ -7,13 +7,14 @@ logged grad_norm and mfu, raylm plot (one small real run), and --load_best_model
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from raylm import ConfigError
+from raylm import ConfigError, TrainConfig
 from raylm.cli.args import config_from_namespace, load_run_file
 from raylm.cli.main import build_parser, main
 from raylm.data.sampler import GlobalBatchSampler
@@ -127,28 +128,72 @@ def epoch_run(ray_cluster, cache_root, tmp_path_factory):
     (root / "valid.txt").write_text(text[4000:])
     (root / "caesar.txt").write_text((SHAKESPEARE / "julius_caesar.txt").read_text()[:3000])
     out = root / "out"
-    rc = main(["train", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
-               "--train_file", str(root / "train.txt"),
-               "--validation_file", str(root / "valid.txt"), str(root / "caesar.txt"),
-               "--block_size", "32",
-               "--per_device_train_batch_size", "4", "--num_workers", "2",
-               "--cpus_per_worker", "0.5", "--num_train_epochs", "3",
-               "--logging_strategy", "epoch", "--eval_strategy", "epoch",
-               "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
-               "--log_sample_ids", "--data_cache_dir", cache_root, "--output_dir", str(out),
-               "--report_to", "tensorboard", "--peak_tflops", str(PEAK_TFLOPS),
-               "--max_train_samples", "16", "--max_eval_samples", "3", "--disable_tqdm"])
+    warned = _Warnings()
+    logging.getLogger("raylm").addHandler(warned)
+    try:
+        rc = main(["train", "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
+                   "--train_file", str(root / "train.txt"),
+                   "--validation_file", str(root / "valid.txt"), str(root / "caesar.txt"),
+                   "--block_size", "32",
+                   "--per_device_train_batch_size", "4", "--num_workers", "2",
+                   "--cpus_per_worker", "0.5", "--num_train_epochs", "3",
+                   "--logging_strategy", "epoch", "--eval_strategy", "epoch",
+                   "--save-strategy", "epoch", "--warmup_ratio", "0.5", "--data_seed", "7",
+                   "--log_sample_ids", "--data_cache_dir", cache_root,
+                   "--output_dir", str(out),
+                   "--report_to", "tensorboard", "--peak_tflops", str(PEAK_TFLOPS),
+                   "--max_train_samples", "16", "--max_eval_samples", "3", "--disable_tqdm"])
+    finally:
+        logging.getLogger("raylm").removeHandler(warned)
     assert rc == 0
     with open(out / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     with open(out / "samples.jsonl") as f:
         samples = [json.loads(line) for line in f]
-    return out, recs, samples
+    return out, recs, samples, warned.lines
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_too_little_data_is_warned_of_with_the_numbers_and_the_flag(epoch_run):
+    """16 training samples for a global batch of 8, 3 of each validation file."""
+    *_, warned = epoch_run
+    assert ("training data: 16 sample(s), under 3 global batches of 8: give more data, "
+            "or lower --block_size or --per_device_train_batch_size") in warned, warned
+    assert any(w.startswith("evaluation on 6 sample(s)") for w in warned), warned
+    assert not any("data-parallel rank(s) with none" in w for w in warned), warned
+
+
+def test_a_rank_without_samples_and_a_file_without_a_block_are_warned_of():
+    """5 samples, a global batch of 4 on 4 ranks: the last step's 1 sample leaves 3 ranks
+    idle; one of two files too short for a block gave none (as group_texts drops it)."""
+    from raylm.data.tokenized import TokenizedDataset
+    from raylm.runtime.inputs import Data
+    from raylm.runtime.prepare import degenerate
+
+    train = TokenizedDataset(cache_dir="", num_samples=5, block_size=64, line_by_line=False,
+                             pad_token_id=0, shard_files=[], shard_offsets=[],
+                             samples_per_file=[5, 0])
+    data = Data(train=train, eval=None, train_ids=np.arange(5))
+    warned = degenerate(TrainConfig(), data, global_batch=4, dp=4)
+    assert warned[1] == ("a step of 1 sample(s) leaves 3 of the 4 data-parallel rank(s) "
+                         "with none: lower --num_workers or --dp")
+    assert warned[2].startswith("1 of 2 training file(s) gave no sample: each holds fewer "
+                                "than --block_size 64 tokens"), warned
+    assert degenerate(TrainConfig(), Data(train=train, eval=None, train_ids=np.arange(12)),
+                      global_batch=4, dp=4)[-1].startswith("1 of 2 training file(s)")
 
 
 @pytest.mark.slow
 def test_epoch_strategies_log_evaluate_and_save_at_epoch_ends(epoch_run):
-    out, recs, samples = epoch_run
+    out, recs, samples, _ = epoch_run
     steps = len(samples)
     per_epoch = steps // 3
     assert steps == 3 * per_epoch and per_epoch >= 2
@@ -165,7 +210,7 @@ def test_epoch_strategies_log_evaluate_and_save_at_epoch_ends(epoch_run):
 
 
 def test_data_seed_orders_the_samples_and_not_the_model(epoch_run):
-    _, _, samples = epoch_run
+    _, _, samples, _ = epoch_run
     trained = [sorted(i for rank in s["ranks"] for i in rank) for s in samples]
     n = sum(len(t) for t in trained[:len(trained) // 3])
     batch = len(trained[0])
@@ -176,7 +221,7 @@ def test_data_seed_orders_the_samples_and_not_the_model(epoch_run):
 
 
 def test_logged_steps_carry_grad_norm_step_time_and_mfu_and_reach_tensorboard(epoch_run):
-    out, recs, _ = epoch_run
+    out, recs, _, _ = epoch_run
     train_recs = [r for r in recs if "loss" in r]
     config = json.loads((out / "config.json").read_text())
     # PaLM's model FLOPs per token, from the saved model's own shapes: 6 per weight of
@@ -203,7 +248,7 @@ def test_logged_steps_carry_grad_norm_step_time_and_mfu_and_reach_tensorboard(ep
 
 
 def test_raylm_plot_writes_the_png(epoch_run, tmp_path, capsys):
-    out, _, _ = epoch_run
+    out, _, _, _ = epoch_run
     png = tmp_path / "curves.png"
     assert main(["plot", str(out), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -327,7 +372,7 @@ def test_best_model_flags_that_cannot_work_are_one_line(args, message, tmp_path,
 
 
 def test_max_train_and_eval_samples_train_and_evaluate_on_the_first_n(epoch_run):
-    out, recs, samples = epoch_run
+    out, recs, samples, _ = epoch_run
     results = json.loads((out / "all_results.json").read_text())
     assert results["train_samples"] == 16
     per_epoch = len(samples) // 3
@@ -339,7 +384,7 @@ def test_max_train_and_eval_samples_train_and_evaluate_on_the_first_n(epoch_run)
 
 
 def test_several_validation_files_are_reported_each_and_together(epoch_run):
-    out, recs, _ = epoch_run
+    out, recs, _, _ = epoch_run
     evals = [r for r in recs if "eval_loss" in r]
     for r in evals:
         # Full blocks of the same size: the overall loss is the plain mean of the two

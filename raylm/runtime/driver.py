@@ -46,7 +46,7 @@ from raylm.runtime.precision import LossScale
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.inputs import Data, Inputs
 from raylm.runtime.output_dir import start_output_dir
-from raylm.runtime.prepare import prepare_data, total_steps
+from raylm.runtime.prepare import degenerate, prepare_data, total_steps
 from raylm.runtime.reporting import Reporter
 from raylm.runtime.steps import StepLoop
 
@@ -252,6 +252,8 @@ class Driver:
             self.scaling = ScalingPolicy(target=plan.world_size, min_workers=cfg.min_workers,
                                          max_workers=cfg.max_workers)
             log.info("plan: %s", plan.describe())
+            for warning in degenerate(cfg, data, plan.global_batch_size, plan.dp):
+                log.warning("%s", warning)
             if inputs.spec.lora is not None:
                 log.info("%s", lora_line(inputs.spec))
             if plan.zero_stage and plan.dp > 1:

@@ -65,6 +65,36 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
                 eval_sets=eval_sets)
 
 
+FEW_BATCHES = 3  # training data under this many global batches is warned of
+FEW_EVAL = 10  # an evaluation on fewer samples is warned of
+
+
+def degenerate(cfg: TrainConfig, data: Data, global_batch: int, dp: int) -> list[str]:
+    """Warnings for a run on too little data to mean much, with the numbers and the flag
+    to change (the run goes on)."""
+    out = []
+    train, n = data.train, len(data.train_ids)
+    if cfg.should_train and data.stream is None and n:
+        if n < FEW_BATCHES * global_batch:
+            out.append(f"training data: {n} sample(s), under {FEW_BATCHES} global batches "
+                       f"of {global_batch}: give more data, or lower --block_size or "
+                       "--per_device_train_batch_size")
+        least = n % global_batch or global_batch  # an epoch's last, shortest step
+        if least < dp:
+            out.append(f"a step of {least} sample(s) leaves {dp - least} of the {dp} "
+                       "data-parallel rank(s) with none: lower --num_workers or --dp")
+    files = getattr(train, "samples_per_file", None)
+    if files and not train.line_by_line and 0 in files:
+        out.append(f"{files.count(0)} of {len(files)} training file(s) gave no sample: "
+                   f"each holds fewer than --block_size {train.block_size} tokens, and a "
+                   "file's tokens short of a block are dropped (as run_clm's group_texts "
+                   "does); lower --block_size")
+    if cfg.should_eval and 0 < len(data.eval_ids) < FEW_EVAL:
+        out.append(f"evaluation on {len(data.eval_ids)} sample(s): its loss says little; "
+                   "give a --validation_file or a larger --validation_split_percentage")
+    return out
+
+
 def _eval_sets(cfg: TrainConfig, inputs: Inputs, eval_ds, eval_ids: np.ndarray):
     """(eval ids, [(set name, ids)]): with several --validation_file, each file's samples
     in its set; --max_eval_samples (run_clm's): the first N of each."""
