@@ -75,6 +75,13 @@ def ray_address(ray_cluster):
     return ray_cluster.get_runtime_context().gcs_address
 
 
+NAMED = {"getting-started-python.py": "model: gpt2 from its default config with n_layer=2,"
+         "n_embd=64,n_head=2,n_positions=128, fresh weights; objective: causal LM; "
+         "tokenizer: raylm's built-in BPE (4,096 tokens)",
+         "guides-masked-lm-bert.sh": "; objective: masked LM; tokenizer: ",
+         "guides-t5-spans.sh": "; objective: span corruption; tokenizer: "}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(example, ray_address, tmp_path):
@@ -96,3 +103,6 @@ def test_example_runs(example, ray_address, tmp_path):
     assert not bars, bars[:3]
     if example.name == "getting-started-python.py":  # a program that set up no logging
         assert re.search(r"raylm INFO step 10/10 +loss", out.stderr), out.stderr[-3000:]
+    if example.name in NAMED:  # the model, objective and tokenizer, named once a run
+        runs = max(1, example.read_text().count("raylm train "))
+        assert out.stderr.count(NAMED[example.name]) == runs, out.stderr[-3000:]

@@ -60,6 +60,34 @@ class ModelSpec:
         return max_positions(self.config)
 
 
+OBJECTIVE_NAMES = {"causal": "causal LM", "mlm": "masked LM",
+                   "seq2seq": "seq2seq (the second half of each block from the first)",
+                   "span_corruption": "span corruption",
+                   "image_classification": "image classification"}
+
+
+def model_line(cfg, spec: ModelSpec) -> str:
+    """The run log's line naming the model, its objective and its tokenizer."""
+    from raylm.data.sources import builtin_tokenizer_dir
+
+    if spec.model_init is not None:
+        model = "a model of your own (model_init)"
+    elif spec.pretrained_path:
+        model = f"{cfg.model_name_or_path} (pretrained weights)"
+    else:
+        model = (f"{spec.config.model_type} from " + (cfg.config_name or "its default config")
+                 + (f" with {cfg.config_overrides}" if cfg.config_overrides else "")
+                 + ", fresh weights")
+    line = f"model: {model}; objective: {OBJECTIVE_NAMES.get(spec.objective, spec.objective)}"
+    if spec.tokenizer_dir:
+        if spec.tokenizer_dir == builtin_tokenizer_dir():
+            tokenizer = "raylm's built-in BPE"
+        else:
+            tokenizer = cfg.tokenizer_name or cfg.model_name_or_path or spec.tokenizer_dir
+        line += f"; tokenizer: {tokenizer} ({spec.vocab_size:,} tokens)"
+    return line
+
+
 def max_positions(config) -> Optional[int]:
     for name in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, name, None)

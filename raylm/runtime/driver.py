@@ -29,6 +29,7 @@ from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
 from raylm.data.sampler import GlobalBatchSampler
 from raylm.errors import ConfigError, TrainingFailed
+from raylm.models.loading import model_line
 from raylm.models.lora import lora_line, lora_model_dirs
 from raylm.plan.layout import Plan, plan_run
 from raylm.plan.text import describe_partition
@@ -214,6 +215,7 @@ class Driver:
         if not ray_first:
             with _timed(self.startup, "ray"):
                 owns_ray = cluster.connect(cfg.address, early)
+        log.info("%s", model_line(cfg, inputs.spec))
         asked = False
         try:
             group = cfg.tp or 1
