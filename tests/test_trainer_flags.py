@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from raylm.cli.args import config_from_namespace, load_run_file
 from raylm.cli.main import build_parser, main
 from raylm.data.sampler import GlobalBatchSampler
 from raylm.runtime.schedule import make_scheduler
-from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.conftest import REPO, SHAKESPEARE, TINY_GPT2
 from tests.dashboards import tensorboard_scalars
 
 
@@ -68,6 +69,22 @@ def test_run_file_keys_take_old_names_and_refuse_foreign_ones(tmp_path):
     bad.write_text(json.dumps({"deepspeed": "ds.json"}))
     with pytest.raises(ConfigError, match="deepspeed: raylm shards"):
         load_run_file(str(bad))
+
+
+def test_the_example_run_file_is_a_run_whose_inputs_check(tmp_path, monkeypatch):
+    """examples/run.yaml, as the docs run it: from a directory holding corpus/, with a
+    flag on the line that wins; its model, data and numbers pass the checks made before
+    Ray starts."""
+    from raylm.runtime.input_checks import check_inputs
+
+    shutil.copytree(SHAKESPEARE, tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    ns = build_parser().parse_args(["train", str(REPO / "examples" / "run.yaml"),
+                                    "--max_steps", "10"])
+    cfg = config_from_namespace(ns, load_run_file(ns.run_file))
+    assert cfg.max_steps == 10 and cfg.num_workers == 2 and cfg.train_file == ["corpus/"]
+    inputs = check_inputs(cfg)
+    assert inputs.block_size == 64 and len(inputs.train_files) == 36
 
 
 def lrs(settings: dict, total: int) -> list:
