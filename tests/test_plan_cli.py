@@ -146,6 +146,8 @@ def test_pp1_is_one_line_for_the_whole_model(capsys):
     assert "dp=3 x pp=1 x tp=1" in out
     [line] = [l for l in out.splitlines() if "holds the whole model" in l]
     assert f"{total:,} parameters" in line and "activations" in line
+    # (its total is the per-worker memory's without the workspace: said, not left to guess)
+    assert line.endswith("per rank, before the workspace that 'memory per worker' above adds")
     rep = plan_json(capsys, *args)
     assert rep["stages"] == [] and rep["ranks"][0]["parameters"] == total
 
@@ -275,6 +277,27 @@ def test_plan_with_ample_memory_and_an_explicit_stage(capsys):
     assert rep["zero"]["stage"] == 1 and rep["zero"]["chosen_by"] == "flag"
     assert rep["memory"]["optimizer"] == pytest.approx(
         rep["zero"]["stages"][0]["optimizer"] / 4)
+
+
+def test_a_zero3_peak_above_zero2s_is_explained(capsys):
+    note = "(ZeRO-3's peak is above ZeRO-2's: it gathers each block's parameters"
+    kept = plan_json(capsys, *ZERO_GPT2, "--zero_stage", "3", "--reshard_after_forward",
+                     "false")["zero"]["stages"]
+    assert kept[3]["total"] > kept[2]["total"]
+    rc, out, _ = plan(capsys, *ZERO_GPT2, "--zero_stage", "3", "--reshard_after_forward",
+                      "false")
+    [line] = [l for l in out.splitlines() if l.strip().startswith(note)]
+    assert "and here keeps them gathered through the step" in line
+    # Freed after each forward: in a 2-block model the two gathered blocks still weigh
+    # more than ZeRO-3 saves; in a 12-block GPT-2 they do not, and nothing is said.
+    freed = plan(capsys, *ZERO_GPT2, "--zero_stage", "3", "--reshard_after_forward", "true")
+    [line] = [l for l in freed[1].splitlines() if l.strip().startswith(note)]
+    assert "keeps them" not in line
+    gpt2 = ("--model_type", "gpt2", "--num_workers", "4", "--block_size", "128",
+            "--zero_stage", "3", "--reshard_after_forward", "true")
+    freed = plan_json(capsys, *gpt2)["zero"]["stages"]
+    assert freed[3]["total"] < freed[2]["total"]
+    assert note not in plan(capsys, *gpt2)[1]
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -455,7 +455,8 @@ def format_plan_report(report: dict) -> list[str]:
         lines.append(f"{holds}; ~{human_bytes(r['weight_bytes'])} "
                      f"weights+grads+AdamW + ~{human_bytes(r['activation_bytes'])} "
                      f"activations (1 micro-batch of {mb} x {seq} tokens at a "
-                     f"time) = ~{human_bytes(r['total_bytes'])} per rank")
+                     f"time) = ~{human_bytes(r['total_bytes'])} per rank, before the "
+                     "workspace that 'memory per worker' above adds")
         lines.append(note)
         return lines + _recompute_lines(report) + _zero_lines(report)
 
@@ -533,6 +534,13 @@ def _zero_lines(report: dict) -> list[str]:
     lines += _table(["  stage", "partitioned over dp", "parameters", "gradients",
                      "optimizer states", "states", "peak/worker", "fits", ""], rows,
                     right={2, 3, 4, 5, 6})
+    by = {s["stage"]: s for s in z["stages"]}
+    if 2 in by and 3 in by and by[3]["total"] > by[2]["total"]:
+        kept = report["plan"]["pp"] > 1 or not z.get("reshard_after_forward", True)
+        lines.append("  (ZeRO-3's peak is above ZeRO-2's: it gathers each block's parameters "
+                     "for its forward and backward" + (", and here keeps them gathered "
+                     "through the step" if kept else "") + "; the peak counts them, "
+                     "the states do not)")
     lines.append("")
     lines += z["ownership_summary"]
     return lines
