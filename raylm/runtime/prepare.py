@@ -58,11 +58,24 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     if cfg.max_train_samples is not None:
         train_ids = train_ids[:cfg.max_train_samples]
     eval_ids, eval_sets = _eval_sets(cfg, inputs, eval_ds, eval_ids)
+    if cfg.should_eval and len(eval_ids):
+        log.info("evaluation data: %d samples of %d tokens (%s)", len(eval_ids),
+                 inputs.block_size, _eval_source(cfg, inputs, eval_ds, train))
     if cfg.should_train and len(train_ids) == 0:
         raise ConfigError("no training samples left after the validation split; give more "
                           "data, a smaller --block_size or --validation_split_percentage")
     return Data(train=train, eval=eval_ds, train_ids=train_ids, eval_ids=eval_ids,
                 eval_sets=eval_sets)
+
+
+def _eval_source(cfg: TrainConfig, inputs: Inputs, eval_ds, train) -> str:
+    if eval_ds is not train:
+        files = len(inputs.eval_files)
+        return (f"{files} file(s), " if files > 1 else "") + (
+            "cached" if eval_ds.reused else "tokenized now")
+    if not cfg.should_train and cfg.validation_split_percentage == 0:
+        return "all of --train_file"
+    return f"{cfg.validation_split_percentage:g}% of the training data, held out"
 
 
 FEW_BATCHES = 3  # training data under this many global batches is warned of
