@@ -30,17 +30,30 @@ def base_args(tmp_path, data, cache_root):
             str(tmp_path / "out"), "--max_steps", "2", "--disable_tqdm"]
 
 
-def test_help_lists_every_flag(capsys):
-    """`raylm train --help` prints (a literal % in a help text once broke it) and names
-    every TrainConfig field as a flag."""
+def test_help_is_a_page_and_help_all_lists_every_flag(capsys):
+    """`raylm train --help` shows the common flags and says where the rest are;
+    `--help-all` names every TrainConfig field (a literal % in a help text once broke
+    the help)."""
     import dataclasses
 
-    with pytest.raises(SystemExit) as stop:
-        main(["train", "--help"])
-    assert stop.value.code == 0
-    out = capsys.readouterr().out
-    missing = [f.name for f in dataclasses.fields(TrainConfig) if f"--{f.name}" not in out]
-    assert missing == []
+    from raylm.cli.args import BRIEF
+
+    def help_of(flag):
+        with pytest.raises(SystemExit) as stop:
+            main(["train", flag])
+        assert stop.value.code == 0
+        return capsys.readouterr().out
+
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    full = help_of("--help-all")
+    assert [n for n in names if f"--{n}" not in full] == []
+    brief = help_of("--help")
+    assert [n for n in BRIEF if f"--{n} " not in brief and f"--{n}\n" not in brief] == []
+    assert "--huge_pages" not in brief and "--peak_tflops" not in brief
+    assert brief.rstrip().endswith(f"{len(names) - len(BRIEF)} more flags: --help-all, or "
+                                   "the flags reference in the docs\n"
+                                   "(docs/reference/flags.md).")
+    assert len(brief.splitlines()) < len(full.splitlines()) / 2
 
 
 def test_unknown_flag_is_one_line_from_the_real_command():

@@ -171,8 +171,43 @@ def config_flags(only: tuple = ()) -> list:
     return sorted(out, key=lambda flag: order.index(flag.group))
 
 
+# The flags `--help` shows, to keep it a page; `--help-all` and the docs' flags reference
+# show every one.
+BRIEF = (
+    "task", "do_train", "do_eval", "num_train_epochs", "max_steps",
+    "model_name_or_path", "model_type", "config_overrides", "objective", "use_peft",
+    "tokenizer_name", "train_file", "validation_file", "dataset_name", "train_dir",
+    "block_size", "line_by_line", "streaming",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+    "weight_decay", "bf16", "fp16", "lr_scheduler_type", "warmup_steps", "seed",
+    "output_dir", "overwrite_output_dir", "logging_steps", "eval_strategy", "eval_steps",
+    "save_steps", "resume_from_checkpoint", "report_to", "log_level",
+    "address", "num_workers", "use_gpu", "dp", "tp", "pp", "zero_stage",
+    "gradient_checkpointing", "torch_compile",
+    "min_workers", "max_workers", "max_failures")
+
+
+class _HelpAll(argparse.Action):
+    """--help-all: the help with every flag (``--help`` shows BRIEF's)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show every flag, not only the common ones, and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if hasattr(action, "full_help"):
+                action.help = action.full_help
+        parser.epilog = None
+        parser.print_help()
+        parser.exit()
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> None:
+    """TrainConfig's fields as flags, by group; ``--help`` shows BRIEF's, ``--help-all``
+    every one."""
     groups = {}
+    hidden = 0
     for flag in config_flags(only):
         if flag.group not in groups:
             groups[flag.group] = parser.add_argument_group(
@@ -191,7 +226,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple = ()) -> N
             kwargs["help"] += f" (default: {flag.default})"
         flags = [f"--{n}" for n in flag.names]
         flags += [f"--{n.replace('_', '-')}" for n in flag.names if "_" in n]
-        groups[flag.group].add_argument(*flags, dest=flag.name, **kwargs)
+        action = groups[flag.group].add_argument(*flags, dest=flag.name, **kwargs)
+        if flag.name not in BRIEF and not only:
+            action.full_help, action.help = action.help, argparse.SUPPRESS
+            hidden += 1
+    if hidden:
+        parser.add_argument("--help-all", action=_HelpAll)
+        parser.epilog = (f"{hidden} more flags: --help-all, or the flags reference in the "
+                         "docs (docs/reference/flags.md).")
 
 
 def load_run_file(path: str) -> dict:
