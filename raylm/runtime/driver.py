@@ -607,6 +607,7 @@ class Driver:
         self.finished = True
         return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
 
+
 def _check_stream_room(plan: Plan, task_cpus: float, chosen: bool) -> None:
     """--streaming tokenizes while the ranks train: Ray Data's tasks need CPUs the ranks
     do not reserve, or the stream never starts (Ray queues them forever). ``chosen``:
