@@ -101,6 +101,7 @@ def test_example_runs(example, ray_address, tmp_path):
     assert "\x1b[" not in out.stdout + out.stderr
     bars = [l for l in out.stderr.splitlines() if "pid=" in l and "Loading" in l]
     assert not bars, bars[:3]
+    assert "planner:   not " not in out.stderr  # (the runners-up: at --log_level debug)
     if example.name == "getting-started-python.py":  # a program that set up no logging
         assert re.search(r"raylm INFO step 10/10 +loss", out.stderr), out.stderr[-3000:]
     if example.name in NAMED:  # the model, objective and tokenizer, named once a run

@@ -520,9 +520,11 @@ def choose_for_config(cfg, num_workers: int, spec=None, seq_len: Optional[int] =
                           recompute=requested_recompute(cfg) or "none")
     if search.chosen is None:
         raise no_fit_error(search)
-    if searched_here:
-        for line in summary(search):
-            log.info("%s", line)
+    if searched_here:  # the choice; its runners-up at debug (`raylm plan` shows them)
+        first, *rest = summary(search)
+        log.info("%s", first)
+        for line in rest:
+            log.debug("%s", line)
     return search.chosen.layout
 
 
