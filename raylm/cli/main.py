@@ -13,6 +13,7 @@ import sys
 from raylm.cli.args import (OneLineParser, add_config_arguments, config_from_namespace,
                             load_run_file)
 from raylm.errors import ConfigError, TrainingFailed
+from raylm.runtime.console import FORMAT
 
 TOKENIZE_FIELDS = ("train_file", "validation_file", "model_name_or_path", "config_name",
                    "model_type", "config_overrides", "tokenizer_name", "block_size",
@@ -108,8 +109,6 @@ def build_parser() -> OneLineParser:
 
 
 def _setup_logging() -> None:
-    from raylm.runtime.console import FORMAT
-
     logging.basicConfig(level=logging.INFO, format=FORMAT, datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

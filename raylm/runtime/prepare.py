@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from raylm.config import TrainConfig
+from raylm.data.sampler import rank_share, split_train_eval
 from raylm.errors import ConfigError
 from raylm.runtime.image_classification import image_data
 from raylm.runtime.inputs import Data, Inputs, release_kept_ranks
@@ -20,7 +21,6 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     """Tokenize (or reuse the cache) and choose the train and eval sample ids. Rank
     processes kept between runs (raylm.keep_ranks) are stopped before any tokenizing:
     Ray Data's tasks may need their CPUs."""
-    from raylm.data.sampler import split_train_eval
     from raylm.data.tokenized import build_tokenized_dataset
 
     def build(files):
@@ -41,7 +41,7 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     train = build(inputs.train_files) if inputs.train_files else None
     if train is not None:
         log.info("training data: %d samples of %d tokens (%s)", train.num_samples,
-                 inputs.block_size, "cached" if train.reused else "tokenized now")
+                 inputs.block_size, _made(train))
     if inputs.eval_files:
         eval_ds = build(inputs.eval_files)
         eval_ids = np.arange(eval_ds.num_samples, dtype=np.int64)
@@ -68,11 +68,14 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
                 eval_sets=eval_sets)
 
 
+def _made(ds) -> str:
+    return "cached" if ds.reused else "tokenized now"
+
+
 def _eval_source(cfg: TrainConfig, inputs: Inputs, eval_ds, train) -> str:
     if eval_ds is not train:
         files = len(inputs.eval_files)
-        return (f"{files} file(s), " if files > 1 else "") + (
-            "cached" if eval_ds.reused else "tokenized now")
+        return (f"{files} file(s), " if files > 1 else "") + _made(eval_ds)
     if not cfg.should_train and cfg.validation_split_percentage == 0:
         return "all of --train_file"
     return f"{cfg.validation_split_percentage:g}% of the training data, held out"
@@ -93,8 +96,9 @@ def degenerate(cfg: TrainConfig, data: Data, global_batch: int, dp: int) -> list
                        f"of {global_batch}: give more data, or lower --block_size or "
                        "--per_device_train_batch_size")
         least = n % global_batch or global_batch  # an epoch's last, shortest step
-        if least < dp:
-            out.append(f"a step of {least} sample(s) leaves {dp - least} of the {dp} "
+        idle = sum(not len(rank_share(np.arange(least), r, dp)) for r in range(dp))
+        if idle:
+            out.append(f"a step of {least} sample(s) leaves {idle} of the {dp} "
                        "data-parallel rank(s) with none: lower --num_workers or --dp")
     files = getattr(train, "samples_per_file", None)
     if files and not train.line_by_line and 0 in files:
