@@ -353,8 +353,6 @@ def test_dropout_intercepted_only_where_the_model_calls_it(family, caplog):
     losses and gradients as intercepting everywhere (float64, to the bit), under
     activation checkpointing's replays too; a forward that makes another number of
     dropout calls than the first turns the scoping off, with a warning."""
-    import logging
-
     from raylm.models.dropout import DropoutSites
     from raylm.parallel.recompute import apply_activation_checkpointing
 
@@ -383,3 +381,139 @@ def test_dropout_intercepted_only_where_the_model_calls_it(family, caplog):
     again = _run(model, tokens, [[10, 11], [12, 13]], sites=sites)
     _assert_same(everywhere, again, tol=0)
     assert not sites.ready
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=32)
+    config._attn_implementation = "eager"
+    return BertForMaskedLM(config).train().double()
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, dropout_rate=0.1,
+                      decoder_start_token_id=0)
+    config._attn_implementation = "eager"
+    return T5ForConditionalGeneration(config).train().double()
+
+
+def _through_stages(make, bounds, x, dec, ids, seed=7, step=3):
+    """Logits of ``x`` run through pipeline stage modules (raylm's own cut), each stage
+    in its own SampleDropout context as a pipeline rank runs it."""
+    from raylm.models.dropout import DropoutSites, name_sites
+    from raylm.parallel.pipeline.stages import _stage_factory
+    from raylm.plan.partition import Partition
+
+    model = make()
+    name_sites(model)
+    part = Partition(bounds=bounds, stage_rank=list(range(len(bounds))))
+    factory, _ = _stage_factory(model, part, None)
+    acts = (x,)
+    for s in range(len(bounds)):
+        stage = factory(s)
+        stage.train()
+        stage.dropout = [seed, step, DropoutSites()]
+        kwargs = {"decoder_input_ids": dec} if dec is not None else {}
+        out = stage(*acts, sample_ids=torch.tensor(ids), **kwargs)
+        acts = out if isinstance(out, tuple) else (out,)
+    return acts[0], model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5"])
+def test_pipeline_stages_draw_the_whole_models_masks(family):
+    """Sites keyed by the whole model's module names (name_sites): a model cut into two
+    pipeline stages, each stage run in its own context, computes the whole model's
+    logits and gradients with dropout on (float64, to rounding). T5's stack dropout,
+    called on the embedding and on the final norm, is split across the stages."""
+    from raylm.models.dropout import DropoutSites, name_sites
+
+    make = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "t5": _t5}[family]
+    bounds = [(0, 1), (1, 4)] if family == "t5" else [(0, 1), (1, 2)]
+    ids = [10, 11, 12]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, 101, (3, SEQ), generator=g)
+    dec = torch.randint(1, 101, (3, SEQ), generator=g) if family == "t5" else None
+    kwargs = {"decoder_input_ids": dec} if dec is not None else {}
+
+    def whole(named):
+        model = make()
+        if named:
+            name_sites(model)
+        with SampleDropout(7, 3, ids, DropoutSites()):
+            logits = model(input_ids=x, **kwargs).logits
+        return logits, model
+
+    def grads(model, logits):
+        logits.square().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_logits, ref_model = whole(True)
+    staged_logits, staged_model = _through_stages(make, bounds, x, dec, ids)
+    assert torch.allclose(staged_logits, ref_logits, rtol=0, atol=1e-10)
+    ref_grads, staged_grads = grads(ref_model, ref_logits), grads(staged_model, staged_logits)
+    assert ref_grads.keys() == staged_grads.keys()
+    for n in ref_grads:
+        assert torch.allclose(staged_grads[n], ref_grads[n], rtol=0, atol=1e-10), n
+    # Keyed by a running call count instead (a model not named), a stage's masks are
+    # other ones: the keying is what makes the stages agree.
+    plain_logits, _ = whole(False)
+    assert (plain_logits - ref_logits).abs().max() > DIFFERENT
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 4, 6, 6), 1), ((3, 6, 5), 2), ((3, 5, 4), 1)],
+                         ids=["heads", "hidden", "uneven"])
+def test_a_shard_draws_its_slice_of_the_whole_mask(shape, dim):
+    """A tensor-parallel rank's plain tensor (a shard of ``dim``: torch's Shard, ceil
+    share in rank order) draws exactly its slice of the whole tensor's mask, from the
+    whole model's row shape (Shards); a shape no shard of the whole explains falls back."""
+    from raylm.models.dropout import Shards, ShardView
+
+    ids, whole = [10, 11, 12], torch.ones(shape, dtype=torch.float64)
+    with SampleDropout(7, 3, ids) as sd:
+        full = F.dropout(whole, 0.4)
+    assert sd.fallbacks == 0 and 0 < (full == 0).float().mean() < 1
+    pieces = []
+    for rank, local in enumerate(torch.tensor_split(whole, 2, dim=dim)):
+        view = ShardView(Shards(None, rank, 2), {0: tuple(shape[1:])})
+        with SampleDropout(7, 3, ids, shards=view) as sd:
+            pieces.append(F.dropout(local, 0.4))
+        assert sd.fallbacks == 0
+    assert torch.equal(torch.cat(pieces, dim=dim), full)
+    # Without the whole model's shape, or with a shard it cannot be: torch's own, counted.
+    for rows in ({}, {0: tuple(s + 1 for s in shape[1:])}):
+        with SampleDropout(7, 3, ids, shards=ShardView(Shards(None, 0, 2), rows)) as sd:
+            F.dropout(pieces[0], 0.4)
+        assert sd.fallbacks == 1
+
+
+def test_shards_read_the_whole_models_row_shapes_on_the_meta_device():
+    """Shards.view records each dropout call's row shape from a forward of the whole
+    model's skeleton (raylm.models.loading's meta build: no weights) keyed as the rank's
+    model: GPT-2's embedding, attention-probability and residual dropouts. (With a pad
+    token, as raylm's models have: GPT-2 then reads its input ids, which a meta tensor
+    alone cannot give.)"""
+    from transformers import GPT2Config
+
+    from raylm.models.dropout import Shards, name_sites, per_sample_dropout
+    from raylm.models.materialize import meta_skeleton
+    from raylm.models.loading import ModelSpec
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=101, n_positions=32,
+                        pad_token_id=0)
+    spec = ModelSpec(config=config, pretrained_path=None, tokenizer_dir="", vocab_size=101)
+    skeleton = meta_skeleton(spec, 0).train()
+    assert per_sample_dropout(skeleton)
+    name_sites(skeleton)
+    inputs = {"input_ids": torch.zeros(5, SEQ, dtype=torch.long)}
+    rows = Shards(skeleton, 1, 2).view(inputs).rows
+    shapes = sorted(rows.values())
+    assert len(rows) == 7
+    assert shapes == sorted([(SEQ, 32)] * 5 + [(4, SEQ, SEQ)] * 2)

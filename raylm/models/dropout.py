@@ -11,33 +11,42 @@ row ``b`` is multiplied by ``keep / (1 - p)``, where ``keep`` is a Bernoulli(1 -
 drawn from a key hashed from ``(seed, step, sample_ids[b], call_index)``: element ``j`` of
 the row is kept when a 32-bit hash of ``(key, j)`` is at or above ``p`` (a counter-based
 draw, computed where the tensor is: numpy on the CPU, one Triton kernel on a GPU, torch
-integer operations on a GPU without Triton; the same bits on each). ``call_index``
-counts the dropouts applied inside the context (0, 1, ...), so each layer gets its own
-mask; the model must make the same dropout calls in the same
-order for every sample (true of Hugging Face models, given batch-first activations).
+integer operations on a GPU without Triton; the same bits on each).
+
+``call_index`` names the dropout by what it masks, not by where it runs: in a model whose
+modules were keyed by ``name_sites`` (the engine's), the key of the innermost module
+running the call (from its name in the whole model) mixed with how many calls that
+module made before in the context, so a pipeline stage draws the masks the whole model
+draws for its blocks; in a model not keyed, the number of dropouts applied inside the
+context so far (0, 1, ...). Either way the model must make the same dropout calls in the
+same order for every sample (true of Hugging Face models, given batch-first activations).
 Rows with negative ids are filler; their masks are arbitrary but deterministic.
 
 Intercepted (via ``torch.overrides.TorchFunctionMode``): ``torch.nn.functional.dropout``
 (what ``nn.Dropout`` and Hugging Face eager attention call), ``torch.dropout`` and
 ``torch.dropout_``; and stochastic depth's draw, ``Tensor.bernoulli_`` on one value per
 row (torchvision's Swin, timm's ``DropPath``): row ``b`` keeps its branch when a uniform
-draw from its key's top 53 bits is below the survival rate. Dropouts that cannot be
-made per-sample run as torch's own and are counted in ``fallbacks``: a tensor whose dim 0 is not the batch, a tensor subclass (e.g.
-DTensor), the other random dropouts (``dropout1d/2d/3d``, ``alpha_dropout``,
-``feature_alpha_dropout``) and ``scaled_dot_product_attention`` with ``dropout_p > 0``
-(use ``attn_implementation="eager"`` for attention dropout to be per-sample).
+draw from its key's top 53 bits is below the survival rate. A tensor-parallel shard (a
+DTensor, or a plain tensor explained by ``Shards``) draws its slice of the whole mask.
+Dropouts that cannot be made per-sample run as torch's own and are counted in
+``fallbacks``: a tensor whose dim 0 is not the batch, another tensor subclass, a shard
+whose place in the whole tensor is not known, the other random dropouts
+(``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``) and
+``scaled_dot_product_attention`` with ``dropout_p > 0`` (use
+``attn_implementation="eager"`` for attention dropout to be per-sample).
 
 With ``sites`` (a ``DropoutSites`` of the model), the first context notes which modules
 call dropout and later ones intercept inside those modules alone, not every torch call
 of the forward (what the engine does).
 
 Activation checkpointing recomputes a block's forward in backward, outside the context:
-``SampleDropout.current()`` (the context open when the block first ran) and
-``replay(calls)`` let it redraw the very masks (raylm.parallel.recompute).
+``SampleDropout.current()`` (the context open when the block first ran), ``mark()`` and
+``replay(mark)`` let it redraw the very masks (raylm.parallel.recompute).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from typing import Sequence, Union
@@ -47,9 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.module import (register_module_forward_hook,
                                      register_module_forward_pre_hook)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DropoutSites", "SampleDropout", "mix_seed", "per_sample_dropout"]
+__all__ = ["DropoutSites", "SampleDropout", "calls_before", "mix_seed", "name_sites",
+           "per_sample_dropout"]
 
 _M64 = (1 << 64) - 1
 
@@ -63,6 +77,9 @@ _UNHANDLED = {F.dropout1d: ("training", True), F.dropout2d: ("training", True),
               F.feature_alpha_dropout: ("training", False)}
 for _name in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
     _UNHANDLED[getattr(torch, _name)] = _UNHANDLED[getattr(torch, _name + "_")] = ("train", None)
+# Tensors masked as they are (a collective's pending result: its dispatch waits for it,
+# under autograd).
+_PLAIN = (torch.Tensor, torch.nn.Parameter, AsyncCollectiveTensor)
 _WATCHED = frozenset([*_REPLACED, *_UNHANDLED, torch.Tensor.bernoulli_,
                       F.scaled_dot_product_attention])
 
@@ -99,6 +116,36 @@ def mix_seed(seed: int, step: int, sample_id: int, call_index: int) -> int:
     return h
 
 
+# A module's site key (name_sites): a hash of its name, low bits left for its call count.
+_SITE_ATTR, _COUNT_BITS = "_raylm_dropout_site", 20
+
+
+def site_key(name: str) -> int:
+    """The 64-bit key of the dropout site named ``name`` (a module path in the whole
+    model), its low ``_COUNT_BITS`` bits zero; never 0."""
+    h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    return (h & ~((1 << _COUNT_BITS) - 1) & _M64) or (1 << _COUNT_BITS)
+
+
+def name_sites(model: torch.nn.Module) -> None:
+    """Key every module of ``model`` by its name in it, before the model is cut into
+    pipeline stages or sharded: the stages and shards then keep the whole model's keys
+    (an attribute of each module object, which stage views copy)."""
+    for name, module in model.named_modules():
+        setattr(module, _SITE_ATTR, site_key(name))
+
+
+def calls_before(module: torch.nn.Module, calls: int) -> None:
+    """In the open context, ``module`` (a dropout site) made ``calls`` dropout calls
+    before this point: for a pipeline stage that runs only a later call of a module the
+    whole model calls several times (T5's stack dropout, on its embedding and then on
+    its final norm)."""
+    ctx = SampleDropout.current()
+    site = getattr(module, _SITE_ATTR, None)
+    if ctx is not None and site is not None:
+        ctx._counts[site] = max(ctx._counts.get(site, 0), calls)
+
+
 # lowbias32's multipliers (C. Wellons' hash prospector); the second as its negative
 # residue modulo 2**32, so that a 32-bit value times either stays inside int64.
 _M32, _HASH1, _HASH2 = 0xFFFFFFFF, 0x7FEB352D, 0x846CA68B - (1 << 32)
@@ -113,11 +160,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _keep_torch(lo: torch.Tensor, hi: torch.Tensor, n: int, thresh: int) -> torch.Tensor:
+def _keep_torch(lo: torch.Tensor, hi: torch.Tensor, n: int, thresh: int,
+                positions=None) -> torch.Tensor:
     """[B, n] bool: element j of row b kept (its hash's top 24 bits at or above
     ``thresh``), from row b's key halves ``lo[b]``, ``hi[b]`` (int64 tensors, on the
-    device the mask is for: a GPU without Triton)."""
-    j = torch.arange(n, dtype=torch.int64, device=lo.device)
+    device the mask is for: a GPU without Triton). ``positions``: each element's j (its
+    place in the whole row, for a shard; default 0 .. n-1)."""
+    j = (torch.arange(n, dtype=torch.int64, device=lo.device) if positions is None
+         else torch.from_numpy(positions.astype(np.int64)).to(lo.device))
     h = _hash32(_hash32(j ^ lo[:, None]) ^ hi[:, None])
     return (h >> 8) >= thresh
 
@@ -132,11 +182,12 @@ def _hash32_numpy(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _keep_numpy(keys: np.ndarray, n: int, thresh: int) -> np.ndarray:
+def _keep_numpy(keys: np.ndarray, n: int, thresh: int, positions=None) -> np.ndarray:
     """``_keep_torch``'s mask on the CPU, in 32-bit numpy (two to four times faster
     there than int64 torch, and than drawing from a generator per row)."""
     lo, hi = _halves(keys).astype(np.uint32)
-    x = _hash32_numpy(np.arange(n, dtype=np.uint32)[None, :] ^ lo[:, None])
+    j = np.arange(n, dtype=np.uint32) if positions is None else positions
+    x = _hash32_numpy(j[None, :] ^ lo[:, None])
     x ^= hi[:, None]
     return (_hash32_numpy(x) >> np.uint32(8)) >= np.uint32(thresh)
 
@@ -170,18 +221,23 @@ def _scaled(keep: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
     return keep.view(x.shape).to(dtype=x.dtype).div_(1.0 - p)
 
 
-def mask_cpu(keys: np.ndarray, x: torch.Tensor, p: float) -> torch.Tensor:
+def mask_cpu(keys: np.ndarray, x: torch.Tensor, p: float, positions=None) -> torch.Tensor:
     """The dropout mask of a CPU tensor ``x`` (rows: dim 0) from each row's 64-bit key:
-    ``1 / (1 - p)`` where kept, else 0, in x's dtype and shape."""
+    ``1 / (1 - p)`` where kept, else 0, in x's dtype and shape. ``positions``: where each
+    element of a row of ``x`` sits in the whole row, when ``x`` is a shard
+    (``shard_positions``)."""
     n, thresh = _threshold(x, p)
-    return _scaled(torch.from_numpy(_keep_numpy(keys, n, thresh)), x, p)
+    return _scaled(torch.from_numpy(_keep_numpy(keys, n, thresh, positions)), x, p)
 
 
-def mask_device(lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
+def mask_device(lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor, p: float,
+                positions=None) -> torch.Tensor:
     """``mask_cpu``'s mask, bit for bit, of ``x`` off the CPU, from the keys' low and high
     32 bits (int64, on x's device): one Triton kernel on a GPU, else torch's integer
-    operations."""
+    operations (a shard's too: the kernel draws whole rows)."""
     n, thresh = _threshold(x, p)
+    if positions is not None:
+        return _scaled(_keep_torch(lo, hi, n, thresh, positions), x, p)
     # (float64 masks by torch: the kernel's scale is a float32, which a float64 mask's
     # division by 1 - p is not)
     kernel = _kernel() if x.device.type == "cuda" and x.dtype != torch.float64 else None
@@ -194,6 +250,13 @@ def mask_device(lo: torch.Tensor, hi: torch.Tensor, x: torch.Tensor, p: float) -
         except Exception as e:  # a GPU Triton cannot build for: the same bits by torch
             _give_up_kernel(e)
     return _scaled(_keep_torch(lo, hi, n, thresh), x, p)
+
+
+def shard_positions(whole: tuple, local: tuple, offsets: tuple) -> np.ndarray:
+    """[prod(local)] uint32: the index in a whole row of shape ``whole`` (C order) of each
+    element of a shard of shape ``local`` starting at ``offsets`` (one per dim)."""
+    grid = np.ix_(*(np.arange(n) + o for n, o in zip(local, offsets)))
+    return np.ravel_multi_index(grid, whole).ravel().astype(np.uint32)
 
 
 def _give_up_kernel(error: Exception) -> None:
@@ -221,9 +284,11 @@ class SampleDropout(TorchFunctionMode):
     """
 
     def __init__(self, seed: int, step: int, sample_ids: Union[Sequence[int], torch.Tensor],
-                 sites: "DropoutSites | None" = None):
+                 sites: "DropoutSites | None" = None, shards: "ShardView | None" = None):
         super().__init__()
         self.sites = sites  # where the model's dropouts are (None: intercept everywhere)
+        self.shards = shards  # a tensor-parallel rank's: the whole model's row shapes
+        self.record = None  # {call index: row shape}: record shapes, draw nothing
         self.scoped = False  # intercepting inside the sites' modules only
         self._depth = 0  # site modules open (scoped)
         self._replay = False
@@ -235,25 +300,45 @@ class SampleDropout(TorchFunctionMode):
         self.sample_ids = [int(i) for i in sample_ids]
         self.calls = 0
         self.fallbacks = 0
+        self._counts: dict = {}  # site key -> its calls so far in the context
+        self._stack: list = []  # the modules running (scoped: the sites), innermost last
+        self._hooks: list = []  # global module hooks that keep _stack (not scoped)
+        self._order: list = []  # the call indices drawn, in order
         self._rows = None  # each row's key before the call index (keys())
-        self._device = None  # (device, the first calls' key halves and draws there)
+        self._device = None  # (device, {call index: column}, key halves and draws there)
 
     _open: list = []  # the contexts open now, innermost last
-    _expected = 0  # the most calls a context has made: what the next one puts on a device
+    _last_order: list = []  # a context's call indices: what the next one puts on a device
 
     def __enter__(self):
         SampleDropout._open.append(self)
         self.scoped = self.sites is not None and self.sites.ready
         if self.scoped:
+            if self._stack:  # (a replay inside sites already open: as if entered)
+                self._depth = len(self._stack)
+                TorchFunctionMode.__enter__(self)
             return self  # the sites' hooks enter the mode around their modules
         if self.sites is not None and not self._replay:
             self.sites.start_probe()
+        if self.sites is None or not self.sites.probing:  # (a probe keeps its own stack)
+            self._hooks = [register_module_forward_pre_hook(self._push),
+                           register_module_forward_hook(self._pop, always_call=True)]
         return super().__enter__()
 
     def __exit__(self, *exc):
         SampleDropout._open.remove(self)
-        SampleDropout._expected = max(SampleDropout._expected, self.calls)
+        if self._order:
+            if self.sites is not None:
+                self.sites.order = self._order
+            else:
+                SampleDropout._last_order = self._order
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         if self.scoped:
+            if self._depth:
+                self._depth = 0
+                TorchFunctionMode.__exit__(self, None, None, None)
             if not self._replay and exc[0] is None:
                 self.sites.check(self.calls)
             return False
@@ -261,27 +346,60 @@ class SampleDropout(TorchFunctionMode):
             self.sites.end_probe(self.calls if exc[0] is None else None)
         return super().__exit__(*exc)
 
-    def _site_entered(self):
+    def _push(self, module, args=None) -> None:
+        self._stack.append(module)
+
+    def _pop(self, module=None, args=None, output=None) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _site_entered(self, module):
         if self._depth == 0:
             TorchFunctionMode.__enter__(self)
         self._depth += 1
+        self._push(module)
 
     def _site_left(self):
+        self._pop()
         self._depth -= 1
         if self._depth == 0:
             TorchFunctionMode.__exit__(self, None, None, None)
+
+    def _modules(self) -> list:
+        """The modules running now, innermost last (a probe's: its sites' stack)."""
+        probing = self.sites is not None and self.sites.probing
+        return self.sites._stack if probing else self._stack
+
+    def _index(self) -> int:
+        """The call index of the dropout being applied (see the module docstring), and
+        one more call counted."""
+        site = next((getattr(m, _SITE_ATTR) for m in reversed(self._modules())
+                     if hasattr(m, _SITE_ATTR)), None)
+        index = self.calls
+        self.calls += 1
+        if site is not None:
+            n = self._counts.get(site, 0)
+            self._counts[site] = n + 1
+            index = site ^ (n & ((1 << _COUNT_BITS) - 1))
+        self._order.append(index)
+        return index
 
     @classmethod
     def current(cls):
         """The innermost open context, or None."""
         return cls._open[-1] if cls._open else None
 
-    def replay(self, calls: int) -> "SampleDropout":
-        """A context that draws this one's masks again from call index ``calls`` on
-        (a checkpointed block recomputed in backward: its dropouts were calls
-        ``calls``, ``calls + 1``, ... the first time)."""
-        again = SampleDropout(self.seed, self.step, self.sample_ids, self.sites)
-        again.calls, again._rows, again._device = calls, self._rows, self._device
+    def mark(self) -> tuple:
+        """Where the context stands (its calls so far, by site, and the modules open):
+        what ``replay`` takes."""
+        return self.calls, dict(self._counts), list(self._modules())
+
+    def replay(self, mark: tuple) -> "SampleDropout":
+        """A context that draws this one's masks again from ``mark`` on (a checkpointed
+        block recomputed in backward: its dropouts drew from there the first time)."""
+        again = SampleDropout(self.seed, self.step, self.sample_ids, self.sites, self.shards)
+        again.calls, again._counts, again._stack = mark[0], dict(mark[1]), list(mark[2])
+        again._rows, again._device = self._rows, self._device
         again._replay = True
         return again
 
@@ -320,10 +438,13 @@ class SampleDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _dropout(self, func, args, kwargs, x, p, inplace):
-        index = self.calls
-        self.calls += 1
-        if (type(x) not in (torch.Tensor, torch.nn.Parameter) or x.dim() == 0
-                or x.shape[0] != len(self.sample_ids) or p > 1.0):
+        index = self._index()
+        if self.record is not None:
+            self.record[index] = tuple(x.shape[1:])
+            return x
+        dtensor = isinstance(x, DTensor)
+        if (type(x) not in _PLAIN and not dtensor
+                or x.dim() == 0 or x.shape[0] != len(self.sample_ids) or p > 1.0):
             self.fallbacks += 1
             return func(*args, **kwargs)  # torch's own (it also raises for a bad p)
         if p == 1.0:  # as torch: multiply by zero
@@ -331,9 +452,20 @@ class SampleDropout(TorchFunctionMode):
         if x.numel() // x.shape[0] > 1 << 32:  # (j must fit the hash's 32 bits)
             self.fallbacks += 1
             return func(*args, **kwargs)
+        local, positions = x, None
+        if dtensor:  # (its global shape and this rank's offsets are its own)
+            local, positions = x.to_local(), _dtensor_positions(x)
+        elif self.shards is not None:
+            positions = self.shards.positions(index, tuple(x.shape[1:]))
+        if positions is False:  # a shard of a shape the whole model's does not explain
+            self.fallbacks += 1
+            return func(*args, **kwargs)
         drawn = self._drawn(index, x.device)
-        mask = (mask_cpu(self.keys(index), x, p) if drawn is None
-                else mask_device(drawn[0], drawn[1], x, p))
+        mask = (mask_cpu(self.keys(index), local, p, positions) if drawn is None
+                else mask_device(drawn[0], drawn[1], local, p, positions))
+        if dtensor:
+            mask = DTensor.from_local(mask, x.device_mesh, x.placements, run_check=False,
+                                      shape=x.shape, stride=x.stride())
         return x.mul_(mask) if inplace else x * mask
 
     def keys(self, index: int) -> np.ndarray:
@@ -351,17 +483,20 @@ class SampleDropout(TorchFunctionMode):
 
     def _drawn(self, index: int, device):
         """(low key halves, high halves, row uniforms) of call ``index`` on ``device``
-        (each [B]) when it is not the CPU, else None. The first ``_expected`` calls'
-        (as many as the last forward made) go there in one copy when the context first
-        draws, rather than a copy per call: on a GPU a model whose step is bound by the
-        host's launches then pays one copy per micro-batch (a later call: one more)."""
+        (each [B]) when it is not the CPU, else None. The call indices the last forward
+        of these sites drew go there in one copy when the context first draws, rather
+        than a copy per call: on a GPU a model whose step is bound by the host's
+        launches then pays one copy per micro-batch (another call: one more)."""
         if device.type == "cpu":
             return None
         if self._device is None or self._device[0] != device:
-            first = np.arange(max(SampleDropout._expected, index + 1), dtype=np.uint64)
-            self._device = (device, _on(device, self._pack(first)), first.size)
-        if index < self._device[2]:
-            return self._device[1][:, index]
+            order = self.sites.order if self.sites is not None else SampleDropout._last_order
+            first = np.array(list(dict.fromkeys([*order, index])), dtype=np.uint64)
+            self._device = (device, {int(i): c for c, i in enumerate(first)},
+                            _on(device, self._pack(first)))
+        column = self._device[1].get(index)
+        if column is not None:
+            return self._device[2][:, column]
         return _on(device, self._pack(np.array([index], dtype=np.uint64)))[:, 0]
 
     def _pack(self, indices: np.ndarray) -> torch.Tensor:
@@ -375,8 +510,7 @@ class SampleDropout(TorchFunctionMode):
         """``x.bernoulli_(p)`` on one value per row ([B, 1, ...]): stochastic depth's
         draw (torchvision's ``stochastic_depth`` in row mode, timm's ``drop_path``), each
         row's from its sample's key as for a dropout mask."""
-        index = self.calls
-        self.calls += 1
+        index = self._index()
         if (type(x) is not torch.Tensor or x.dim() == 0 or x.shape[0] != len(self.sample_ids)
                 or x.numel() != x.shape[0] or not isinstance(p, (float, int))
                 or not 0 <= p <= 1 or kwargs.get("generator") is not None):
@@ -390,6 +524,85 @@ class SampleDropout(TorchFunctionMode):
             uniform = (self.keys(index) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
             return x.copy_(torch.from_numpy(uniform < p).view(x.shape))
         return x.copy_((drawn[2].view(torch.float64) < p).view(x.shape))
+
+
+def _dtensor_positions(x):
+    """``shard_positions`` of a DTensor's local rows (None: it is whole on this rank;
+    False: its batch dim is sharded)."""
+    if any(isinstance(pl, Shard) and pl.dim % x.dim() == 0 for pl in x.placements):
+        return False
+    local, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh,
+                                                           x.placements)
+    if tuple(local) == tuple(x.shape):
+        return None
+    return shard_positions(tuple(x.shape[1:]), tuple(local[1:]), tuple(offsets[1:]))
+
+
+class Shards:
+    """What a tensor-parallel rank needs to draw its slice of each whole mask: the whole
+    model's row shape at each dropout call, recorded once per input shape by a forward of
+    the whole model on the meta device (no memory, no arithmetic; ``meta_model`` keyed by
+    ``name_sites`` as the rank's), and the rank's place in its group. A plain tensor whose
+    rows differ from the whole model's in one dim is taken for the rank's contiguous share
+    of that dim, as torch's ``Shard`` cuts it."""
+
+    def __init__(self, meta_model: torch.nn.Module, rank: int, size: int):
+        self.meta_model, self.rank, self.size = meta_model, rank, size
+        self._rows: dict = {}  # input row shapes -> {call index: row shape}
+        self._positions: dict = {}
+
+    def view(self, inputs: dict) -> "ShardView":
+        """The row shapes of a forward of ``inputs`` (name -> batch-first tensor)."""
+        key = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(inputs.items()))
+        if key not in self._rows:
+            recorder = SampleDropout(0, 0, [0])
+            recorder.record = {}
+            try:  # (fake inputs: Hugging Face skips its data-dependent checks for them)
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    meta = {k: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta")
+                            for k, v in inputs.items()}
+                    with recorder, torch.no_grad():
+                        self.meta_model(**meta)
+            except Exception as e:  # (every dropout of such a forward: torch's own)
+                logging.getLogger(__name__).warning(
+                    "per-sample dropout: the whole model's forward on the meta device "
+                    "failed (%s: %s); this rank's dropouts of inputs shaped %s are "
+                    "torch's own", type(e).__name__, e, key)
+                recorder.record = {}
+            self._rows[key] = recorder.record
+        return ShardView(self, self._rows[key])
+
+    def positions(self, whole: tuple, local: tuple):
+        """``shard_positions`` of a local row shape (None: whole; False: not one shard)."""
+        key = (whole, local)
+        if key not in self._positions:
+            self._positions[key] = self._find(whole, local)
+        return self._positions[key]
+
+    def _find(self, whole, local):
+        if whole == local:
+            return None
+        if whole is None or len(whole) != len(local):
+            return False
+        dims = [d for d in range(len(whole)) if whole[d] != local[d]]
+        if len(dims) != 1:
+            return False
+        d = dims[0]
+        size, offset = Shard.local_shard_size_and_offset(whole[d], self.size, self.rank)
+        if local[d] != size:
+            return False
+        offsets = tuple(offset if k == d else 0 for k in range(len(whole)))
+        return shard_positions(whole, local, offsets)
+
+
+class ShardView:
+    """``Shards`` for one forward: the whole model's row shape of each call."""
+
+    def __init__(self, shards: Shards, rows: dict):
+        self.shards, self.rows = shards, rows
+
+    def positions(self, index: int, local: tuple):
+        return self.shards.positions(self.rows.get(index), local)
 
 
 def _on(device, t: torch.Tensor) -> torch.Tensor:
@@ -419,6 +632,7 @@ class DropoutSites:
     def __init__(self):
         self.ready = False  # probed, hooks on the sites
         self.probing = False
+        self.order: list = []  # the call indices of the last forward (SampleDropout._drawn)
         self.expected = None  # the probe's dropout calls
         self._stack, self._sites, self._hooks, self._global = [], {}, [], []
         self._off = False  # a probe that could not scope, or a forward that disagreed
@@ -473,7 +687,7 @@ class DropoutSites:
 def _site_pre(module, args):
     ctx = SampleDropout.current()
     if ctx is not None and ctx.scoped:
-        ctx._site_entered()
+        ctx._site_entered(module)
 
 
 def _site_post(module, args, output):
@@ -485,8 +699,10 @@ def _site_post(module, args, output):
 # Modules that drop a whole sample's residual branch (stochastic depth) by a row draw.
 _ROW_DROPS = ("StochasticDepth", "DropPath")
 
-# Config fields of the attention-probability dropout, by family (GPT-2, Llama-like, BERT).
-_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+# Config fields of the attention-probability dropout, by family (GPT-2, Llama-like, BERT,
+# T5: one rate for every dropout).
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob",
+                      "dropout_rate")
 
 
 def per_sample_dropout(model: torch.nn.Module, attention_too: bool = True) -> bool:

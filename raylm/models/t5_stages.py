@@ -52,6 +52,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.models.dropout import calls_before
+
 __all__ = ["t5_units", "t5_stage_modules", "t5_split_block", "T5Stage"]
 
 
@@ -228,6 +230,7 @@ class T5Stage(nn.Module):
                 hidden, bias, _ = block(hidden, mask, bias, None, None, None, past_key_values=None)
             if not self.runs_enc_final:
                 return hidden, bias
+            calls_before(self.encoder.dropout, 1)  # (its first: the embedding's, stage 0's)
             enc_out = self.encoder.dropout(self.encoder.final_layer_norm(hidden))
             hidden = bias = None  # the encoder's self-attention bias is not used by the decoder
 
@@ -263,6 +266,7 @@ class T5Stage(nn.Module):
             # gradients from downstream and from this stage's cross-attention sum into the input.
             return hidden, enc_out.view_as(enc_out), bias
 
+        calls_before(self.decoder.dropout, 1)  # (its first: the decoder embedding's)
         hidden = self.decoder.dropout(self.decoder.final_layer_norm(hidden))
         if self._scale_decoder_outputs:
             hidden = hidden * (self._model_dim ** -0.5)

@@ -109,7 +109,7 @@ def _checkpointed(forward, mode: str, *args, **kwargs):
 def _contexts(mode: str, saved: list):
     """checkpoint's (forward, recomputation) contexts: selective checkpointing's
     caching modes, and the per-sample dropout context replayed for the recomputation
-    (from the call index it had when the block began)."""
+    (from where it stood when the block began)."""
     forward, again = [], []
     if mode == "selective":
         cache, cached = create_selective_checkpoint_contexts(
@@ -118,7 +118,7 @@ def _contexts(mode: str, saved: list):
         again.append(cached)
     dropout = SampleDropout.current()
     if dropout is not None:
-        again.append(dropout.replay(dropout.calls))
+        again.append(dropout.replay(dropout.mark()))
     return _Entered(forward), _Entered(again)
 
 
