@@ -19,7 +19,7 @@ import pytest
 
 from raylm import TrainConfig, train
 from raylm.runtime.faults import inject
-from tests.conftest import TINY_GPT2
+from tests.conftest import TINY_GPT2, TINY_GPT2_DROPOUT
 from tests.test_elastic import Watch, assert_nothing_left, samples_per_step
 
 pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
@@ -50,6 +50,17 @@ def single(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "out"
     result = train(layout_config(out, corpus_dir, cache_root, num_workers=1,
                                  gradient_accumulation_steps=4))
+    return {"history": {h["step"]: h for h in result.history},
+            "samples": samples_per_step(out)}
+
+
+@pytest.fixture(scope="module")
+def single_with_dropout(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
+    """``single`` with dropout on (masks per sample, raylm.models.dropout)."""
+    out = tmp_path_factory.mktemp("single-dropout") / "out"
+    result = train(layout_config(out, corpus_dir, cache_root, num_workers=1,
+                                 gradient_accumulation_steps=4,
+                                 config_overrides=TINY_GPT2_DROPOUT))
     return {"history": {h["step"]: h for h in result.history},
             "samples": samples_per_step(out)}
 
@@ -110,6 +121,22 @@ def test_a_lost_rank_is_re_laid_out_in_memory(layout, action, single, ray_cluste
     assert "restoring" not in log
     assert [h["world_size"] for h in result.history] == [4, 4, 4, 2, 2, 2]
     assert_single_process_run(result, out, single)
+    assert_nothing_left(watch)
+
+
+def test_a_pipeline_re_laid_out_with_dropout_on_keeps_its_masks(
+        single_with_dropout, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
+    """dp=2 x pp=2 with dropout on, rank 3 lost at step 4: re-laid out at dp=1 x pp=2,
+    the run draws the masks one process draws (per sample, keyed by module name), so its
+    losses and gradient norms stay single-process training's."""
+    caplog.set_level("INFO", logger="raylm")
+    watch, out = Watch(), tmp_path / "out"
+    with inject({"rank": 3, "step": 3, "phase": "update"}):
+        result = train(layout_config(out, corpus_dir, cache_root, num_workers=4, pp=2,
+                                     config_overrides=TINY_GPT2_DROPOUT), callbacks=(watch,))
+    assert result.failures == 1 and "re-laid out in memory on 2 rank(s)" in caplog.text
+    assert [h["world_size"] for h in result.history] == [4, 4, 4, 2, 2, 2]
+    assert_single_process_run(result, out, single_with_dropout)
     assert_nothing_left(watch)
 
 

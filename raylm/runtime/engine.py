@@ -51,7 +51,8 @@ from raylm.checkpoint.memory import ExportPlanner, ObjectStoreReader
 from raylm.checkpoint.state import (checkpoint_state, export_rank_state, import_rank_state,
                                     load_rank_state, save_rank_state)
 from raylm.data.reader import PAD_ID
-from raylm.models.dropout import DropoutSites, SampleDropout, per_sample_dropout
+from raylm.models.dropout import (DropoutSites, SampleDropout, Shards, name_sites,
+                                  per_sample_dropout)
 from raylm.models.loading import build_model
 from raylm.models.materialize import built_whole, reads_tensor_by_tensor
 from raylm.models.objectives import objective_for, with_loss
@@ -113,6 +114,7 @@ class Parts:
     loss_fn: Any = None  # the objective's loss compiled (--torch_compile_scope model)
     sample_dropout: bool = False  # per-sample masks (raylm.models.dropout)
     dropout_sites: Any = None  # the modules that call dropout (DropoutSites)
+    dropout_shards: Any = None  # a tensor-parallel rank's whole-model row shapes (Shards)
 
 
 class PipelineLoss:
@@ -147,6 +149,7 @@ class Engine:
         self.pipeline_loss, self.eval_stage_modules = p.pipeline_loss, p.eval_stage_modules
         self.compiled, self.loss_fn = p.compiled, p.loss_fn
         self.sample_dropout, self.dropout_sites = p.sample_dropout, p.dropout_sites
+        self.dropout_shards = p.dropout_shards
         # The epoch of a step, for objectives that draw per (epoch, sample): the global
         # batch is fixed across layouts, so this is too (the driver's sampler's).
         self.steps_per_epoch = int(cfg.get("steps_per_epoch") or 1)
@@ -288,8 +291,9 @@ class Engine:
         if step is not None and self.sample_dropout:
             # Dropout masks drawn per sample from (seed, step, sample id, call): the same
             # whatever the layout, so a resized run computes an unchanged run's losses.
+            shards = self.dropout_shards and self.dropout_shards.view(parts)
             with SampleDropout(self.cfg["seed"], step, batch["sample_ids"].tolist(),
-                               self.dropout_sites):
+                               self.dropout_sites, shards):
                 logits = self.model(**parts).logits
         else:
             logits = self.model(**parts).logits
@@ -517,7 +521,7 @@ class PipelineEngine(Engine):
         ids, labels, kwargs = self.stack(batches, step)
         pipe.train(True)
         with self.loss_context(), meter:
-            losses = pipe.run(ids, labels, kwargs)
+            losses = pipe.run(ids, labels, kwargs, step)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb_loss in losses:  # (each the scaled loss of PipelineLoss)
             loss_sum += mb_loss.detach().double() * (loss.global_tokens / self.loss_scale)
@@ -572,6 +576,8 @@ class PipelineEngine(Engine):
         if self.line_by_line:
             kwargs["attention_mask"] = torch.cat(
                 [b["attention_mask"] for b in batches]).to(self.device)
+        if self.sample_dropout and step is not None:  # (each micro-batch's ids: the masks')
+            kwargs["sample_ids"] = torch.cat([b["sample_ids"] for b in batches])
         return ids, labels, kwargs
 
 
@@ -620,16 +626,28 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     model = model if on_meta else model.to(device)
     parts = dict(objective=objective, model=model,
                  model_input=getattr(model, "main_input_name", None) or "input_ids")
-    # Dropout per sample where the model is whole on the rank (data parallelism): a
-    # pipeline stage or a tensor-parallel shard keeps torch's per-rank dropout.
-    # (Under compile the masks are the compiled graph's, per rank.)
-    if plan.pp == 1 and plan.tp == 1 and not cfg.get("torch_compile"):
-        sample = per_sample_dropout(model, cfg.get("per_sample_attention_dropout", True))
-        # (intercepted inside the modules that call dropout, once a forward found them)
-        parts.update(sample_dropout=sample, dropout_sites=DropoutSites() if sample else None)
+    # Dropout per sample, keyed by the whole model's module names (so that a pipeline
+    # stage draws the whole model's masks): where the model is whole on the rank, cut
+    # by raylm's own stages, or sharded by tensor parallelism without a pipeline (each
+    # rank drawing its slice of the whole masks). Tensor parallelism with a pipeline, an
+    # exported stage graph and a compiled forward keep torch's per-rank dropout.
+    traced = plan.pp > 1 and not has_own_stages(spec.config)
+    if (plan.tp == 1 or plan.pp == 1) and not traced and not cfg.get("torch_compile"):
+        attention_too = cfg.get("per_sample_attention_dropout", True)
+        sample = per_sample_dropout(model, attention_too)
+        if sample:
+            name_sites(model)
+        if sample and plan.tp > 1:  # (the whole model's skeleton: its row shapes)
+            whole = initial_model(spec, cfg["seed"], True).train()
+            per_sample_dropout(whole, attention_too)
+            name_sites(whole)
+            parts["dropout_shards"] = Shards(whole, mesh["tp"].get_local_rank(), plan.tp)
+        # (intercepted inside the modules that call dropout, once a forward found them;
+        # a pipeline's sites are per stage module: PipelineRuntime)
+        parts.update(sample_dropout=sample,
+                     dropout_sites=DropoutSites() if sample and plan.pp == 1 else None)
     # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
     #    4., since torch.export traces the model whole)
-    traced = plan.pp > 1 and not has_own_stages(spec.config)
     tp = None
     if plan.tp > 1 and not traced:
         tp = apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
@@ -651,6 +669,8 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
         loss = PipelineLoss(objective)
         pipe, eval_modules, tp = _pipeline(model, plan, rank, mesh, device, spec,
                                            parts["model_input"], tp, loss, fill, on_meta)
+        if parts.get("sample_dropout"):
+            pipe.sample_dropout(cfg["seed"])
         parts.update(pipeline=pipe, eval_stage_modules=eval_modules, pipeline_loss=loss)
     # 5. ZeRO-3 without a pipeline: the model is the root
     elif plan.zero_stage == 3:

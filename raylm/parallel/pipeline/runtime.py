@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 # (torch's helpers for a list of P2POps: issue them without coalescing, wait for them)
 from torch.distributed.pipelining.schedules import _batch_p2p, _ComputationType, _wait_batch_p2p
 
+from raylm.models.dropout import DropoutSites
 from raylm.parallel.data import local_tensor
 from raylm.plan.partition import Partition
 
@@ -175,15 +176,24 @@ class PipelineRuntime:
         self.norm_params = [p for n, p in names.items()
                             if p.requires_grad and holders.get(n, [pp_rank])[0] == pp_rank]
 
+    def sample_dropout(self, seed: int) -> None:
+        """Draw each stage's dropout masks per sample (raylm.models.dropout), each stage
+        module with its own sites."""
+        for m in self.modules:
+            m.dropout = [seed, None, DropoutSites()]
+
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
         for m in self.modules:
             m.train(mode)
 
-    def run(self, input_ids, labels, kwargs: dict) -> list:
+    def run(self, input_ids, labels, kwargs: dict, step=None) -> list:
         """One training pass over ``num_microbatches`` micro-batches (the step's rows,
-        stacked; the schedule splits them). Returns the last stage's per-micro-batch
-        losses (empty on other ranks)."""
+        stacked; the schedule splits them) of step ``step``. Returns the last stage's
+        per-micro-batch losses (empty on other ranks)."""
+        for m in self.modules:
+            if m.dropout is not None:
+                m.dropout[1] = step
         args = (input_ids,) if self.has_first else ()
         losses: list = []
         self.schedule.step(*args, target=labels if self.has_last else None,

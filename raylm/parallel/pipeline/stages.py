@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from raylm.models.dropout import SampleDropout
 from raylm.models.families import Family, family_of
 from raylm.models.units import distinct_params, is_t5
 from raylm.plan.partition import Partition
@@ -153,14 +154,24 @@ class _Sendable(nn.Module):
     """Wraps a stage so that what it returns can go over the wire as is: gloo sends only
     contiguous tensors, and zero-bubble schedules detach outputs in place, which a view
     does not allow. An exported graph takes tensors only, so keyword inputs (meant for
-    other kinds of stage) are dropped for it."""
+    other kinds of stage) are dropped for it. With ``dropout`` set ([seed, step, sites])
+    the stage runs its micro-batch (``sample_ids``: its rows' ids) inside SampleDropout."""
 
     def __init__(self, stage: nn.Module, takes_kwargs: bool):
         super().__init__()
         self.stage = stage
         self.takes_kwargs = takes_kwargs
+        self.dropout = None
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, sample_ids=None, **kwargs):
+        if (self.dropout is not None and sample_ids is not None and self.training
+                and sample_ids.device.type != "meta"):
+            seed, step, sites = self.dropout
+            with SampleDropout(seed, step, sample_ids.tolist(), sites):
+                return self._forward(args, kwargs)
+        return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
         out = self.stage(*args, **kwargs) if self.takes_kwargs else self.stage(*args)
         if isinstance(out, tuple):
             return tuple(_own(t) for t in out)

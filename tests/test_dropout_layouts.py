@@ -1,0 +1,76 @@
+"""Dropout on, every layout computes one worker's function: per-step losses and gradient
+norms of a tiny GPT-2 (embedding, residual and attention dropout 0.1; LoRA's dropout)
+equal a one-worker run's within 1e-5, the masks drawn per sample and keyed by what they
+mask (raylm.models.dropout): pipeline stages, tensor-parallel shards (with and without
+sequence parallelism), ZeRO-3, recomputed blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raylm import TrainConfig, train
+
+pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
+
+STEPS = 3
+# 4 blocks, so that pp=2 also runs two stages per rank (interleaved); dropout at
+# GPT2Config's defaults (0.1).
+GPT2 = "n_layer=4,n_embd=32,n_head=2,n_positions=64"
+LORA = dict(use_peft=True, lora_rank=4, lora_alpha=8, lora_dropout=0.1,
+            lora_target_modules=["c_attn", "c_proj", "c_fc"])
+
+
+def config(out, corpus, cache_root, **kw) -> TrainConfig:
+    base = dict(model_type="gpt2", config_overrides=GPT2, train_file=[str(corpus)],
+                block_size=32, data_cache_dir=cache_root, output_dir=str(out),
+                max_steps=STEPS, logging_steps=1, save_steps=1000, disable_tqdm=True,
+                learning_rate=1e-3, warmup_steps=1, per_device_train_batch_size=2,
+                gradient_accumulation_steps=4, cpus_per_worker=0.5, do_eval=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def one_worker(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
+    """One worker's per-step records, without and with LoRA (computed once)."""
+    runs = {}
+
+    def run(lora: bool):
+        if lora not in runs:
+            out = tmp_path_factory.mktemp("one") / "out"
+            runs[lora] = train(config(out, corpus_dir, cache_root, num_workers=1,
+                                      **(LORA if lora else {}))).history
+        return runs[lora]
+    return run
+
+
+def assert_same_function(history, ref) -> None:
+    assert [h["step"] for h in history] == [h["step"] for h in ref] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([h[key] for h in history], [h[key] for h in ref],
+                                   rtol=1e-5, err_msg=key)
+
+
+# (the global batch is per-device rows x accumulation x data-parallel ranks: dp=2 layouts
+# accumulate half as many micro-batches, to take one worker's 8 rows a step)
+LAYOUTS = {
+    "pp2-1f1b-recomputed": dict(pp=2, num_workers=2, pipeline_schedule="1f1b",
+                                activation_checkpointing="full"),
+    "dp2xpp2-interleaved": dict(pp=2, num_workers=4, pipeline_schedule="interleaved_1f1b",
+                                gradient_accumulation_steps=2),
+    "tp2": dict(tp=2, num_workers=2),
+    "tp2-sequence-parallel": dict(tp=2, num_workers=2, sequence_parallel=True),
+    "dp2-zero3-recomputed": dict(num_workers=2, zero_stage=3, gradient_accumulation_steps=2,
+                                 activation_checkpointing="full"),
+    "lora-tp2": dict(tp=2, num_workers=2, **LORA),
+    "lora-pp2": dict(pp=2, num_workers=2, **LORA),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layout_with_dropout_on_computes_one_workers_function(
+        layout, one_worker, ray_cluster, corpus_dir, cache_root, tmp_path):
+    kw = LAYOUTS[layout]
+    result = train(config(tmp_path / "out", corpus_dir, cache_root, **kw))
+    assert_same_function(result.history, one_worker("use_peft" in kw))
