@@ -56,6 +56,7 @@ COMMANDS = {
     "bench_elastic_raytrain": "python benchmarks/bench_elastic.py",
     "bench_gpu": "python benchmarks/bench_gpu.py",
     "bench_swin": "python benchmarks/bench_swin.py",
+    "bench_dropout": "python benchmarks/bench_dropout.py",
     "gpu_recovery": "python benchmarks/gpu_recovery.py",
 }
 VARIANTS = {"quick": ("--quick", "the small preset: a check of the script, not a measurement"),
