@@ -420,22 +420,53 @@ def _through_stages(make, bounds, x, dec, ids, seed=7, step=3):
     for s in range(len(bounds)):
         stage = factory(s)
         stage.train()
-        stage.dropout = [seed, step, DropoutSites()]
+        stage.dropout = [seed, step, DropoutSites(), None]
         kwargs = {"decoder_input_ids": dec} if dec is not None else {}
         out = stage(*acts, sample_ids=torch.tensor(ids), **kwargs)
         acts = out if isinstance(out, tuple) else (out,)
     return acts[0], model
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5"])
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=101, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=64, attention_dropout=0.1,
+                           hidden_dropout=0.1, use_cache=False)
+    config._attn_implementation = "eager"
+    return GPTNeoXForCausalLM(config).train().double()
+
+
+def _through_exported(make, bounds, x, ids, seed=7, step=3):
+    """``_through_stages`` for stage graphs of the generic torch.export split."""
+    from raylm.models.dropout import DropoutSites
+    from raylm.models.export_split import export_stage_modules
+    from raylm.parallel.pipeline.stages import _Sendable
+
+    model = make()
+    acts = (x,)
+    for graph in export_stage_modules(model, x, bounds):
+        stage = _Sendable(graph, False)
+        stage.dropout = [seed, step, DropoutSites(), None]
+        out = stage(*acts, sample_ids=torch.tensor(ids))
+        acts = out if isinstance(out, tuple) else (out,)
+    return acts[0], model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "gpt_neox-export"])
 def test_pipeline_stages_draw_the_whole_models_masks(family):
     """Sites keyed by the whole model's module names (name_sites): a model cut into two
     pipeline stages, each stage run in its own context, computes the whole model's
     logits and gradients with dropout on (float64, to rounding). T5's stack dropout,
-    called on the embedding and on the final norm, is split across the stages."""
+    called on the embedding and on the final norm, is split across the stages. A model
+    cut by the torch.export split (GPT-NeoX) keys its graphs' dropouts by their nodes'
+    module paths."""
     from raylm.models.dropout import DropoutSites, name_sites
 
-    make = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "t5": _t5}[family]
+    make = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "t5": _t5,
+            "gpt_neox-export": _neox}[family]
     bounds = [(0, 1), (1, 4)] if family == "t5" else [(0, 1), (1, 2)]
     ids = [10, 11, 12]
     g = torch.Generator().manual_seed(1)
@@ -456,7 +487,9 @@ def test_pipeline_stages_draw_the_whole_models_masks(family):
         return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     ref_logits, ref_model = whole(True)
-    staged_logits, staged_model = _through_stages(make, bounds, x, dec, ids)
+    staged_logits, staged_model = (_through_exported(make, bounds, x, ids)
+                                   if family.endswith("-export")
+                                   else _through_stages(make, bounds, x, dec, ids))
     assert torch.allclose(staged_logits, ref_logits, rtol=0, atol=1e-10)
     ref_grads, staged_grads = grads(ref_model, ref_logits), grads(staged_model, staged_logits)
     assert ref_grads.keys() == staged_grads.keys()

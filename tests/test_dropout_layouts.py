@@ -2,7 +2,7 @@
 norms of a tiny GPT-2 (embedding, residual and attention dropout 0.1; LoRA's dropout)
 equal a one-worker run's within 1e-5, the masks drawn per sample and keyed by what they
 mask (raylm.models.dropout): pipeline stages, tensor-parallel shards (with and without
-sequence parallelism), ZeRO-3, recomputed blocks."""
+sequence parallelism or a pipeline), ZeRO-3, recomputed blocks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ STEPS = 3
 # 4 blocks, so that pp=2 also runs two stages per rank (interleaved); dropout at
 # GPT2Config's defaults (0.1).
 GPT2 = "n_layer=4,n_embd=32,n_head=2,n_positions=64"
+# GPT-NeoX: cut by the generic torch.export split (its graphs' dropouts keyed by module)
+NEOX = dict(model_type="gpt_neox", config_overrides=(
+    "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,intermediate_size=64,"
+    "max_position_embeddings=64,attention_dropout=0.1,hidden_dropout=0.1"))
 LORA = dict(use_peft=True, lora_rank=4, lora_alpha=8, lora_dropout=0.1,
             lora_target_modules=["c_attn", "c_proj", "c_fc"])
 
@@ -33,15 +37,17 @@ def config(out, corpus, cache_root, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def one_worker(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
-    """One worker's per-step records, without and with LoRA (computed once)."""
+    """One worker's per-step records of a model (GPT-2, with or without LoRA; GPT-NeoX),
+    each computed once."""
     runs = {}
 
-    def run(lora: bool):
-        if lora not in runs:
+    def run(model: dict):
+        key = repr(sorted(model.items()))
+        if key not in runs:
             out = tmp_path_factory.mktemp("one") / "out"
-            runs[lora] = train(config(out, corpus_dir, cache_root, num_workers=1,
-                                      **(LORA if lora else {}))).history
-        return runs[lora]
+            runs[key] = train(config(out, corpus_dir, cache_root, num_workers=1,
+                                     **model)).history
+        return runs[key]
     return run
 
 
@@ -55,17 +61,22 @@ def assert_same_function(history, ref) -> None:
 # (the global batch is per-device rows x accumulation x data-parallel ranks: dp=2 layouts
 # accumulate half as many micro-batches, to take one worker's 8 rows a step)
 LAYOUTS = {
-    "pp2-1f1b-recomputed": dict(pp=2, num_workers=2, pipeline_schedule="1f1b",
+    # (pp=3: a middle stage, which reads its micro-batches for their ids alone)
+    "pp3-1f1b-recomputed": dict(pp=3, num_workers=3, pipeline_schedule="1f1b",
                                 activation_checkpointing="full"),
     "dp2xpp2-interleaved": dict(pp=2, num_workers=4, pipeline_schedule="interleaved_1f1b",
                                 gradient_accumulation_steps=2),
     "tp2": dict(tp=2, num_workers=2),
+    "dp2xpp2xtp2": dict(pp=2, tp=2, num_workers=8, gradient_accumulation_steps=2),
     "tp2-sequence-parallel": dict(tp=2, num_workers=2, sequence_parallel=True),
     "dp2-zero3-recomputed": dict(num_workers=2, zero_stage=3, gradient_accumulation_steps=2,
                                  activation_checkpointing="full"),
     "lora-tp2": dict(tp=2, num_workers=2, **LORA),
     "lora-pp2": dict(pp=2, num_workers=2, **LORA),
+    "neox-pp2-exported": dict(pp=2, num_workers=2, **NEOX),
 }
+MODEL_KEYS = ("use_peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
+              "model_type", "config_overrides")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -73,4 +84,5 @@ def test_a_layout_with_dropout_on_computes_one_workers_function(
         layout, one_worker, ray_cluster, corpus_dir, cache_root, tmp_path):
     kw = LAYOUTS[layout]
     result = train(config(tmp_path / "out", corpus_dir, cache_root, **kw))
-    assert_same_function(result.history, one_worker("use_peft" in kw))
+    assert_same_function(result.history,
+                         one_worker({k: v for k, v in kw.items() if k in MODEL_KEYS}))

@@ -62,8 +62,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DropoutSites", "SampleDropout", "calls_before", "mix_seed", "name_sites",
-           "per_sample_dropout"]
+__all__ = ["DropoutSites", "SampleDropout", "calls_before", "keyed_dropout", "mix_seed",
+           "name_sites", "per_sample_dropout"]
 
 _M64 = (1 << 64) - 1
 
@@ -370,11 +370,12 @@ class SampleDropout(TorchFunctionMode):
         probing = self.sites is not None and self.sites.probing
         return self.sites._stack if probing else self._stack
 
-    def _index(self) -> int:
+    def _index(self, site=None) -> int:
         """The call index of the dropout being applied (see the module docstring), and
-        one more call counted."""
-        site = next((getattr(m, _SITE_ATTR) for m in reversed(self._modules())
-                     if hasattr(m, _SITE_ATTR)), None)
+        one more call counted. ``site``: its key, when the caller knows it (a graph's)."""
+        if site is None:
+            site = next((getattr(m, _SITE_ATTR) for m in reversed(self._modules())
+                         if hasattr(m, _SITE_ATTR)), None)
         index = self.calls
         self.calls += 1
         if site is not None:
@@ -437,8 +438,8 @@ class SampleDropout(TorchFunctionMode):
                 self.fallbacks += 1
         return func(*args, **kwargs)
 
-    def _dropout(self, func, args, kwargs, x, p, inplace):
-        index = self._index()
+    def _dropout(self, func, args, kwargs, x, p, inplace, site=None):
+        index = self._index(site)
         if self.record is not None:
             self.record[index] = tuple(x.shape[1:])
             return x
@@ -524,6 +525,17 @@ class SampleDropout(TorchFunctionMode):
             uniform = (self.keys(index) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
             return x.copy_(torch.from_numpy(uniform < p).view(x.shape))
         return x.copy_((drawn[2].view(torch.float64) < p).view(x.shape))
+
+
+def keyed_dropout(x: torch.Tensor, p: float, train: bool, site: int) -> torch.Tensor:
+    """``aten.dropout`` of an exported graph (raylm.models.export_split), whose modules
+    are gone: in an open SampleDropout, the mask the whole model's module of key
+    ``site`` draws; else torch's own."""
+    ctx = SampleDropout.current()
+    func = torch.ops.aten.dropout.default
+    if ctx is None or not train or p <= 0:
+        return func(x, p, train)
+    return ctx._dropout(func, (x, p, train), {}, x, float(p), False, site=site)
 
 
 def _dtensor_positions(x):

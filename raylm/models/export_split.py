@@ -42,6 +42,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from raylm.errors import ConfigError
+from raylm.models.dropout import keyed_dropout, site_key
 from raylm.models.units import layer_units, model_name
 
 # The exported wrapper holds the model under this attribute, so every FQN the exported
@@ -80,7 +81,8 @@ def export_stage_modules(model: nn.Module, example_input_ids: torch.Tensor,
         row is traced as two). T is fixed: every batch must have the example's T;
       * dropout runs at the model's rates and draws from the global RNG in the same order
         as the unsplit model's forward, so with the same seed the chained stages reproduce
-        the model's output exactly, dropout included;
+        the model's output exactly, dropout included; inside a SampleDropout context each
+        draws the whole model's per-sample mask of its module (``keyed_dropout``);
       * the graph fixes the device and dtypes it was captured with (e.g. ``arange(...,
         device=cpu)`` for positions): put the model and example where, and in the dtype,
         the stages will run before calling this;
@@ -350,7 +352,8 @@ def _build_stage(ep, leaves: dict, split: _Split, s: int) -> fx.GraphModule:
 
     for node in ep.graph.nodes:
         if node in split.nodes[s]:
-            env[node] = graph.node_copy(node, arg)
+            env[node] = (_keyed(graph, node, arg) if node.target is _DROPOUT
+                         else graph.node_copy(node, arg))
     results = [env[v] for v in split.outputs[s]]
     graph.output(results[0] if len(results) == 1 else tuple(results))
     graph.lint()
@@ -364,6 +367,24 @@ def _build_stage(ep, leaves: dict, split: _Split, s: int) -> fx.GraphModule:
             owner, _, field = name.rpartition(".")
             module.get_submodule(owner).register_buffer(field, leaf.obj, persistent=False)
     return module
+
+
+_DROPOUT = torch.ops.aten.dropout.default
+
+
+def _keyed(graph: fx.Graph, node: fx.Node, arg) -> fx.Node:
+    """A dropout node as a call of ``keyed_dropout`` with its site: the key of the
+    innermost module that ran it, by its name in the model (name_sites'), so that a
+    stage draws the whole model's per-sample masks (raylm.models.dropout)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return graph.node_copy(node, arg)
+    fqn = stack[-1][0]
+    name = fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else ""
+    x, p, train = node.args
+    new = graph.call_function(keyed_dropout, (arg(x), p, train), {"site": site_key(name)})
+    new.meta = dict(node.meta)
+    return new
 
 
 def _keep_unused_parameters(model: nn.Module, stages: list[nn.Module], units: list[str],

@@ -279,15 +279,20 @@ class Engine:
         logits, labels = self.forward(batch, step)
         return (self.loss_fn or self.objective.loss_sum)(logits, labels), labels
 
-    def forward(self, batch: dict, step):
-        """The logits of one micro-batch, and its labels."""
+    def model_inputs(self, batch: dict, step) -> dict:
+        """The whole model's inputs of a micro-batch (on the device), its labels among
+        them. Packed blocks have no padding: no mask, so attention takes its causal fast
+        path. (Images have no mask at all.)"""
         parts = {k: v.to(self.device) for k, v in self.split(batch, step).items()}
-        labels = parts.pop("labels")
-        # Packed blocks have no padding: no mask, so attention takes its causal fast path.
-        # (Images have no mask at all.)
         mask = batch.get("attention_mask")
         if mask is not None and bool((mask == 0).any()):
             parts["attention_mask"] = mask.to(self.device)
+        return parts
+
+    def forward(self, batch: dict, step):
+        """The logits of one micro-batch, and its labels."""
+        parts = self.model_inputs(batch, step)
+        labels = parts.pop("labels")
         if step is not None and self.sample_dropout:
             # Dropout masks drawn per sample from (seed, step, sample id, call): the same
             # whatever the layout, so a resized run computes an unchanged run's losses.
@@ -503,7 +508,9 @@ class PipelineEngine(Engine):
     def pad_rounds(self, items: list, rounds: int, make=None) -> list:
         return list(items)  # the driver fills a pipeline's steps and evaluations up itself
 
-    needs_data = property(lambda self: self.pipeline.needs_data or self.line_by_line)
+    # (a middle stage reads its micro-batches for their sample ids alone: its masks')
+    needs_data = property(lambda self: self.pipeline.needs_data or self.line_by_line
+                          or self.sample_dropout)
     has_loss = property(lambda self: self.pipeline.has_last)
     has_first = property(lambda self: self.pipeline.has_first)
 
@@ -520,8 +527,11 @@ class PipelineEngine(Engine):
         loss.global_tokens, loss.scale = float(global_tokens) or 1.0, self.loss_scale
         ids, labels, kwargs = self.stack(batches, step)
         pipe.train(True)
+        shards = None
+        if self.dropout_shards is not None and batches:  # (the whole model's inputs)
+            shards = self.dropout_shards.view(self.model_inputs(batches[0], step))
         with self.loss_context(), meter:
-            losses = pipe.run(ids, labels, kwargs, step)
+            losses = pipe.run(ids, labels, kwargs, step, shards)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb_loss in losses:  # (each the scaled loss of PipelineLoss)
             loss_sum += mb_loss.detach().double() * (loss.global_tokens / self.loss_scale)
@@ -627,12 +637,11 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     parts = dict(objective=objective, model=model,
                  model_input=getattr(model, "main_input_name", None) or "input_ids")
     # Dropout per sample, keyed by the whole model's module names (so that a pipeline
-    # stage draws the whole model's masks): where the model is whole on the rank, cut
-    # by raylm's own stages, or sharded by tensor parallelism without a pipeline (each
-    # rank drawing its slice of the whole masks). Tensor parallelism with a pipeline, an
-    # exported stage graph and a compiled forward keep torch's per-rank dropout.
+    # stage, raylm's own or an exported graph, draws the whole model's masks) and by
+    # each element's place in the whole tensor (so that a tensor-parallel rank draws its
+    # slice). A compiled forward keeps torch's per-rank dropout.
     traced = plan.pp > 1 and not has_own_stages(spec.config)
-    if (plan.tp == 1 or plan.pp == 1) and not traced and not cfg.get("torch_compile"):
+    if not cfg.get("torch_compile"):
         attention_too = cfg.get("per_sample_attention_dropout", True)
         sample = per_sample_dropout(model, attention_too)
         if sample:

@@ -180,20 +180,21 @@ class PipelineRuntime:
         """Draw each stage's dropout masks per sample (raylm.models.dropout), each stage
         module with its own sites."""
         for m in self.modules:
-            m.dropout = [seed, None, DropoutSites()]
+            m.dropout = [seed, None, DropoutSites(), None]
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
         for m in self.modules:
             m.train(mode)
 
-    def run(self, input_ids, labels, kwargs: dict, step=None) -> list:
+    def run(self, input_ids, labels, kwargs: dict, step=None, shards=None) -> list:
         """One training pass over ``num_microbatches`` micro-batches (the step's rows,
-        stacked; the schedule splits them) of step ``step``. Returns the last stage's
+        stacked; the schedule splits them) of step ``step`` (``shards``: a
+        tensor-parallel rank's ShardView of them). Returns the last stage's
         per-micro-batch losses (empty on other ranks)."""
         for m in self.modules:
             if m.dropout is not None:
-                m.dropout[1] = step
+                m.dropout[1], m.dropout[3] = step, shards
         args = (input_ids,) if self.has_first else ()
         losses: list = []
         self.schedule.step(*args, target=labels if self.has_last else None,

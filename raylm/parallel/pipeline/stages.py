@@ -154,8 +154,9 @@ class _Sendable(nn.Module):
     """Wraps a stage so that what it returns can go over the wire as is: gloo sends only
     contiguous tensors, and zero-bubble schedules detach outputs in place, which a view
     does not allow. An exported graph takes tensors only, so keyword inputs (meant for
-    other kinds of stage) are dropped for it. With ``dropout`` set ([seed, step, sites])
-    the stage runs its micro-batch (``sample_ids``: its rows' ids) inside SampleDropout."""
+    other kinds of stage) are dropped for it. With ``dropout`` set ([seed, step, sites,
+    shards]) the stage runs its micro-batch (``sample_ids``: its rows' ids) inside
+    SampleDropout."""
 
     def __init__(self, stage: nn.Module, takes_kwargs: bool):
         super().__init__()
@@ -166,8 +167,8 @@ class _Sendable(nn.Module):
     def forward(self, *args, sample_ids=None, **kwargs):
         if (self.dropout is not None and sample_ids is not None and self.training
                 and sample_ids.device.type != "meta"):
-            seed, step, sites = self.dropout
-            with SampleDropout(seed, step, sample_ids.tolist(), sites):
+            seed, step, sites, shards = self.dropout
+            with SampleDropout(seed, step, sample_ids.tolist(), sites, shards):
                 return self._forward(args, kwargs)
         return self._forward(args, kwargs)
 
