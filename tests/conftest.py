@@ -83,3 +83,18 @@ def pytest_collection_modifyitems(config, items):
         for (module, name), ids in seen.items():
             missing = module.FAST_PARAMS[name] - ids
             assert not missing, f"{module.__name__}.FAST_PARAMS[{name!r}]: no case {missing}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each module's time (setup, call and teardown of its tests), the slowest first:
+    where the suite's minutes go (docs/development.md)."""
+    totals: dict = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) and hasattr(r, "duration"):
+                module = r.nodeid.split("::")[0]
+                totals[module] = totals.get(module, 0.0) + r.duration
+    if totals:
+        terminalreporter.write_sep("=", "time per test module")
+        for module, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.1f}s {module}")
