@@ -1,6 +1,7 @@
 """What layout-independent dropout masks cost: a step's forward and backward with raylm's
 per-sample masks (raylm.models.dropout) against torch's own dropout, on the whole model
-(a data-parallel rank) and on each stage of a pp=2 cut (a pipeline rank's share).
+(a data-parallel rank), with its blocks compiled (--torch_compile: the graph breaks at
+each per-sample dropout) and on each stage of a pp=2 cut (a pipeline rank's share).
 
     python benchmarks/bench_dropout.py            # ~6 min on a 2-core machine
     python benchmarks/bench_dropout.py --quick    # a check of the script
@@ -44,6 +45,7 @@ def model(args):
 def parts(args) -> dict:
     """name -> [modules run in order]: the whole model, and each stage of a pp=2 cut."""
     from raylm.models.dropout import name_sites
+    from raylm.parallel.compile import apply_compile
     from raylm.parallel.pipeline.stages import _stage_factory
     from raylm.plan.partition import Partition
 
@@ -54,7 +56,14 @@ def parts(args) -> dict:
     half = args.layers // 2
     make, _ = _stage_factory(cut, Partition(bounds=[(0, half), (half, args.layers)],
                                             stage_rank=[0, 1]), None)
+    # (--torch_compile, its default scope: per-sample masks break each block's graph
+    # at each dropout, torch's own are drawn inside it; one compiled module holds both
+    # variants' graphs)
+    compiled = model(args)
+    name_sites(compiled)
+    apply_compile(compiled)
     return {"whole model (dp rank)": ["whole", whole],
+            "compiled blocks (dp rank)": ["whole", compiled],
             "pp=2 stage 0": ["stage", make(0), None],
             "pp=2 stage 1": ["stage", make(1), make(0)]}
 

@@ -135,6 +135,31 @@ def test_recomputed_blocks_redraw_the_same_masks(mode):
     assert max((other[1][n] - kept[1][n]).abs().max() for n in kept[1]) > DIFFERENT
 
 
+def test_a_compiled_forward_draws_the_eager_masks():
+    """--torch_compile: the graph breaks at each dropout, drawn eagerly between graphs,
+    so a compiled forward (the whole model's; each block's is the same case) gives
+    eager's losses and gradients (aot_eager: dynamo and AOTAutograd, as inductor sees
+    them, without its kernels)."""
+    import torch._dynamo
+
+    from raylm.models.dropout import DropoutSites, name_sites
+
+    tokens = _tokens()
+    eager, model = _gpt2(), _gpt2()
+    for m in (eager, model):
+        name_sites(m)
+    torch._dynamo.reset()
+    model.compile(backend="aot_eager")
+    sites = DropoutSites(), DropoutSites()
+    for _ in range(2):  # (sites found by the first forward, then scoped to them)
+        kept = _run(eager, tokens, [[10, 11], [12, 13]], sites=sites[0])
+        compiled = _run(model, tokens, [[10, 11], [12, 13]], sites=sites[1])
+        _assert_same(kept, compiled, tol=1e-12)
+        assert compiled[2] == {7} and compiled[3] == 0
+    assert sites[1].ready
+    torch._dynamo.reset()
+
+
 def test_filler_rows_do_not_change_real_rows(gpt2):
     tokens = _tokens()
     tokens[-1] = tokens[13]

@@ -2,7 +2,7 @@
 norms of a tiny GPT-2 (embedding, residual and attention dropout 0.1; LoRA's dropout)
 equal a one-worker run's within 1e-5, the masks drawn per sample and keyed by what they
 mask (raylm.models.dropout): pipeline stages, tensor-parallel shards (with and without
-sequence parallelism or a pipeline), ZeRO-3, recomputed blocks."""
+sequence parallelism or a pipeline), ZeRO-3, recomputed blocks, compiled blocks."""
 
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ LAYOUTS = {
     "lora-tp2": dict(tp=2, num_workers=2, **LORA),
     "lora-pp2": dict(pp=2, num_workers=2, **LORA),
     "neox-pp2-exported": dict(pp=2, num_workers=2, **NEOX),
+    # (each block's forward compiled, its graph broken at each dropout; aot_eager: the
+    # masks are drawn between graphs, which inductor's kernels never see)
+    "tp2-compiled": dict(tp=2, num_workers=2, torch_compile=True,
+                         torch_compile_backend="aot_eager"),
 }
 MODEL_KEYS = ("use_peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
               "model_type", "config_overrides")

@@ -416,6 +416,9 @@ class SampleDropout(TorchFunctionMode):
             self.sites.seen()
         return out
 
+    # (torch.compile breaks its graph here: the mask is drawn eagerly, between graphs,
+    # so that a compiled forward draws the masks an eager one does)
+    @torch.compiler.disable
     def _handle(self, func, args, kwargs):
         """A dropout-like call: replaced by a per-sample draw, counted, or passed on."""
         if func in _REPLACED:

@@ -639,22 +639,21 @@ def build_engine(plan, rank: int, mesh, device, spec, cfg: dict, total_steps: in
     # Dropout per sample, keyed by the whole model's module names (so that a pipeline
     # stage, raylm's own or an exported graph, draws the whole model's masks) and by
     # each element's place in the whole tensor (so that a tensor-parallel rank draws its
-    # slice). A compiled forward keeps torch's per-rank dropout.
+    # slice). A compiled forward breaks its graph at each dropout (SampleDropout._handle).
     traced = plan.pp > 1 and not has_own_stages(spec.config)
-    if not cfg.get("torch_compile"):
-        attention_too = cfg.get("per_sample_attention_dropout", True)
-        sample = per_sample_dropout(model, attention_too)
-        if sample:
-            name_sites(model)
-        if sample and plan.tp > 1:  # (the whole model's skeleton: its row shapes)
-            whole = initial_model(spec, cfg["seed"], True).train()
-            per_sample_dropout(whole, attention_too)
-            name_sites(whole)
-            parts["dropout_shards"] = Shards(whole, mesh["tp"].get_local_rank(), plan.tp)
-        # (intercepted inside the modules that call dropout, once a forward found them;
-        # a pipeline's sites are per stage module: PipelineRuntime)
-        parts.update(sample_dropout=sample,
-                     dropout_sites=DropoutSites() if sample and plan.pp == 1 else None)
+    attention_too = cfg.get("per_sample_attention_dropout", True)
+    sample = per_sample_dropout(model, attention_too)
+    if sample:
+        name_sites(model)
+    if sample and plan.tp > 1:  # (the whole model's skeleton: its row shapes)
+        whole = initial_model(spec, cfg["seed"], True).train()
+        per_sample_dropout(whole, attention_too)
+        name_sites(whole)
+        parts["dropout_shards"] = Shards(whole, mesh["tp"].get_local_rank(), plan.tp)
+    # (intercepted inside the modules that call dropout, once a forward found them;
+    # a pipeline's sites are per stage module: PipelineRuntime)
+    parts.update(sample_dropout=sample,
+                 dropout_sites=DropoutSites() if sample and plan.pp == 1 else None)
     # 1. tensor parallelism (of a model cut by the generic export split: after the cut,
     #    4., since torch.export traces the model whole)
     tp = None
