@@ -35,22 +35,6 @@ def config(out, corpus, cache_root, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.fixture(scope="module")
-def one_worker(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
-    """One worker's per-step records of a model (GPT-2, with or without LoRA; GPT-NeoX),
-    each computed once."""
-    runs = {}
-
-    def run(model: dict):
-        key = repr(sorted(model.items()))
-        if key not in runs:
-            out = tmp_path_factory.mktemp("one") / "out"
-            runs[key] = train(config(out, corpus_dir, cache_root, num_workers=1,
-                                     **model)).history
-        return runs[key]
-    return run
-
-
 def assert_same_function(history, ref) -> None:
     assert [h["step"] for h in history] == [h["step"] for h in ref] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):
@@ -59,28 +43,45 @@ def assert_same_function(history, ref) -> None:
 
 
 # (the global batch is per-device rows x accumulation x data-parallel ranks: dp=2 layouts
-# accumulate half as many micro-batches, to take one worker's 8 rows a step)
+# accumulate half as many micro-batches, to take one worker's 8 rows a step; fewest ranks
+# first, see one_worker)
 LAYOUTS = {
+    "tp2": dict(tp=2, num_workers=2),
+    "tp2-sequence-parallel": dict(tp=2, num_workers=2, sequence_parallel=True),
+    "dp2-zero3-recomputed": dict(num_workers=2, zero_stage=3, gradient_accumulation_steps=2,
+                                 activation_checkpointing="full"),
+    # (each block's forward compiled, its graph broken at each dropout; aot_eager: the
+    # masks are drawn between graphs, which inductor's kernels never see)
+    "tp2-compiled": dict(tp=2, num_workers=2, torch_compile=True,
+                         torch_compile_backend="aot_eager"),
+    "lora-tp2": dict(tp=2, num_workers=2, **LORA),
+    "lora-pp2": dict(pp=2, num_workers=2, **LORA),
+    "neox-pp2-exported": dict(pp=2, num_workers=2, **NEOX),
     # (pp=3: a middle stage, which reads its micro-batches for their ids alone)
     "pp3-1f1b-recomputed": dict(pp=3, num_workers=3, pipeline_schedule="1f1b",
                                 activation_checkpointing="full"),
     "dp2xpp2-interleaved": dict(pp=2, num_workers=4, pipeline_schedule="interleaved_1f1b",
                                 gradient_accumulation_steps=2),
-    "tp2": dict(tp=2, num_workers=2),
     "dp2xpp2xtp2": dict(pp=2, tp=2, num_workers=8, gradient_accumulation_steps=2),
-    "tp2-sequence-parallel": dict(tp=2, num_workers=2, sequence_parallel=True),
-    "dp2-zero3-recomputed": dict(num_workers=2, zero_stage=3, gradient_accumulation_steps=2,
-                                 activation_checkpointing="full"),
-    "lora-tp2": dict(tp=2, num_workers=2, **LORA),
-    "lora-pp2": dict(pp=2, num_workers=2, **LORA),
-    "neox-pp2-exported": dict(pp=2, num_workers=2, **NEOX),
-    # (each block's forward compiled, its graph broken at each dropout; aot_eager: the
-    # masks are drawn between graphs, which inductor's kernels never see)
-    "tp2-compiled": dict(tp=2, num_workers=2, torch_compile=True,
-                         torch_compile_backend="aot_eager"),
 }
 MODEL_KEYS = ("use_peft", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
               "model_type", "config_overrides")
+
+
+@pytest.fixture(scope="module")
+def one_worker(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
+    """One worker's per-step records of each model the layouts train (GPT-2, with or
+    without LoRA; GPT-NeoX), computed first: then the layouts, fewest ranks first, each
+    start only the rank processes the last run lacked (raylm.keep_ranks)."""
+    runs = {}
+    for kw in LAYOUTS.values():
+        model = {k: v for k, v in kw.items() if k in MODEL_KEYS}
+        key = repr(sorted(model.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("one") / "out"
+            runs[key] = train(config(out, corpus_dir, cache_root, num_workers=1,
+                                     **model)).history
+    return lambda model: runs[repr(sorted(model.items()))]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -1,6 +1,7 @@
 """raylm.keep_ranks: the runs of one driver share rank processes when their shape fits,
-with the results of fresh processes; kept processes stop when released, when a run of
-another shape comes, and before data must be tokenized (Ray Data needs their CPUs)."""
+with the results of fresh processes; a run of more ranks starts only those it lacks;
+kept processes stop when released, when a run of fewer ranks or another shape comes,
+and before data must be tokenized (Ray Data needs their CPUs)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
                                [h["loss"] for h in first.history], rtol=1e-6)
     assert second.metrics["world_size"] == 2
 
-    # A run of another shape does not take them: they stop, and it starts its own.
+    # A run of fewer ranks does not take them: they stop, and it starts its own.
     alone, alone_pids = _run(tmp_path / "c", [corpus_dir], cache_root, workers=1)
     assert not alone_pids & first_pids and _all_gone(first_pids)
     np.testing.assert_allclose([h["loss"] for h in alone.history],
@@ -74,7 +75,13 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
     assert not fresh_pids & alone_pids and _all_gone(alone_pids)
     assert fresh.history[-1]["loss"] < fresh.history[0]["loss"]
 
+    # A run of more ranks takes the kept one and starts only the rank it lacks.
+    grown, grown_pids = _run(tmp_path / "e", [corpus_dir], cache_root)
+    assert fresh_pids < grown_pids and len(grown_pids) == 2
+    np.testing.assert_allclose([h["loss"] for h in grown.history],
+                               [h["loss"] for h in first.history], rtol=1e-5)
+
     # Released (as at the end of the outermost keep_ranks block): stopped.
-    assert not any(_gone(p) for p in fresh_pids)
+    assert not any(_gone(p) for p in grown_pids)
     kept.release()
-    assert _all_gone(fresh_pids)
+    assert _all_gone(grown_pids)

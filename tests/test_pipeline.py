@@ -98,18 +98,6 @@ FAST_PARAMS = {
 }
 
 
-@pytest.mark.parametrize("pp,schedule,model", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_pipeline_matches_single_process(model, pp, schedule, reference, ray_cluster,
-                                         corpus_dir, cache_root, tmp_path):
-    mode = RECOMPUTE.get((model, pp, schedule), "none")
-    cfg = pp_config(tmp_path / "out", corpus_dir, cache_root, model, pp=pp, num_workers=pp,
-                    pipeline_schedule=schedule, activation_checkpointing=mode)
-    result = train(cfg)
-    assert result.metrics["world_size"] == pp
-    assert_parity(result, reference(model))
-    assert_recomputed(result.output_dir, mode)
-
-
 @pytest.mark.parametrize("model", ["bert", "t5", "gpt_neox"])
 def test_pipeline_other_models(model, reference, ray_cluster, corpus_dir, cache_root,
                                tmp_path):
@@ -120,6 +108,18 @@ def test_pipeline_other_models(model, reference, ray_cluster, corpus_dir, cache_
     cfg = pp_config(tmp_path / "out", corpus_dir, cache_root, model, pp=2, num_workers=2,
                     activation_checkpointing=mode)
     result = train(cfg)
+    assert_parity(result, reference(model))
+    assert_recomputed(result.output_dir, mode)
+
+
+@pytest.mark.parametrize("pp,schedule,model", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_pipeline_matches_single_process(model, pp, schedule, reference, ray_cluster,
+                                         corpus_dir, cache_root, tmp_path):
+    mode = RECOMPUTE.get((model, pp, schedule), "none")
+    cfg = pp_config(tmp_path / "out", corpus_dir, cache_root, model, pp=pp, num_workers=pp,
+                    pipeline_schedule=schedule, activation_checkpointing=mode)
+    result = train(cfg)
+    assert result.metrics["world_size"] == pp
     assert_parity(result, reference(model))
     assert_recomputed(result.output_dir, mode)
 

@@ -76,6 +76,32 @@ FAST_PARAMS = {
 }
 
 
+@pytest.mark.slow
+def test_50_bf16_steps_train_as_fp32_does(ray_cluster, corpus_dir, cache_root, tmp_path):
+    """bf16 changes the arithmetic, not the training: after 50 steps raylm's bf16 run's
+    loss is within 2% of single-process fp32's on the same samples (the tiny GPT-2 of
+    the parity tests, 1 rank: the precision alone)."""
+    from tests.reference import reference_run
+    from raylm.runtime.input_checks import check_inputs
+    from raylm.runtime.prepare import prepare_data
+    from tests.test_parity import tiny_config
+
+    steps = 50
+    fp32 = tiny_config(tmp_path / "fp32", corpus_dir, cache_root, max_steps=steps,
+                       gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    inputs = check_inputs(fp32)
+    data = prepare_data(fp32, inputs)
+    ref_losses = reference_run(fp32, inputs.spec, data.train, data.train_ids, 8, steps)[0]
+    bf16 = tiny_config(tmp_path / "bf16", corpus_dir, cache_root, max_steps=steps,
+                       gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                       num_workers=1, bf16=True)
+    losses = [h["loss"] for h in train(bf16).history]
+    print(f"50 steps: fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, bf16 "
+          f"{losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / ref_losses[-1] - 1:+.2%})")
+    assert ref_losses[-1] < ref_losses[0] - 0.5  # it learned something (8.32 -> 7.55)
+    assert abs(losses[-1] / ref_losses[-1] - 1) < 0.02
+
+
 @pytest.mark.parametrize("dp,pp,tp,stage", RUNS,
                          ids=[f"dp{d}-pp{p}-tp{t}" + (f"-zero{z}" if z else "")
                               for d, p, t, z in RUNS])
@@ -156,29 +182,3 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     state = read_trainer_state(CheckpointManager(cfg.output_dir).path_for(2))
     assert state["loss_scale"] == {"scale": scale, "good": 0}
     assert_close_to(result, Reference(losses, norms, state, None, None), "fp16 dp=2 x pp=2")
-
-
-@pytest.mark.slow
-def test_50_bf16_steps_train_as_fp32_does(ray_cluster, corpus_dir, cache_root, tmp_path):
-    """bf16 changes the arithmetic, not the training: after 50 steps raylm's bf16 run's
-    loss is within 2% of single-process fp32's on the same samples (the tiny GPT-2 of
-    the parity tests, 1 rank: the precision alone)."""
-    from tests.reference import reference_run
-    from raylm.runtime.input_checks import check_inputs
-    from raylm.runtime.prepare import prepare_data
-    from tests.test_parity import tiny_config
-
-    steps = 50
-    fp32 = tiny_config(tmp_path / "fp32", corpus_dir, cache_root, max_steps=steps,
-                       gradient_accumulation_steps=2, per_device_train_batch_size=4)
-    inputs = check_inputs(fp32)
-    data = prepare_data(fp32, inputs)
-    ref_losses = reference_run(fp32, inputs.spec, data.train, data.train_ids, 8, steps)[0]
-    bf16 = tiny_config(tmp_path / "bf16", corpus_dir, cache_root, max_steps=steps,
-                       gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                       num_workers=1, bf16=True)
-    losses = [h["loss"] for h in train(bf16).history]
-    print(f"50 steps: fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, bf16 "
-          f"{losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / ref_losses[-1] - 1:+.2%})")
-    assert ref_losses[-1] < ref_losses[0] - 0.5  # it learned something (8.32 -> 7.55)
-    assert abs(losses[-1] / ref_losses[-1] - 1) < 0.02

@@ -25,8 +25,10 @@ pipeline cut, FSDP).
 
 What does not compose yet is refused before any actor (raylm.plan.constraints:
 ``compile_problem``): the generic pipeline split (torch.export traces the model into
-graphs with no blocks left). Under compile dropout draws its masks inside the compiled
-graph (per rank, as under tensor or pipeline parallelism), not raylm's per-sample masks.
+graphs with no blocks left). Each dropout breaks the graph: its masks are raylm's
+per-sample ones, drawn eagerly (raylm.models.dropout), so a compiled run trains the
+eager run's function. A rank compiles with as many threads as it computes with
+(``compile_threads``): no pool of compile processes per rank.
 """
 
 from __future__ import annotations
@@ -36,9 +38,22 @@ import torch
 from raylm.models.units import transformer_blocks
 
 
+def compile_threads() -> None:
+    """Inductor compiles with this rank's torch threads (unless
+    TORCHINDUCTOR_COMPILE_THREADS says otherwise): by default it starts a pool of
+    compile processes as large as the machine's cores in every rank."""
+    import os
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = max(1, torch.get_num_threads())
+
+
 def apply_compile_model(model: torch.nn.Module, loss_fn, backend=None, mode=None):
     """Compile ``model``'s forward in place (``nn.Module.compile``: parameter names and
     hooks stay the model's own) and return ``loss_fn`` compiled."""
+    compile_threads()
     _no_cache(model)
     model.compile(backend=backend or "inductor", mode=mode)
     return torch.compile(loss_fn, backend=backend or "inductor", mode=mode)
@@ -54,6 +69,7 @@ def _no_cache(model: torch.nn.Module) -> None:
 def apply_compile(model: torch.nn.Module, backend=None, mode=None) -> int:
     """Compile the forward of every block of ``model`` (torch.compile's ``backend``,
     default inductor, and ``mode``); the blocks compiled."""
+    compile_threads()
     _no_cache(model)
     blocks = transformer_blocks(model)
     for block in blocks:

@@ -111,29 +111,58 @@ class WorkerGroup:
         self.ranks = [Rank(a, s, i) for a, s, i in zip(actors, slots, infos)]
 
     def take_kept(self, plan: Plan) -> bool:
-        """Start with the rank processes a last run kept (raylm.keep_ranks), each as the
-        rank ``plan`` puts on its node. False, with them stopped, when there are none of
-        this shape, they cannot be placed so, or one does not answer."""
+        """Start with the rank processes a last run kept (raylm.keep_ranks), and as many
+        new ones as ``plan`` has more ranks (in a placement group of their own), each as
+        the rank ``plan`` puts on its node. False, with them stopped, when there are none
+        of this shape, there is no room for the new ones now, they cannot be placed so,
+        or one does not answer."""
         ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu,
                           self.huge_pages)
         if ranks is None:
             return False
-        order = place(plan, ranks.node_ids)
+        n_kept = len(ranks.actors)
+        actors, slots = list(ranks.actors), list(ranks.slots)
+        nodes, pgs = list(ranks.node_ids), list(ranks.pgs)
         try:
+            more = plan.world_size - n_kept
+            if more:
+                pg = self._reserve_more(plan, more)
+                pgs.append(pg)
+                new_slots = [(pg, b) for b in range(more)]
+                new = start_actors(plan, new_slots, range(n_kept, plan.world_size),
+                                   plan.world_size, self.huge_pages)
+                actors, slots = actors + new, slots + new_slots
+                nodes += [i["node_id"] for i in self.wait([a.info.remote() for a in new])]
+            order = place(plan, nodes)
             if order is None:
                 raise WorkerFailure("the kept ranks' nodes do not hold the layout")
-            infos = self.wait([ranks.actors[i].reset.remote(r, plan.world_size,
-                                                            plan.torch_threads)
+            infos = self.wait([actors[i].reset.remote(r, plan.world_size,
+                                                      plan.torch_threads)
                                for r, i in enumerate(order)], timeout_s=60)
         except WorkerFailure as e:
             log.info("not using the kept rank processes: %s", e)
-            ranks.release()
+            kill(actors)
+            for pg in pgs:
+                remove(pg)
             return False
-        self.ranks = [Rank(ranks.actors[i], ranks.slots[i], info)
-                      for i, info in zip(order, infos)]
-        self.pg, self.growth_pgs = ranks.pgs[0], ranks.pgs[1:]
-        log.info("%d rank process(es) kept from the last run", len(self.ranks))
+        self.ranks = [Rank(actors[i], slots[i], info) for i, info in zip(order, infos)]
+        self.pg, self.growth_pgs = pgs[0], pgs[1:]
+        log.info("%d rank process(es) kept from the last run%s", n_kept,
+                 f", {plan.world_size - n_kept} started" if plan.world_size > n_kept else "")
         return True
+
+    @staticmethod
+    def _reserve_more(plan: Plan, more: int):
+        """A placement group for ``more`` ranks beside kept ones, if the cluster has room
+        for them now (else WorkerFailure: the run then starts all its ranks afresh)."""
+        free = ray.available_resources()
+        if (free.get("CPU", 0.0) + 1e-9 < more * plan.cpus_per_worker
+                or (plan.use_gpu and free.get("GPU", 0.0) + 1e-9 < more)):
+            raise WorkerFailure(f"no room now for the {more} rank(s) more than kept")
+        pg = cluster.reserve(more, plan.cpus_per_worker, plan.use_gpu, timeout_s=10)
+        if pg is None:
+            raise WorkerFailure(f"no room now for the {more} rank(s) more than kept")
+        return pg
 
     def offer_for_next_run(self, plan: Plan) -> bool:
         """Leave the ranks up for the next run (raylm.keep_ranks) once each has dropped

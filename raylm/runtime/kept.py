@@ -4,12 +4,13 @@ A run's rank actors spend most of its start-up importing torch and transformers'
 code (README, "Start-up"): about 7 of a warm driver's 8 s. A driver that trains several
 times on one Ray cluster (a sweep, a notebook, a test session) can keep them: at the end
 of a run that finished cleanly its ranks leave their process group and wait, idle, with
-their placement group; the next run of the same shape takes them (``take``) and only
-builds its engines. Ray itself cannot do this: it starts a fresh process for every actor
+their placement group; the next run of the same shape takes them (``take``), starts
+only the ranks it has more of, and builds its engines. Ray itself cannot do this: it starts a fresh process for every actor
 and never gives an actor a worker that ran tasks or another actor.
 
 Kept ranks hold their bundles' CPUs (and GPUs) while they wait, so they are kept only
-inside ``keep_ranks`` and released when it ends, when a run does not fit them, when the
+inside ``keep_ranks`` and released when it ends, when a run has fewer ranks or another
+shape (a placement group frees its bundles only all together), when the
 data must be tokenized first (Ray Data's tasks need the CPUs), or when Ray went away.
 """
 
@@ -42,7 +43,8 @@ class KeptRanks:
 
     def fits(self, world_size: int, cpus_per_worker: float, use_gpu: bool,
              huge_pages: bool = True) -> bool:
-        return (len(self.actors) == world_size and self.cpus_per_worker == cpus_per_worker
+        """Of this shape, and no more of them than the run's ranks (it starts the rest)."""
+        return (len(self.actors) <= world_size and self.cpus_per_worker == cpus_per_worker
                 and self.use_gpu == use_gpu and self.huge_pages == huge_pages
                 and self.cluster == cluster_id())
 
@@ -69,9 +71,9 @@ _kept: Optional[KeptRanks] = None
 @contextlib.contextmanager
 def keep_ranks() -> Iterator[None]:
     """Within this block, a run that finishes cleanly leaves its rank processes up for
-    the next run of the same shape (world size, CPUs and GPU per rank) on the same Ray
-    cluster, which then starts without starting processes or importing torch again.
-    Leaving the block stops them.
+    the next run of the same shape (CPUs and GPU per rank) on the same Ray cluster with
+    as many ranks or more, which then starts only the ranks it lacks. Leaving the block
+    stops them.
 
         with raylm.keep_ranks():
             for lr in (1e-4, 3e-4, 1e-3):
@@ -106,7 +108,8 @@ def offer(kept: KeptRanks) -> None:
 def take(world_size: int, cpus_per_worker: float, use_gpu: bool,
          huge_pages: bool = True) -> Optional[KeptRanks]:
     """The kept ranks, if they fit a run of ``world_size`` ranks of that shape (the
-    caller then owns them); otherwise they are released, and None."""
+    caller then owns them, and starts the ranks they lack); otherwise they are released,
+    and None."""
     global _kept
     kept, _kept = _kept, None
     if kept is not None and kept.fits(world_size, cpus_per_worker, use_gpu, huge_pages):
