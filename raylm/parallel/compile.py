@@ -33,6 +33,8 @@ eager run's function. A rank compiles with as many threads as it computes with
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from raylm.models.units import transformer_blocks
@@ -42,9 +44,8 @@ def compile_threads() -> None:
     """Inductor compiles with this rank's torch threads (unless
     TORCHINDUCTOR_COMPILE_THREADS says otherwise): by default it starts a pool of
     compile processes as large as the machine's cores in every rank."""
-    import os
-
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        # (imported here: a rank that does not compile never loads inductor)
         import torch._inductor.config as inductor
 
         inductor.compile_threads = max(1, torch.get_num_threads())

@@ -121,10 +121,10 @@ class WorkerGroup:
         if ranks is None:
             return False
         n_kept = len(ranks.actors)
+        more = plan.world_size - n_kept
         actors, slots = list(ranks.actors), list(ranks.slots)
         nodes, pgs = list(ranks.node_ids), list(ranks.pgs)
         try:
-            more = plan.world_size - n_kept
             if more:
                 pg = self._reserve_more(plan, more)
                 pgs.append(pg)
@@ -148,16 +148,15 @@ class WorkerGroup:
         self.ranks = [Rank(actors[i], slots[i], info) for i, info in zip(order, infos)]
         self.pg, self.growth_pgs = pgs[0], pgs[1:]
         log.info("%d rank process(es) kept from the last run%s", n_kept,
-                 f", {plan.world_size - n_kept} started" if plan.world_size > n_kept else "")
+                 f", {more} started" if more else "")
         return True
 
     @staticmethod
     def _reserve_more(plan: Plan, more: int):
         """A placement group for ``more`` ranks beside kept ones, if the cluster has room
         for them now (else WorkerFailure: the run then starts all its ranks afresh)."""
-        free = ray.available_resources()
-        if (free.get("CPU", 0.0) + 1e-9 < more * plan.cpus_per_worker
-                or (plan.use_gpu and free.get("GPU", 0.0) + 1e-9 < more)):
+        if cluster.ranks_fitting(ray.available_resources(), plan.cpus_per_worker,
+                                 plan.use_gpu, more) < more:
             raise WorkerFailure(f"no room now for the {more} rank(s) more than kept")
         pg = cluster.reserve(more, plan.cpus_per_worker, plan.use_gpu, timeout_s=10)
         if pg is None:

@@ -5,13 +5,14 @@ code (README, "Start-up"): about 7 of a warm driver's 8 s. A driver that trains 
 times on one Ray cluster (a sweep, a notebook, a test session) can keep them: at the end
 of a run that finished cleanly its ranks leave their process group and wait, idle, with
 their placement group; the next run of the same shape takes them (``take``), starts
-only the ranks it has more of, and builds its engines. Ray itself cannot do this: it starts a fresh process for every actor
-and never gives an actor a worker that ran tasks or another actor.
+only the ranks it has more of, and builds its engines. Ray itself cannot do this: it
+starts a fresh process for every actor and never gives an actor a worker that ran tasks
+or another actor.
 
 Kept ranks hold their bundles' CPUs (and GPUs) while they wait, so they are kept only
 inside ``keep_ranks`` and released when it ends, when a run has fewer ranks or another
-shape (a placement group frees its bundles only all together), when the
-data must be tokenized first (Ray Data's tasks need the CPUs), or when Ray went away.
+shape (a placement group frees its bundles only all together), when the data must be
+tokenized first (Ray Data's tasks need the CPUs), or when Ray went away.
 """
 
 from __future__ import annotations
