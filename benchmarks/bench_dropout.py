@@ -3,7 +3,7 @@ per-sample masks (raylm.models.dropout) against torch's own dropout, on the whol
 (a data-parallel rank), with its blocks compiled (--torch_compile: the graph breaks at
 each per-sample dropout) and on each stage of a pp=2 cut (a pipeline rank's share).
 
-    python benchmarks/bench_dropout.py            # ~6 min on a 2-core machine
+    python benchmarks/bench_dropout.py            # ~4 min on a 2-core machine
     python benchmarks/bench_dropout.py --quick    # a check of the script
 
 In process, one torch thread: each "step" runs the micro-batches a rank runs (forward

@@ -135,21 +135,29 @@ def test_recomputed_blocks_redraw_the_same_masks(mode):
     assert max((other[1][n] - kept[1][n]).abs().max() for n in kept[1]) > DIFFERENT
 
 
-def test_a_compiled_forward_draws_the_eager_masks():
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_a_compiled_forward_draws_the_eager_masks(scope):
     """--torch_compile: the graph breaks at each dropout, drawn eagerly between graphs,
-    so a compiled forward (the whole model's; each block's is the same case) gives
-    eager's losses and gradients (aot_eager: dynamo and AOTAutograd, as inductor sees
-    them, without its kernels)."""
+    so a compiled forward (the whole model's, or each block's) gives eager's losses and
+    gradients (aot_eager: dynamo and AOTAutograd, as inductor sees them, without its
+    kernels); a graph traced before the sites were hooked (here a forward with torch's
+    own dropout) is not run on without their hooks."""
     import torch._dynamo
 
     from raylm.models.dropout import DropoutSites, name_sites
+    from raylm.parallel.compile import apply_compile, apply_compile_model
 
     tokens = _tokens()
     eager, model = _gpt2(), _gpt2()
     for m in (eager, model):
         name_sites(m)
     torch._dynamo.reset()
-    model.compile(backend="aot_eager")
+    if scope == "model":
+        apply_compile_model(model, lambda x: x, backend="aot_eager")
+    else:
+        apply_compile(model, backend="aot_eager")
+    x = torch.stack([tokens[i] for i in IDS[:2]])
+    model(input_ids=x).logits.sum().backward()  # (torch's dropout, in graphs)
     sites = DropoutSites(), DropoutSites()
     for _ in range(2):  # (sites found by the first forward, then scoped to them)
         kept = _run(eager, tokens, [[10, 11], [12, 13]], sites=sites[0])

@@ -303,7 +303,7 @@ class SampleDropout(TorchFunctionMode):
         self._counts: dict = {}  # site key -> its calls so far in the context
         self._stack: list = []  # the modules running (scoped: the sites), innermost last
         self._hooks: list = []  # global module hooks that keep _stack (not scoped)
-        self._order: list = []  # the call indices drawn, in order
+        self._order: list = []  # the call indices drawn on a device, in order
         self._rows = None  # each row's key before the call index (keys())
         self._device = None  # (device, {call index: column}, key halves and draws there)
 
@@ -382,7 +382,6 @@ class SampleDropout(TorchFunctionMode):
             n = self._counts.get(site, 0)
             self._counts[site] = n + 1
             index = site ^ (n & ((1 << _COUNT_BITS) - 1))
-        self._order.append(index)
         return index
 
     @classmethod
@@ -408,18 +407,23 @@ class SampleDropout(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _WATCHED:  # (every torch call of the forward comes through here)
             return func(*args, **kwargs)
+        return self._handle(func, args, kwargs)
+
+    # (torch.compile breaks its graph here: the mask is drawn eagerly, between graphs,
+    # so that a compiled forward draws the masks an eager one does, and nothing of the
+    # context's state is traced, which would recompile as it changes)
+    @torch.compiler.disable
+    def _handle(self, func, args, kwargs):
+        """A dropout-like call: drawn, counted or passed on; in a probe, its module noted."""
         if self.sites is None or not self.sites.probing:
-            return self._handle(func, args, kwargs)
+            return self._call(func, args, kwargs)
         before = self.calls + self.fallbacks
-        out = self._handle(func, args, kwargs)
+        out = self._call(func, args, kwargs)
         if self.calls + self.fallbacks != before:  # a dropout drawn or counted: a site
             self.sites.seen()
         return out
 
-    # (torch.compile breaks its graph here: the mask is drawn eagerly, between graphs,
-    # so that a compiled forward draws the masks an eager one does)
-    @torch.compiler.disable
-    def _handle(self, func, args, kwargs):
+    def _call(self, func, args, kwargs):
         """A dropout-like call: replaced by a per-sample draw, counted, or passed on."""
         if func in _REPLACED:
             train_name, train_default, inplace = _REPLACED[func]
@@ -493,6 +497,7 @@ class SampleDropout(TorchFunctionMode):
         launches then pays one copy per micro-batch (another call: one more)."""
         if device.type == "cpu":
             return None
+        self._order.append(index)
         if self._device is None or self._device[0] != device:
             order = self.sites.order if self.sites is not None else SampleDropout._last_order
             first = np.array(list(dict.fromkeys([*order, index])), dtype=np.uint64)

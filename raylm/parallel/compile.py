@@ -51,10 +51,21 @@ def compile_threads() -> None:
         inductor.compile_threads = max(1, torch.get_num_threads())
 
 
+def guard_hooks() -> None:
+    """Compiled code is guarded on its modules' hooks: per-sample dropout hooks the
+    modules a first forward found dropping (raylm.models.dropout.DropoutSites), and a
+    graph traced before would otherwise run on without them (torch skips those guards
+    by default)."""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
 def apply_compile_model(model: torch.nn.Module, loss_fn, backend=None, mode=None):
     """Compile ``model``'s forward in place (``nn.Module.compile``: parameter names and
     hooks stay the model's own) and return ``loss_fn`` compiled."""
     compile_threads()
+    guard_hooks()
     _no_cache(model)
     model.compile(backend=backend or "inductor", mode=mode)
     return torch.compile(loss_fn, backend=backend or "inductor", mode=mode)
@@ -71,6 +82,7 @@ def apply_compile(model: torch.nn.Module, backend=None, mode=None) -> int:
     """Compile the forward of every block of ``model`` (torch.compile's ``backend``,
     default inductor, and ``mode``); the blocks compiled."""
     compile_threads()
+    guard_hooks()
     _no_cache(model)
     blocks = transformer_blocks(model)
     for block in blocks:
