@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,14 @@ import pytest
 # (first: where torchvision's PyPI wheel meets a CPU-only torch, importing raylm makes it
 # importable before a test imports transformers; raylm.compat)
 import raylm  # noqa: F401
+
+# Inductor's on-disk cache does not keep kernels of one ATEN_CPU_CAPABILITY apart from
+# another's (docs/development.md): a forced level gets a cache of its own, set before
+# Ray starts so that the ranks inherit it.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor-{getpass.getuser()}-"
+                               f"{os.environ['ATEN_CPU_CAPABILITY']}")
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare"
