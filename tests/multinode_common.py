@@ -85,7 +85,8 @@ def start_cluster(workers: int = 2, cpus: int = 1, **system_config):
     stderr."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {**FAST_FAILURE_DETECTION, **system_config}})
+        "num_cpus": 0, "include_dashboard": False,  # (nothing here reads it)
+        "_system_config": {**FAST_FAILURE_DETECTION, **system_config}})
     for _ in range(workers):
         cluster.add_node(num_cpus=cpus)
     cluster.wait_for_nodes()

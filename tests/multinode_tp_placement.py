@@ -29,7 +29,8 @@ class Nodes:
 
 
 logging.basicConfig(level=logging.INFO, format="raylm %(message)s")
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
+                                                        "include_dashboard": False})
 for _ in range(2):
     cluster.add_node(num_cpus=3)
 ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from raylm import TrainConfig, train
+from raylm.runtime import kept
 from raylm.runtime.faults import inject
 from tests.conftest import TINY_GPT2_DROPOUT
 from tests.test_bad_input import assert_fails_before_any_actor
@@ -47,13 +48,6 @@ def samples_per_step(output_dir) -> dict:
                 for r in map(json.loads, f)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kept_ranks():
-    """None kept here (conftest keeps them per module): this module checks that a run's
-    rank processes are gone when it ends."""
-    yield
-
-
 @pytest.fixture(scope="module")
 def unchanged(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("unchanged") / "out"
@@ -63,17 +57,18 @@ def unchanged(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
 
 
 class Watch:
-    """Kills a rank (SIGKILL by pid) when a step ends, if asked; remembers every rank pid
-    and, at the last step, the ranks' state digests."""
+    """Kills a rank (SIGKILL by pid) when a step ends, if asked; remembers every rank pid,
+    those of the last step, and, at the last step, the ranks' state digests."""
 
     def __init__(self, kill_rank=None, at_step=None, grow_from=None):
         self.kill_rank, self.at_step, self.grow_from = kill_rank, at_step, grow_from
-        self.pids, self.digests, self.killed = set(), None, None
+        self.pids, self.digests, self.killed, self.last = set(), None, None, set()
 
     def on_step_end(self, driver, step, record):
         import ray
 
         self.pids.update(driver.worker_pids)
+        self.last = set(driver.worker_pids)
         # Look for room to grow at every step boundary from `grow_from` on (the driver
         # looks once a second; these steps take milliseconds).
         driver.grow_check_s = 0.0 if self.grow_from and step >= self.grow_from else 3600.0
@@ -249,15 +244,23 @@ def assert_shrank_with_the_unchanged_losses(result, out, watch, unchanged, log: 
 
 
 def assert_nothing_left(watch) -> None:
-    """The rank processes and the placement groups of the run are gone."""
+    """The run's rank processes and placement groups are gone, but for the ranks of its
+    last step that it kept for the next run (conftest's raylm.keep_ranks), which hold
+    its placement groups."""
     import ray
 
+    ranks = kept.current()
+    alive = {i["pid"] for i in ray.get([a.info.remote() for a in ranks.actors])} \
+        if ranks else set()
     deadline = time.time() + 20
-    while not all(_gone(p) for p in watch.pids) and time.time() < deadline:
+    left = lambda: [p for p in watch.pids - alive if not _gone(p)]  # noqa: E731
+    while left() and time.time() < deadline:
         time.sleep(0.2)
-    assert all(_gone(p) for p in watch.pids), [p for p in watch.pids if not _gone(p)]
-    states = {t["state"] for t in ray.util.placement_group_table().values()}
-    assert states <= {"REMOVED"}, states
+    assert not left(), left()
+    assert alive <= watch.last, (alive, watch.last)
+    held = {pg.id.hex() for pg in ranks.pgs} if ranks else set()
+    states = {k: t["state"] for k, t in ray.util.placement_group_table().items()}
+    assert {k for k, v in states.items() if v != "REMOVED"} <= held, states
 
 
 @pytest.mark.slow

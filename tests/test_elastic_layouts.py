@@ -37,13 +37,6 @@ def layout_config(out, corpus, cache_root, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kept_ranks():
-    """None kept here (conftest keeps them per module): this module checks that a run's
-    rank processes are gone when it ends."""
-    yield
-
-
 @pytest.fixture(scope="module")
 def single(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
     """Single-process training on the same global batch of 8."""

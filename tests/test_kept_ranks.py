@@ -1,7 +1,8 @@
 """raylm.keep_ranks: the runs of one driver share rank processes when their shape fits,
 with the results of fresh processes; a run of more ranks starts only those it lacks;
-kept processes stop when released, when a run of fewer ranks or another shape comes,
-and before data must be tokenized (Ray Data needs their CPUs)."""
+a run of fewer ranks leaves the rest idle for the next; kept processes stop when
+released, when a run of another shape comes, and before data must be tokenized (Ray
+Data needs their CPUs)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,18 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
                                [h["loss"] for h in first.history], rtol=1e-6)
     assert second.metrics["world_size"] == 2
 
-    # A run of fewer ranks does not take them: they stop, and it starts its own.
+    # A run of fewer ranks takes one of them and leaves the other idle; the next run of
+    # two gets both back.
     alone, alone_pids = _run(tmp_path / "c", [corpus_dir], cache_root, workers=1)
-    assert not alone_pids & first_pids and _all_gone(first_pids)
+    assert len(alone_pids) == 1 and alone_pids < first_pids
+    assert not any(_gone(p) for p in first_pids)
     np.testing.assert_allclose([h["loss"] for h in alone.history],
                                [h["loss"] for h in first.history], rtol=1e-5)
+    again, again_pids = _run(tmp_path / "c2", [corpus_dir], cache_root)
+    assert again_pids == first_pids
+    np.testing.assert_allclose([h["loss"] for h in again.history],
+                               [h["loss"] for h in first.history], rtol=1e-6)
+    alone, alone_pids = _run(tmp_path / "c3", [corpus_dir], cache_root, workers=1)
 
     # Data not in the cache yet: the kept rank stops before Ray Data tokenizes it (its
     # CPUs could be the ones the tokenizing tasks need), and the run starts fresh.
@@ -72,7 +80,7 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
     new_play.mkdir()
     shutil.copy(SHAKESPEARE / "lovers_complaint.txt", new_play / "lovers_complaint.txt")
     fresh, fresh_pids = _run(tmp_path / "d", [new_play], cache_root, workers=1)
-    assert not fresh_pids & alone_pids and _all_gone(alone_pids)
+    assert not fresh_pids & first_pids and _all_gone(first_pids)
     assert fresh.history[-1]["loss"] < fresh.history[0]["loss"]
 
     # A run of more ranks takes the kept one and starts only the rank it lacks.

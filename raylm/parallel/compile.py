@@ -92,8 +92,8 @@ def apply_compile(model: torch.nn.Module, backend=None, mode=None) -> int:
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (identical blocks share
-    one: a model's blocks make one or a few)."""
+    """Graphs torch.compile has compiled in this process since it started or a kept rank
+    reset (identical blocks share one: a model's blocks make one or a few)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

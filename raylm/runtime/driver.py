@@ -343,10 +343,9 @@ class Driver:
         return plan
 
     def _offer_ranks(self) -> bool:
-        """Leave this run's ranks up for the next (raylm.keep_ranks): when it finished
-        without a failure (every bundle holds its rank) and they all reset."""
-        if not (kept.keeping() and len(self.group) and self.record.failures == 0
-                and self.newcomers is None):
+        """Leave this run's ranks up for the next (raylm.keep_ranks), with the places of
+        those it lost, when they all reset."""
+        if not (kept.keeping() and len(self.group) and self.newcomers is None):
             return False
         # (each drops its engine now, memory and GPU memory, rather than at the next run)
         return self.group.offer_for_next_run(self.record.plan)

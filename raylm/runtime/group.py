@@ -71,6 +71,9 @@ class WorkerGroup:
         # Nodes that lost ranks and have not answered since: {node id: a task pinned
         # there (health.end's)}. No newcomer goes there until that task returns.
         self.unreachable: dict = {}
+        # Kept ranks this run of fewer ranks left idle: (actor, slot, node id) each,
+        # kept again with the group's own at its end (take_kept)
+        self.spares: list = []
 
     # -- what the driver reads --------------------------------------------------------------
     @property
@@ -112,23 +115,25 @@ class WorkerGroup:
 
     def take_kept(self, plan: Plan) -> bool:
         """Start with the rank processes a last run kept (raylm.keep_ranks), and as many
-        new ones as ``plan`` has more ranks (in a placement group of their own), each as
-        the rank ``plan`` puts on its node. False, with them stopped, when there are none
-        of this shape, there is no room for the new ones now, they cannot be placed so,
-        or one does not answer."""
-        ranks = kept.take(plan.world_size, plan.cpus_per_worker, plan.use_gpu,
-                          self.huge_pages)
+        new ones as ``plan`` has more ranks (in the places of ranks that run lost, then
+        in a placement group of their own), each as the rank ``plan`` puts on its node; kept ones beyond ``plan``'s ranks wait idle
+        beside it (``spares``). False, with them stopped, when there are none of this
+        shape, there is no room for the new ones now, they cannot be placed so, or one
+        does not answer."""
+        ranks = kept.take(plan.cpus_per_worker, plan.use_gpu, self.huge_pages)
         if ranks is None:
             return False
-        n_kept = len(ranks.actors)
-        more = plan.world_size - n_kept
+        more = max(0, plan.world_size - len(ranks.actors))
+        n_kept = plan.world_size - more
         actors, slots = list(ranks.actors), list(ranks.slots)
         nodes, pgs = list(ranks.node_ids), list(ranks.pgs)
         try:
             if more:
-                pg = self._reserve_more(plan, more)
-                pgs.append(pg)
-                new_slots = [(pg, b) for b in range(more)]
+                new_slots = ranks.free[:more]
+                if len(new_slots) < more:
+                    pg = self._reserve_more(plan, more - len(new_slots))
+                    pgs.append(pg)
+                    new_slots += [(pg, b) for b in range(more - len(new_slots))]
                 new = start_actors(plan, new_slots, range(n_kept, plan.world_size),
                                    plan.world_size, self.huge_pages)
                 actors, slots = actors + new, slots + new_slots
@@ -136,6 +141,8 @@ class WorkerGroup:
             order = place(plan, nodes)
             if order is None:
                 raise WorkerFailure("the kept ranks' nodes do not hold the layout")
+            if len(order) < len(actors) and not kept.room_for_tasks():
+                raise WorkerFailure("idle kept ranks would leave no CPU for Ray Data")
             infos = self.wait([actors[i].reset.remote(r, plan.world_size,
                                                       plan.torch_threads)
                                for r, i in enumerate(order)], timeout_s=60)
@@ -146,9 +153,12 @@ class WorkerGroup:
                 remove(pg)
             return False
         self.ranks = [Rank(actors[i], slots[i], info) for i, info in zip(order, infos)]
+        self.spares = [(actors[i], slots[i], nodes[i]) for i in range(len(actors))
+                       if i not in set(order)]
         self.pg, self.growth_pgs = pgs[0], pgs[1:]
-        log.info("%d rank process(es) kept from the last run%s", n_kept,
-                 f", {more} started" if more else "")
+        log.info("%d rank process(es) kept from the last run%s%s", n_kept,
+                 f", {more} started" if more else "",
+                 f", {len(self.spares)} idle beside it" if self.spares else "")
         return True
 
     @staticmethod
@@ -165,21 +175,27 @@ class WorkerGroup:
 
     def offer_for_next_run(self, plan: Plan) -> bool:
         """Leave the ranks up for the next run (raylm.keep_ranks) once each has dropped
-        its engine; the group is then empty. False (nothing offered) when one does not
-        reset."""
+        its engine, with the places of ranks the run lost; the group is then empty.
+        False (nothing offered) when one does not reset, or a node of the run is
+        unreachable or gone."""
+        pgs = [pg for pg in [self.pg] + self.growth_pgs if pg is not None]
+        if self.unreachable_nodes() or not all(
+                placement_group_table(pg).get("state") == "CREATED" for pg in pgs):
+            return False
+        free = self.free_slots(plan)
         n = len(self.ranks)
         try:
             self.wait([r.actor.reset.remote(i, n, plan.torch_threads)
                        for i, r in enumerate(self.ranks)], timeout_s=60)
         except WorkerFailure:
             return False
+        spares = list(zip(*self.spares)) or [(), (), ()]
         kept.offer(kept.KeptRanks(
-            actors=self.actors, slots=self.slots,
-            node_ids=[i["node_id"] for i in self.infos],
-            pgs=[pg for pg in [self.pg] + self.growth_pgs if pg is not None],
-            cpus_per_worker=plan.cpus_per_worker, use_gpu=plan.use_gpu,
+            actors=self.actors + list(spares[0]), slots=self.slots + list(spares[1]),
+            node_ids=[i["node_id"] for i in self.infos] + list(spares[2]),
+            pgs=pgs, free=free, cpus_per_worker=plan.cpus_per_worker, use_gpu=plan.use_gpu,
             cluster=cluster.cluster_id(), huge_pages=self.huge_pages))
-        self.ranks, self.pg, self.growth_pgs = [], None, []
+        self.ranks, self.pg, self.growth_pgs, self.spares = [], None, [], []
         return True
 
     # -- calling ----------------------------------------------------------------------------
@@ -347,7 +363,8 @@ class WorkerGroup:
         group, bundle) per rank, in whole groups of ``group`` per bundle (a tensor-
         parallel group shares one), none on an unreachable node; ``taken_too``: slots
         newcomers hold."""
-        taken = collections.Counter(self.slots + list(taken_too))
+        taken = collections.Counter(self.slots + [s for _, s, _ in self.spares]
+                                    + list(taken_too))
         avoid, free = self.unreachable_nodes(), []
         for pg in [self.pg] + self.growth_pgs:
             nodes = placement_group_table(pg).get("bundles_to_node_id", {}) \
@@ -417,9 +434,10 @@ class WorkerGroup:
         return set(self.unreachable)
 
     def stop(self) -> None:
-        """Stop every rank and free the placement groups."""
-        kill(self.actors)
+        """Stop every rank (and spare) and free the placement groups."""
+        kill(self.actors + [a for a, _, _ in self.spares])
         self.ranks, self.inflight, self.pending = [], [], PendingCommit()
+        self.spares = []
         for pg in [self.pg] + self.growth_pgs:
             remove(pg)
         self.pg, self.growth_pgs = None, []

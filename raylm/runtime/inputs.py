@@ -55,7 +55,7 @@ def room_for_tasks() -> None:
     run (raylm.keep_ranks) are stopped if they leave no CPU for Ray Data's tasks."""
     import ray
 
-    from raylm.data.tokenized import TASK_NUM_CPUS
+    from raylm.runtime import kept
 
-    if ray.is_initialized() and ray.available_resources().get("CPU", 0.0) < 2 * TASK_NUM_CPUS:
+    if ray.is_initialized() and not kept.room_for_tasks():
         release_kept_ranks()

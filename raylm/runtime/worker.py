@@ -386,6 +386,11 @@ class RankWorker:
             dist.destroy_process_group()
         if "torch._dynamo" in sys.modules:  # the last run's compiled blocks and guards
             sys.modules["torch._dynamo"].reset()
+            from torch._dynamo.utils import counters
+
+            counters.clear()  # (compiled_graphs counts this run's)
+        if "torch.distributed.tensor" in sys.modules:
+            _forget_meshes()
         self.__dict__.clear()
         self.__init__(rank, world_size, num_threads)
         gc.collect()
@@ -660,6 +665,23 @@ def _gloo_on_node_address() -> None:
                     return
             except ValueError:  # (a link-layer address)
                 continue
+
+
+def _forget_meshes() -> None:
+    """Drop what DTensor cached of the last run's device meshes: its sharding caches
+    (the C++ fast path's and Python's) and redistribute planners compare meshes by shape
+    and dimension names, not by process group, so a kept rank would hand its new run's
+    ops output specs on an old mesh whose groups are gone or named otherwise ("Could not
+    resolve the process group registered under the name N"), and a mesh a failed run
+    left on the stack of current meshes."""
+    from torch.distributed import device_mesh
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    device_mesh._mesh_resources.mesh_stack.clear()
 
 
 def _device_name() -> str:
