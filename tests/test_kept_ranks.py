@@ -72,7 +72,6 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
     assert again_pids == first_pids
     np.testing.assert_allclose([h["loss"] for h in again.history],
                                [h["loss"] for h in first.history], rtol=1e-6)
-    alone, alone_pids = _run(tmp_path / "c3", [corpus_dir], cache_root, workers=1)
 
     # Data not in the cache yet: the kept rank stops before Ray Data tokenizes it (its
     # CPUs could be the ones the tokenizing tasks need), and the run starts fresh.

@@ -71,9 +71,9 @@ class WorkerGroup:
         # Nodes that lost ranks and have not answered since: {node id: a task pinned
         # there (health.end's)}. No newcomer goes there until that task returns.
         self.unreachable: dict = {}
-        # Kept ranks this run of fewer ranks left idle: (actor, slot, node id) each,
-        # kept again with the group's own at its end (take_kept)
-        self.spares: list = []
+        # Kept ranks this run of fewer ranks left idle, kept again with the group's own
+        # at its end (take_kept)
+        self.spares: list[Rank] = []
 
     # -- what the driver reads --------------------------------------------------------------
     @property
@@ -116,10 +116,10 @@ class WorkerGroup:
     def take_kept(self, plan: Plan) -> bool:
         """Start with the rank processes a last run kept (raylm.keep_ranks), and as many
         new ones as ``plan`` has more ranks (in the places of ranks that run lost, then
-        in a placement group of their own), each as the rank ``plan`` puts on its node; kept ones beyond ``plan``'s ranks wait idle
-        beside it (``spares``). False, with them stopped, when there are none of this
-        shape, there is no room for the new ones now, they cannot be placed so, or one
-        does not answer."""
+        in a placement group of their own), each as the rank ``plan`` puts on its node;
+        kept ones beyond ``plan``'s ranks wait idle beside it (``spares``). False, with
+        them stopped, when there are none of this shape, there is no room for the new
+        ones now, they cannot be placed so, or one does not answer."""
         ranks = kept.take(plan.cpus_per_worker, plan.use_gpu, self.huge_pages)
         if ranks is None:
             return False
@@ -153,8 +153,8 @@ class WorkerGroup:
                 remove(pg)
             return False
         self.ranks = [Rank(actors[i], slots[i], info) for i, info in zip(order, infos)]
-        self.spares = [(actors[i], slots[i], nodes[i]) for i in range(len(actors))
-                       if i not in set(order)]
+        idle = sorted(set(range(len(actors))) - set(order))
+        self.spares = [Rank(actors[i], slots[i], {"node_id": nodes[i]}) for i in idle]
         self.pg, self.growth_pgs = pgs[0], pgs[1:]
         log.info("%d rank process(es) kept from the last run%s%s", n_kept,
                  f", {more} started" if more else "",
@@ -189,11 +189,10 @@ class WorkerGroup:
                        for i, r in enumerate(self.ranks)], timeout_s=60)
         except WorkerFailure:
             return False
-        spares = list(zip(*self.spares)) or [(), (), ()]
+        every = self.ranks + self.spares
         kept.offer(kept.KeptRanks(
-            actors=self.actors + list(spares[0]), slots=self.slots + list(spares[1]),
-            node_ids=[i["node_id"] for i in self.infos] + list(spares[2]),
-            pgs=pgs, free=free, cpus_per_worker=plan.cpus_per_worker, use_gpu=plan.use_gpu,
+            actors=[r.actor for r in every], slots=[r.slot for r in every],
+            node_ids=[r.info["node_id"] for r in every], pgs=pgs, free=free, cpus_per_worker=plan.cpus_per_worker, use_gpu=plan.use_gpu,
             cluster=cluster.cluster_id(), huge_pages=self.huge_pages))
         self.ranks, self.pg, self.growth_pgs, self.spares = [], None, [], []
         return True
@@ -363,7 +362,7 @@ class WorkerGroup:
         group, bundle) per rank, in whole groups of ``group`` per bundle (a tensor-
         parallel group shares one), none on an unreachable node; ``taken_too``: slots
         newcomers hold."""
-        taken = collections.Counter(self.slots + [s for _, s, _ in self.spares]
+        taken = collections.Counter(self.slots + [r.slot for r in self.spares]
                                     + list(taken_too))
         avoid, free = self.unreachable_nodes(), []
         for pg in [self.pg] + self.growth_pgs:
@@ -435,7 +434,7 @@ class WorkerGroup:
 
     def stop(self) -> None:
         """Stop every rank (and spare) and free the placement groups."""
-        kill(self.actors + [a for a, _, _ in self.spares])
+        kill([r.actor for r in self.ranks + self.spares])
         self.ranks, self.inflight, self.pending = [], [], PendingCommit()
         self.spares = []
         for pg in [self.pg] + self.growth_pgs:

@@ -6,9 +6,8 @@ times on one Ray cluster (a sweep, a notebook, a test session) can keep them: at
 of a run its ranks leave their process group and wait, idle, with their placement group
 and the places of any ranks it lost; the next run of the same shape takes them
 (``take``), starts only the ranks it has more of (in those places first), and builds
-its engines. Ray itself cannot do this: it
-starts a fresh process for every actor and never gives an actor a worker that ran tasks
-or another actor.
+its engines. Ray itself cannot do this: it starts a fresh process for every actor and
+never gives an actor a worker that ran tasks or another actor.
 
 Kept ranks hold their bundles' CPUs (and GPUs) while they wait, so they are kept only
 inside ``keep_ranks`` and released when it ends, when a run has another shape, when the
