@@ -6,7 +6,9 @@ each time the group is whole again, a seeded random choice: SIGKILL a random ran
 node stays), or remove the node of a random rank and add a fresh node in its place. The
 survivors carry on in memory; the freed CPU or the new node lets a newcomer warm up and
 join at a step boundary. A one-rank run of the same global batch on the same cluster is
-the reference. Prints one JSON line with what the test checks.
+the reference. The chaos run writes to a bucket (moto's S3 server), its nodes each in a
+directory of their own: no path shared for outputs. Prints one JSON line with what the
+test checks.
 """
 
 import json
@@ -19,8 +21,10 @@ import time
 import numpy as np
 import ray
 
-from raylm import TrainConfig, train
-from multinode_common import pid_alive, samples, start_cluster, wait_gone
+from raylm import TrainConfig, storage, train
+from multinode_common import (add_node_in_a_directory_of_its_own, files_under, pid_alive,
+                              samples, start_cluster, wait_gone)
+from object_store import s3_endpoint
 
 corpus, cache_root = sys.argv[1], sys.argv[2]
 # The suite runs 32 steps (three events, at steps 4, 12 and 17 with seed 0, a rank
@@ -43,8 +47,9 @@ def config(out, **kw):
 
 
 class Chaos:
-    def __init__(self, cluster, seed: int):
+    def __init__(self, cluster, seed: int, node_dirs: list):
         self.cluster, self.rng = cluster, np.random.default_rng(seed)
+        self.node_dirs = node_dirs
         self.next_event, self.events, self.pids, self.digests = 4, [], set(), None
 
     def on_step_end(self, driver, step, record):
@@ -74,33 +79,49 @@ class Chaos:
                 deadline = time.time() + 30
                 while pid_alive(pid) and time.time() < deadline:
                     time.sleep(0.1)
-                self.cluster.add_node(num_cpus=1)
+                self.node_dirs.append(add_node_in_a_directory_of_its_own(
+                    self.cluster, num_cpus=1)[1])
                 self.events.append(("node", step, rank))
             self.next_event = step + int(self.rng.integers(5, 11))
         if step == STEPS:
             self.digests = driver.state_digests()
 
 
-cluster = start_cluster(workers=3)
+def model_difference(saved: str, reference: str) -> float:
+    """The largest difference between two saved models' weights (``saved`` a bucket's)."""
+    from safetensors.torch import load, load_file
+
+    a = load(storage.read_bytes(storage.join(saved, "model.safetensors")))
+    b = load_file(os.path.join(reference, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+node_dirs = []
+cluster = start_cluster(workers=3, node_dirs=node_dirs)
 try:
-    ref_out, out = tempfile.mkdtemp() + "/ref", tempfile.mkdtemp() + "/out"
-    reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=6))
-    chaos = Chaos(cluster, seed=0)
-    hit = train(config(out), callbacks=(chaos,))
-    wait_gone(chaos.pids)
-    print(f"events: {chaos.events}", file=sys.stderr)
-    print("RESULT " + json.dumps({
-        "events": chaos.events, "failures": hit.failures,
-        "reference": [h["loss"] for h in reference.history],
-        "hit": [h["loss"] for h in hit.history],
-        "hit_steps": [h["step"] for h in hit.history],
-        "samples_equal": samples(out) == samples(ref_out),
-        "samples_once": all(len(ids) == len(set(ids)) for ids in samples(out).values()),
-        "digests": chaos.digests,
-        "left_running": [p for p in chaos.pids if pid_alive(p)],
-        "placement_groups": sorted({t["state"] for t in
-                                    ray.util.placement_group_table().values()}),
-        "alive_nodes": len([n for n in ray.nodes() if n["Alive"]])}))
+    with s3_endpoint() as s3:
+        ref_out, out = tempfile.mkdtemp() + "/ref", s3.uri("chaos")
+        reference = train(config(ref_out, num_workers=1, gradient_accumulation_steps=6))
+        chaos = Chaos(cluster, seed=0, node_dirs=node_dirs)
+        hit = train(config(out), callbacks=(chaos,))
+        wait_gone(chaos.pids)
+        print(f"events: {chaos.events}", file=sys.stderr)
+        print("RESULT " + json.dumps({
+            "events": chaos.events, "failures": hit.failures,
+            "reference": [h["loss"] for h in reference.history],
+            "hit": [h["loss"] for h in hit.history],
+            "hit_steps": [h["step"] for h in hit.history],
+            "samples_equal": samples(out) == samples(ref_out),
+            "samples_once": all(len(ids) == len(set(ids)) for ids in samples(out).values()),
+            "digests": chaos.digests,
+            "model_difference": model_difference(out, ref_out),
+            "bucket": s3.keys("chaos"),
+            "node_dirs": len(node_dirs), "files_in_node_dirs": files_under(node_dirs),
+            "left_running": [p for p in chaos.pids if pid_alive(p)],
+            "placement_groups": sorted({t["state"] for t in
+                                        ray.util.placement_group_table().values()}),
+            "alive_nodes": len([n for n in ray.nodes() if n["Alive"]])}))
 finally:
     ray.shutdown()
     cluster.shutdown()

@@ -4,6 +4,7 @@ import path)."""
 import json
 import logging
 import os
+import tempfile
 import time
 
 import ray
@@ -32,10 +33,12 @@ def wait_gone(pids, timeout_s: float = 30.0) -> None:
 
 
 def samples(out):
-    """{step: its sample ids, sorted} from a run's samples.jsonl."""
-    with open(os.path.join(out, "samples.jsonl")) as f:
-        return {r["step"]: sorted(i for ids in r["ranks"] for i in ids)
-                for r in map(json.loads, f)}
+    """{step: its sample ids, sorted} from a run's samples.jsonl (a bucket's too)."""
+    from raylm import storage
+
+    lines = storage.read_bytes(storage.join(out, "samples.jsonl")).decode().splitlines()
+    return {r["step"]: sorted(i for ids in r["ranks"] for i in ids)
+            for r in map(json.loads, lines)}
 
 
 def descendants(pid):
@@ -79,16 +82,39 @@ class RemoveNodeOfRank:
             self.rank_exit_s = 30 - (deadline - time.time())
 
 
-def start_cluster(workers: int = 2, cpus: int = 1, **system_config):
+def add_node_in_a_directory_of_its_own(cluster, **node_args):
+    """A node whose processes (its raylet and the workers it starts, ranks included) run
+    in a fresh directory of their own, as on a machine of its own; returns the node and
+    its directory."""
+    directory, here = tempfile.mkdtemp(prefix="raylm-node-"), os.getcwd()
+    os.chdir(directory)  # (a node's processes start where its raylet starts)
+    try:
+        return cluster.add_node(**node_args), directory
+    finally:
+        os.chdir(here)
+
+
+def files_under(directories) -> list:
+    """Every file under ``directories``."""
+    return [os.path.join(root, name) for d in directories
+            for root, _, names in os.walk(d) for name in names]
+
+
+def start_cluster(workers: int = 2, cpus: int = 1, node_dirs: list = None,
+                  **system_config):
     """A CPU-less head and ``workers`` worker nodes of ``cpus`` CPUs that notice a lost
     node fast (and any other Ray system settings given); the driver's log at INFO on
-    stderr."""
+    stderr. ``node_dirs``: each worker node runs in a directory of its own, appended
+    there (add_node_in_a_directory_of_its_own)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False,  # (nothing here reads it)
         "_system_config": {**FAST_FAILURE_DETECTION, **system_config}})
     for _ in range(workers):
-        cluster.add_node(num_cpus=cpus)
+        if node_dirs is None:
+            cluster.add_node(num_cpus=cpus)
+        else:
+            node_dirs.append(add_node_in_a_directory_of_its_own(cluster, num_cpus=cpus)[1])
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     return cluster

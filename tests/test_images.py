@@ -419,7 +419,7 @@ def test_plan_of_an_image_model(kind, image_dir, cache_root, tmp_path):
 def test_an_output_dir_knows_its_run_s_loss(image_dir, cache_root, tmp_path):
     """The run record names a model of your own and its loss: the same run finds its
     output directory again (a resume), another loss is another run."""
-    from raylm.runtime.output_dir import start_output_dir
+    from raylm.runtime.output_dir import OutputDir, start_output_dir
 
     def ce(outputs, labels, n):
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="sum") / n
@@ -430,7 +430,7 @@ def test_an_output_dir_knows_its_run_s_loss(image_dir, cache_root, tmp_path):
 
     cfg = cnn_config(tmp_path / "out", image_dir, cache_root)
     inputs = check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)
-    start_output_dir(cfg, GLOBAL_BATCH, inputs)
+    start_output_dir(cfg, OutputDir(cfg.output_dir), GLOBAL_BATCH, inputs)
     (tmp_path / "out" / "metrics.jsonl").write_text("")
     check_inputs(cfg, model_init=SmallCNN, compute_loss_func=ce)  # the same run
     with pytest.raises(ConfigError, match=r"differs in: compute_loss_func\)"):

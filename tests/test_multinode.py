@@ -36,7 +36,8 @@ def test_chaos_ranks_and_nodes_lost_and_replaced(corpus_dir, cache_root):
     rank is removed and a fresh node added. Each time the survivors carry on in memory
     (nothing redone, nothing read from disk) and a newcomer takes the freed CPU or the
     new node. The losses are those of one rank over the same global batch; every step
-    trains its samples once; the replicas end equal; nothing is left running."""
+    trains its samples once; the replicas end equal; nothing is left running. Its
+    outputs go to a bucket, each node running in a directory of its own."""
     r, proc = run_script("multinode_chaos.py", corpus_dir, cache_root, 600)
     kinds = [kind for kind, _, _ in r["events"]]
     # (three events with seed 0: a rank at steps 4 and 12, a node at 17, each later by
@@ -48,6 +49,13 @@ def test_chaos_ranks_and_nodes_lost_and_replaced(corpus_dir, cache_root):
     assert r["samples_equal"] and r["samples_once"]
     assert r["digests"] is not None and len(r["digests"]) == 3 and len(set(r["digests"])) == 1
     assert r["left_running"] == [] and r["placement_groups"] == ["REMOVED"]
+    # Into a bucket, with no path shared: the final model and checkpoint are there, the
+    # model is the reference's; nothing was written where the nodes run.
+    assert {"chaos/model.safetensors", "chaos/config.json", "chaos/tokenizer.json",
+            "chaos/metrics.jsonl", "chaos/samples.jsonl", "chaos/all_results.json",
+            "chaos/checkpoints/step-00000032/trainer_state.json"} <= set(r["bucket"])
+    assert r["model_difference"] < 1e-4
+    assert r["node_dirs"] == 3 + kinds.count("node") and r["files_in_node_dirs"] == []
     log = [l for l in proc.stderr.splitlines() if l.startswith("raylm ")]
     assert sum("shrank in memory to 2 rank(s)" in l for l in log) == len(kinds), log
     assert sum("grew in memory to 3 rank(s)" in l for l in log) == len(kinds), log

@@ -3,10 +3,14 @@
 Layout: ``<output_dir>/checkpoints/step-00000010/`` holding the distributed checkpoint
 of model and optimizer (torch.distributed.checkpoint), one RNG file per rank and
 ``trainer_state.json`` (with --save_only_model: a Hugging Face model directory and
-``trainer_state.json`` marked ``model_only``, which no run restores). Ranks write into a hidden ``.tmp-*`` directory; only when every
-rank has finished does the driver rename it to its ``step-*`` name. A rename is atomic on
-POSIX file systems, so a crash leaves at worst a ``.tmp-*`` directory, which is never
-loaded (and is cleared by the next run).
+``trainer_state.json`` marked ``model_only``, which no run restores). A checkpoint counts
+only once its ``trainer_state.json`` exists, written by the driver when every rank has
+finished. On a local disk the ranks write into a hidden ``.tmp-*`` directory that is then
+renamed to its ``step-*`` name (one rename(2)); an object store has no rename, so there
+the ranks write under the ``step-*`` name itself and ``trainer_state.json``, one object
+written last, is the commit. A crash leaves a ``.tmp-*`` directory or a ``step-*`` one
+without it: never loaded, and cleared by the next run. A checkpoint is discarded marker
+first, for the same reason.
 """
 
 from __future__ import annotations
@@ -18,27 +22,28 @@ import shutil
 import uuid
 from typing import Optional
 
+from raylm import storage
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
 
 
 class CheckpointManager:
     def __init__(self, output_dir: str):
-        self.root = os.path.join(os.path.abspath(output_dir), "checkpoints")
+        self.root = storage.join(storage.local_path(output_dir), "checkpoints")
+        self.remote = storage.is_remote(output_dir)
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, f"step-{step:08d}")
+        return storage.join(self.root, f"step-{step:08d}")
 
     def list(self, model_only: Optional[bool] = None) -> list[tuple[int, str]]:
         """Committed checkpoints, oldest first: all, or those that hold the model alone
         (``model_only=True``: --save_only_model) or the whole state (False)."""
-        if not os.path.isdir(self.root):
-            return []
         found = []
-        for name in os.listdir(self.root):
+        for name in storage.listdir(self.root):
             m = STEP_DIR.match(name)
-            path = os.path.join(self.root, name)
-            if m and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            path = storage.join(self.root, name)
+            if m and storage.isfile(storage.join(path, TRAINER_STATE)):
                 if model_only is None or \
                         bool(read_trainer_state(path).get("model_only")) == model_only:
                     found.append((int(m.group(1)), path))
@@ -51,21 +56,35 @@ class CheckpointManager:
 
     def clear_partial(self) -> None:
         """Remove what crashed saves left behind."""
-        if os.path.isdir(self.root):
-            for name in os.listdir(self.root):
+        for name in storage.listdir(self.root):
+            path = storage.join(self.root, name)
+            if not self.remote:
                 if name.startswith(".tmp-") or name.startswith(".trash-"):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                    shutil.rmtree(path, ignore_errors=True)
+            elif STEP_DIR.match(name) and \
+                    not storage.isfile(storage.join(path, TRAINER_STATE)):
+                storage.delete(path)
 
     def begin(self, step: int) -> str:
-        """A fresh temporary directory for the ranks to write step ``step`` into."""
+        """A fresh directory for the ranks to write step ``step`` into."""
+        if self.remote:  # (written in place: the marker commits it)
+            final = self.path_for(step)
+            # The same step saved again (a run resumed from an earlier checkpoint): an
+            # object store cannot swap the new one in whole, so the old one goes first.
+            self._discard(final)
+            return final
         os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
         return tmp
 
     def commit(self, tmp: str, step: int, trainer_state: dict) -> str:
-        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
+        data = json.dumps(trainer_state, indent=2).encode()
+        if self.remote:
+            storage.write_bytes(storage.join(tmp, TRAINER_STATE), data)
+            return tmp
+        with open(os.path.join(tmp, TRAINER_STATE), "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         final = self.path_for(step)
@@ -84,6 +103,12 @@ class CheckpointManager:
                 self._discard(path)
 
     def _discard(self, path: str) -> None:
+        if self.remote:  # the marker first: never a partial directory that counts
+            storage.delete(storage.join(path, TRAINER_STATE))
+            storage.delete(path)
+            return
+        if not os.path.exists(path):
+            return
         # Rename first so that a crash during the delete cannot leave a partial
         # directory under a committed name.
         trash = os.path.join(self.root, f".trash-{uuid.uuid4().hex[:8]}")
@@ -92,5 +117,4 @@ class CheckpointManager:
 
 
 def read_trainer_state(checkpoint_dir: str) -> dict:
-    with open(os.path.join(checkpoint_dir, TRAINER_STATE)) as f:
-        return json.load(f)
+    return json.loads(storage.read_bytes(storage.join(checkpoint_dir, TRAINER_STATE)))

@@ -11,17 +11,16 @@ the step, so it is rebuilt from the step rather than stored.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
+from raylm import storage
 from raylm.parallel.checkpoint_form import RankStateForm, init_optimizer_state
 
 
 def _rng_path(path: str, rank: int) -> str:
-    return os.path.join(path, "rng", f"rank-{rank:05d}.safetensors")
+    return storage.join(path, "rng", f"rank-{rank:05d}.safetensors")
 
 
 def save_rank_state(path: str, model, optimizer, rank: int, adapter,
@@ -30,7 +29,7 @@ def save_rank_state(path: str, model, optimizer, rank: int, adapter,
     ``zero``: the checkpoint form of a ZeRO 1/2 partitioned optimizer (its state is
     saved in the same keys and global shapes as an unpartitioned one's)."""
     state = checkpoint_state(model, optimizer, adapter, zero)
-    dcp.save(state, checkpoint_id=path, process_group=process_group)
+    dcp.save(state, storage_writer=storage.dcp_writer(path), process_group=process_group)
     _save_rng(path, rank)
 
 
@@ -59,8 +58,7 @@ def _save_rng(path: str, rank: int) -> None:
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    os.makedirs(os.path.dirname(_rng_path(path, rank)), exist_ok=True)
-    save_file(rng, _rng_path(path, rank))
+    storage.write_bytes(_rng_path(path, rank), save(rng))
 
 
 def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_seed: int,
@@ -70,10 +68,11 @@ def load_rank_state(path: str, model, optimizer, rank: int, adapter, fallback_se
     A rank with no RNG file of its own (the checkpoint was written by fewer ranks) seeds
     from ``fallback_seed`` instead.
     """
-    _load(model, optimizer, adapter, zero, checkpoint_id=path, process_group=process_group)
+    _load(model, optimizer, adapter, zero, storage_reader=storage.dcp_reader(path),
+          process_group=process_group)
     rng_file = _rng_path(path, rank)
-    if os.path.exists(rng_file):
-        rng = load_file(rng_file)
+    if storage.isfile(rng_file):
+        rng = load(storage.read_bytes(rng_file))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

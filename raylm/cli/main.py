@@ -182,6 +182,9 @@ def cmd_tokenizer_train(ns) -> int:
     from raylm.data.sources import resolve_files, validate_files
     from raylm.data.tokenizer_train import train_tokenizer
 
+    if "://" in ns.output_dir and not ns.output_dir.startswith("file://"):
+        raise ConfigError(f"--output_dir {ns.output_dir}: a local directory (--tokenizer_name "
+                          "reads the tokenizer from it)")
     files = resolve_files(ns.files, "FILES")
     validate_files(files, ns.text_column, "FILES")
     out = train_tokenizer(files, ns.output_dir, type=ns.type, vocab_size=ns.vocab_size,

@@ -9,11 +9,12 @@ logged point is marked while there are few enough to tell apart.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 
 from raylm.errors import ConfigError
-from raylm.runtime.metrics import read_metrics
 
 log = logging.getLogger("raylm")
 
@@ -32,12 +33,21 @@ def eval_sets(records: list) -> list[str]:
 
 
 def plot_run(output_dir: str, out_path: str | None = None) -> str:
-    """Write the PNG (default: OUTPUT_DIR/metrics.png); returns its path."""
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    """Write the PNG (default: OUTPUT_DIR/metrics.png, an object store's too); returns
+    its path."""
+    from raylm import storage
+
+    output_dir = storage.local_path(str(output_dir))
+    path = storage.join(output_dir, "metrics.jsonl")
+    try:
+        found = storage.isfile(path)
+    except OSError as e:
+        raise ConfigError(f"{output_dir}: cannot read it: {e}") from None
+    if not found:
         raise ConfigError(f"{output_dir}: no metrics.jsonl here; give the --output_dir "
                           "of a raylm run")
-    records = read_metrics(path)
+    records = [json.loads(line) for line in storage.read_bytes(path).decode().splitlines()
+               if line.strip()]
     train = [r for r in records if "loss" in r]
     if not train and not any("eval_loss" in r for r in records):
         raise ConfigError(f"{path} holds no logged step yet")
@@ -49,12 +59,14 @@ def plot_run(output_dir: str, out_path: str | None = None) -> str:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig = draw(records, os.path.basename(os.path.abspath(output_dir)))
-    out_path = out_path or os.path.join(output_dir, "metrics.png")
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out_path)  # never a half-written PNG
+    fig = draw(records, storage.basename(output_dir))
+    out_path = out_path or storage.join(output_dir, "metrics.png")
+    with tempfile.TemporaryDirectory(prefix="raylm-plot-") as tmp:
+        fig.savefig(os.path.join(tmp, "metrics.png"), dpi=100)
+        plt.close(fig)
+        # (never a half-written PNG: a rename, or one upload)
+        with open(os.path.join(tmp, "metrics.png"), "rb") as f:
+            storage.write_bytes(out_path, f.read())
     return out_path
 
 

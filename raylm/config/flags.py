@@ -285,7 +285,13 @@ class OptimisationFlags:
 class OutputFlags:
     """Logging, evaluation and checkpoints."""
 
-    output_dir: str = _f("raylm-output", "Where the model, metrics and checkpoints go.", "output")
+    output_dir: str = _f(
+        "raylm-output", "Where the model, metrics and checkpoints go: a directory, or an "
+        "object-store URI (s3://bucket/prefix, gs://...) that every node reaches.", "output")
+    sync_interval_s: float = _f(
+        30.0, "With an object-store --output_dir: seconds between uploads of the driver's "
+        "files (metrics, TensorBoard, run record); the model and checkpoints go there "
+        "directly.", "output")
     overwrite_output_dir: bool = _f(
         False, "Start afresh in an existing output_dir instead of resuming from it.", "output")
     logging_strategy: str = _f(

@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from typing import Optional
 
@@ -154,20 +155,30 @@ def failure(arg: str, e: BaseException) -> ConfigError:
 
 def _export(tables, arg: str, text_column: Optional[str], cache_root: str,
             kind: str) -> tuple[str, str]:
+    """Written locally under a temporary name, then renamed into place, or uploaded in
+    one request to an object-store ``cache_root`` (a crash leaves nothing that is read)."""
+    from raylm import storage
     from raylm.data.tokenized import TMP_PREFIX, remove_stale_tmp
 
-    directory = os.path.join(cache_root, EXPORT_DIR)
-    os.makedirs(directory, exist_ok=True)
-    remove_stale_tmp(pafs.LocalFileSystem(), directory, "export")  # (a crashed export's)
-    tmp = os.path.join(directory, f"{TMP_PREFIX}export-{uuid.uuid4().hex[:8]}")
+    cache_root = storage.local_path(cache_root)  # (file:// URIs too)
+    remote = storage.is_remote(cache_root)
+    directory = storage.join(cache_root, EXPORT_DIR)
+    staging = tempfile.gettempdir() if remote else directory
+    os.makedirs(staging, exist_ok=True)
+    if not remote:
+        remove_stale_tmp(pafs.LocalFileSystem(), directory, "export")  # (a crashed export's)
+    tmp = os.path.join(staging, f"{TMP_PREFIX}export-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
         key, rows = _write_rows(tables, arg, text_column, os.path.join(tmp, "rows.parquet"))
-        path = os.path.join(directory, f"{key}.parquet")
-        if os.path.isfile(path):
+        path = storage.join(directory, f"{key}.parquet")
+        if storage.isfile(path):
             log.info("%s: %d rows, as exported before (%s)", arg, rows, path)
         else:
-            os.replace(os.path.join(tmp, "rows.parquet"), path)
+            if remote:
+                storage.upload_file(os.path.join(tmp, "rows.parquet"), path)
+            else:
+                os.replace(os.path.join(tmp, "rows.parquet"), path)
             log.info("%s: %d rows exported to %s", arg, rows, path)
         return path, f"{kind}:{key}"
     finally:

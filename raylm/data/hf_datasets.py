@@ -108,18 +108,22 @@ def dataset_files(cfg, cache_root: str) -> tuple[list[str], list[str]]:
 
 def _export(ds, split: str, cache_root: str) -> str:
     """The split as one parquet file, written once per dataset fingerprint: to a
-    temporary name, then renamed (a crash leaves nothing that is read)."""
-    directory = os.path.join(cache_root, EXPORT_DIR, ds._fingerprint)
-    path = os.path.join(directory, f"{split}.parquet")
-    if os.path.isfile(path):
+    temporary name, then renamed, or to an object store in one upload (a crash leaves
+    nothing that is read)."""
+    from raylm import storage
+
+    path = storage.join(storage.local_path(cache_root), EXPORT_DIR, ds._fingerprint,
+                        f"{split}.parquet")
+    if storage.isfile(path):
         return path
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{split}-{uuid.uuid4().hex[:8]}.parquet")
-    try:
-        ds.to_parquet(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with storage.written_dir(storage.join(storage.local_path(cache_root), EXPORT_DIR,
+                                          ds._fingerprint)) as directory:
+        tmp = os.path.join(directory, f".tmp-{split}-{uuid.uuid4().hex[:8]}.parquet")
+        try:
+            ds.to_parquet(tmp)
+            os.replace(tmp, os.path.join(directory, f"{split}.parquet"))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     log.info("dataset split %s: %d rows exported to %s", split, len(ds), path)
     return path

@@ -37,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
+from raylm import storage
 from raylm.errors import ConfigError, first_line
 from raylm.models.auto import from_config
 from raylm.models.tensor_plans import LORA_SP
@@ -191,13 +192,15 @@ def lora_line(spec) -> str:
 
 
 # -- the output -------------------------------------------------------------------------------
-def save_lora(model, spec, output_dir: str, dtype, save_model) -> None:
+def save_lora(model, spec, output_dir: str, dtype, save_model,
+              named_dir: str | None = None) -> None:
     """Write the adapter of ``model`` (the whole model with its adapters, CPU) into
     ``output_dir`` as ``PeftModel.save_pretrained`` does, in ``dtype``; the base it
     applies to (from scratch: output_dir/base_model); with --merge_lora the merged model
     in output_dir/merged. ``save_model(model, directory)`` writes a whole model. Each
     directory is written under a temporary name and renamed (a reader never sees half
-    of one)."""
+    of one). ``named_dir``: where output_dir's files will be (an object store's URI,
+    when they are written locally to be uploaded), for the adapter's name of its base."""
     import torch
     from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -210,8 +213,9 @@ def save_lora(model, spec, output_dir: str, dtype, save_model) -> None:
     elif spec.pretrained_path:
         base_path = spec.pretrained_path
     else:
-        base_path = os.path.join(os.path.abspath(output_dir), BASE_DIR)
-        _atomic(base_path, lambda d: save_model(base, d))
+        _atomic(os.path.join(output_dir, BASE_DIR), lambda d: save_model(base, d))
+        base_path = storage.shown(storage.join(storage.local_path(named_dir or output_dir),
+                                               BASE_DIR))
     base.config.use_cache = True
     peft_model = PeftModel(base, lora.peft_config(base.config), adapter_name=ADAPTER)
     # (get_peft_model_state_dict of the plain model names its layers without the
@@ -247,19 +251,20 @@ def lora_model_dirs(spec, output_dir: str) -> list:
         return []
     dirs = [] if spec.pretrained_path else [BASE_DIR]
     dirs += [MERGED_DIR] if spec.lora.merge else []
-    return [os.path.join(output_dir, d) for d in dirs
-            if os.path.isdir(os.path.join(output_dir, d))]
+    return [storage.join(output_dir, d) for d in dirs
+            if storage.isdir(storage.join(output_dir, d))]
 
 
-def point_adapter_at_own_base(output_dir: str) -> None:
+def point_adapter_at_own_base(output_dir: str, named_dir: str | None = None) -> None:
     """An adapter copied with its base_model/ (a model-only checkpoint's, copied to
-    output_dir as the best model) names the copy as its base."""
+    output_dir as the best model) names the copy as its base. ``named_dir``: where
+    output_dir's files will be (a bucket's URI, when they are uploaded from here)."""
     import json
 
     config = os.path.join(output_dir, "adapter_config.json")
-    base = os.path.join(os.path.abspath(output_dir), BASE_DIR)
-    if not (os.path.isfile(config) and os.path.isdir(base)):
+    if not (os.path.isfile(config) and os.path.isdir(os.path.join(output_dir, BASE_DIR))):
         return
+    base = storage.shown(storage.join(storage.local_path(named_dir or output_dir), BASE_DIR))
     with open(config) as f:
         data = json.load(f)
     data["base_model_name_or_path"] = base

@@ -25,6 +25,7 @@ from typing import Optional
 
 import ray
 
+from raylm import storage
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.config import TrainConfig
 from raylm.data.sampler import GlobalBatchSampler
@@ -46,7 +47,7 @@ from raylm.runtime.policy import FailurePolicy, RunRecord, ScalingPolicy
 from raylm.runtime.precision import LossScale
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.inputs import Data, Inputs
-from raylm.runtime.output_dir import start_output_dir
+from raylm.runtime.output_dir import OutputDir, start_output_dir
 from raylm.runtime.prepare import degenerate, prepare_data, total_steps
 from raylm.runtime.reporting import Reporter
 from raylm.runtime.steps import StepLoop
@@ -130,8 +131,10 @@ class Driver:
         self.metrics: Optional[MetricsLog] = None
         self.report: Optional[Reporter] = None  # the step records, log lines and summary
         self.loop: Optional[StepLoop] = None  # the step loop of a training run
-        # Evaluations, checkpoints, the best of them and the saved model.
+        # Evaluations, checkpoints, the best of them and the saved model; where they go
+        # (--output_dir, and the driver's local stage of an object-store one).
         self.outputs: Optional[Outputs] = None
+        self.out: Optional[OutputDir] = None
         self.progress: Optional[Progress] = None
         self.spec, self.block_size = None, None
         self.dataset, self.total_steps = None, 0  # what a rank joining a running group needs
@@ -267,22 +270,27 @@ class Driver:
                         log.info("%s", line)
                 except Exception as e:  # the log line must never stop a run
                     log.warning("ZeRO ownership unavailable: %s", e)
+            self.out = OutputDir(cfg.output_dir, cfg.sync_interval_s)
             if cfg.should_train:
                 return self._train(inputs, data, plan)
             return self._evaluate_only(inputs, data, plan)
         finally:
-            if self.stream is not None:  # Ray Data's executor stops with the run
-                self.stream.close()
-            self._teardown(offer_ranks=self.finished and not owns_ray)
-            if self.metrics is not None:
-                self.metrics.close()  # (the sinks a failed run left open)
-            if asked:
-                cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
-            if owns_ray:
-                if early is not None:
-                    early.shutdown()
-                else:
-                    cluster.stop_local()
+            try:
+                if self.stream is not None:  # Ray Data's executor stops with the run
+                    self.stream.close()
+                self._teardown(offer_ranks=self.finished and not owns_ray)
+                if self.metrics is not None:
+                    self.metrics.close()  # (the sinks a failed run left open)
+                if asked:
+                    cluster.request_workers(0, cfg.cpus_per_worker, cfg.use_gpu)
+                if owns_ray:
+                    if early is not None:
+                        early.shutdown()
+                    else:
+                        cluster.stop_local()
+            finally:
+                if self.out is not None:  # an object store's last upload (a finished
+                    self.out.close(strict=self.finished)  # run fails if it fails)
 
     def plan(self, inputs: Inputs, capacity: int) -> Plan:
         """The run's layout on a cluster that can hold ``capacity`` ranks: raylm's one
@@ -358,7 +366,7 @@ class Driver:
         """The settings a rank's engine is built from (and the injected faults)."""
         return {**self.cfg.to_dict(), "faults": self.faults,
                 "steps_per_epoch": self.steps_per_epoch,
-                "profile_dir": os.path.join(os.path.abspath(self.cfg.output_dir), "profile")}
+                "profile_dir": storage.join(self.out.dest, "profile")}
 
     def state_digests(self) -> list:
         """Each rank's digest of its parameters and optimizer state at the last
@@ -378,7 +386,7 @@ class Driver:
     # -- training --------------------------------------------------------------------------
     def _train(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
         cfg = self.cfg
-        ckpt = CheckpointManager(cfg.output_dir)
+        ckpt = CheckpointManager(self.out.dest)
         restore = inputs.resume_from
         state = read_trainer_state(restore) if restore else {}
         start_step = state.get("step", 0)
@@ -411,9 +419,9 @@ class Driver:
         # step's record keeps the state after it (loss_scale).
         self.scale_start = (LossScale(**state["loss_scale"]) if state.get("loss_scale")
                             else LossScale(float(cfg.initial_loss_scale)))
-        fingerprint = start_output_dir(cfg, plan.global_batch_size, inputs)
+        fingerprint = start_output_dir(cfg, self.out, plan.global_batch_size, inputs)
         ckpt.clear_partial()
-        self.metrics = open_metrics(cfg, start_step)
+        self.metrics = open_metrics(cfg, self.out.local, start_step)
         self.metrics.truncate_after(start_step)
         if restore:
             log.info("resuming from %s at step %d of %d", restore, start_step, steps)
@@ -426,7 +434,7 @@ class Driver:
             else:
                 log.info("--profile: tracing steps %d-%d on every rank into %s", first,
                          first + cfg.profile_steps - 1,
-                         os.path.join(cfg.output_dir, "profile"))
+                         storage.join(self.out.dest, "profile"))
         if data.stream is not None:
             log.info("training %d step(s) on a stream of %d piece(s) of data, shuffled in "
                      "windows of %d samples", steps, len(sampler.pieces), sampler.window)
@@ -444,16 +452,17 @@ class Driver:
         run.step = start_step
         self.progress = Progress(steps, start_step, cfg.disable_tqdm)
         self.report = Reporter(cfg, run, self.metrics, self.progress, steps, inputs.spec,
-                               inputs.block_size)
+                               inputs.block_size, self.out.local)
         self.report.measure_flops(self.group.infos[0].get("device", "cpu"))
         out = self.outputs = Outputs(cfg, self.group, run, self.metrics, self.progress,
-                                     inputs.spec, ckpt, best)
+                                     inputs.spec, ckpt, best, out=self.out)
         elastic = (cfg, self.group, run, self.scaling, self.snapshots, inputs.spec,
                    inputs.block_size)
         self.recovery = Recovery(*elastic, outputs=out, report=self.report)
         self.growth = Growth(*elastic, setup=lambda: (
             self.spec, self.dataset, self._rank_settings(), self.total_steps))
         self.loop = StepLoop(self, sampler, steps, data, fingerprint)
+        self.out.start()  # (an object store's: the driver's files uploaded as they grow)
         t_start = time.time()
         if run.step >= steps:
             log.info("the run is already complete (step %d of %d)", run.step, steps)
@@ -495,19 +504,19 @@ class Driver:
             out.save_model()
             self.progress.close()
             self.metrics.close()
-            out.save_tokenizer(cfg.output_dir)
-            for sub in lora_model_dirs(self.spec, cfg.output_dir):  # (LoRA's whole models)
+            out.save_tokenizer(self.out.dest)
+            for sub in lora_model_dirs(self.spec, self.out.dest):  # (LoRA's whole models)
                 out.save_tokenizer(sub)
             final.update(self.report.summary(sampler, data.stream, train_runtime,
                                              self.startup, self.loop.sent_ahead))
             if best.evaluations:  # the Trainer's trainer_state names
                 final.update({"best_metric": best.best_metric,
                               "best_global_step": best.best_step,
-                              "best_model_checkpoint": out.best_path()})
+                              "best_model_checkpoint": storage.shown(out.best_path())})
             if self.loop.stopped_early:
                 final["stopped_early"] = True
-            with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
-                json.dump(final, f, indent=2)
+            storage.write_bytes(os.path.join(self.out.local, "all_results.json"),
+                                json.dumps(final, indent=2).encode())
             return Transition(State.FINISHED, f"step {run.step}, output in {cfg.output_dir}")
 
         def finished():
@@ -523,7 +532,7 @@ class Driver:
              State.FAILED: failed},
             self._enter, WorkerFailure, self._on_failure)
         self.controller.run(self._onward(steps), after=State.STARTING)
-        return TrainResult(output_dir=os.path.abspath(cfg.output_dir), metrics=final,
+        return TrainResult(output_dir=self.out.dest, metrics=final,
                            history=run.history, failures=run.failures)
 
     def _onward(self, steps: int) -> Transition:
@@ -587,24 +596,25 @@ class Driver:
 
     # -- evaluation only -------------------------------------------------------------------
     def _evaluate_only(self, inputs: Inputs, data: Data, plan: Plan) -> TrainResult:
-        os.makedirs(self.cfg.output_dir, exist_ok=True)
-        self.metrics = open_metrics(self.cfg)
+        os.makedirs(self.out.local, exist_ok=True)
+        self.out.fetch()  # (an object store's metrics.jsonl goes on)
+        self.metrics = open_metrics(self.cfg, self.out.local)
         self.progress = Progress(0, 0, True)
         self._enter(State.STARTING, f"{plan.world_size} rank(s)")
         self.record.plan = self._start_group(plan, inputs, data, 1, None, 0)
         self.record.step = 0
         self._enter(State.RUNNING, "evaluation")
         self.outputs = Outputs(self.cfg, self.group, self.record, self.metrics,
-                               self.progress)
+                               self.progress, out=self.out)
         out = self.outputs.evaluate(data)
-        with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
-            json.dump(out, f, indent=2)
+        storage.write_bytes(os.path.join(self.out.local, "eval_results.json"),
+                            json.dumps(out, indent=2).encode())
         self.metrics.close()
         self._enter(State.FINISHED, f"eval_loss {out['eval_loss']:.4f}, " + (
             f"accuracy {out['eval_accuracy']:.4f}" if "eval_accuracy" in out else
             f"perplexity {out['perplexity']:.2f}"))
         self.finished = True
-        return TrainResult(output_dir=os.path.abspath(self.cfg.output_dir), metrics=out)
+        return TrainResult(output_dir=self.out.dest, metrics=out)
 
 
 def _check_stream_room(plan: Plan, task_cpus: float, chosen: bool) -> None:

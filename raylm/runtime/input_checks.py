@@ -28,6 +28,7 @@ def check_inputs(cfg: TrainConfig, check_output_dir: bool = True, model_init=Non
     when given, is called before the last check, the schedule's (_last_check): the
     driver starts Ray's cluster there (raylm.runtime.cluster.EarlyStart)."""
     _check_numbers(cfg)
+    _check_local_dirs(cfg)
     check_precision(cfg)
     if not cfg.should_train and not cfg.should_eval:
         raise ConfigError("--do_train false and --do_eval false: nothing to do")
@@ -89,8 +90,9 @@ def _data_files(cfg: TrainConfig, datasets: dict, given: dict
     from raylm.data.sources import validate_files
     from raylm.data.tokenized import default_cache_root
 
-    root = cfg.data_cache_dir if cfg.data_cache_dir and "://" not in cfg.data_cache_dir \
-        else default_cache_root()  # (exports are written where the driver writes)
+    # (exports go to the cache, an object store's too: the tokenizing tasks of every node
+    # read them)
+    root = cfg.data_cache_dir or default_cache_root()
     if datasets:
         return _given_files(cfg, datasets, given, root)
     if cfg.dataset_name:
@@ -377,6 +379,17 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lr_scheduler_kwargs {cfg.lr_scheduler_kwargs} does not suit "
                           f"--lr_scheduler_type {cfg.lr_scheduler_type}: "
                           f"{str(e).splitlines()[0]}") from None
+
+
+def _check_local_dirs(cfg: TrainConfig) -> None:
+    """Directories that must be local: a URI there is an error, never a local directory
+    named after its scheme."""
+    for name, why in (("cache_dir", "Hugging Face's download cache is a local directory"),
+                      ("logging_dir", "TensorBoard writes a local directory; with an "
+                       "object-store --output_dir its events go to output_dir/runs there")):
+        value = getattr(cfg, name)
+        if value and "://" in str(value) and not str(value).startswith("file://"):
+            raise ConfigError(f"--{name} {value}: {why}: give a local path")
 
 
 def _check_watch(cfg: TrainConfig) -> None:

@@ -192,18 +192,22 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def open_metrics(cfg, start_step: int = 0) -> MetricsLog:
-    """The run's MetricsLog with the sinks of --report_to (checked before: prepare)."""
-    name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
+def open_metrics(cfg, directory: str, start_step: int = 0) -> MetricsLog:
+    """The run's MetricsLog in ``directory`` (output_dir, or an object store's local
+    stage: raylm.runtime.output_dir.OutputDir) with the sinks of --report_to (checked
+    before: prepare)."""
+    from raylm import storage
+
+    name = cfg.run_name or storage.basename(str(cfg.output_dir))
     config = dict(cfg.to_dict(), token="<set>" if cfg.token else None)  # no secret in logs
     sinks = []
     for sink in reporting_to(cfg.report_to):
         if sink == "tensorboard":
-            logdir = cfg.logging_dir or os.path.join(cfg.output_dir, "runs")
+            logdir = cfg.logging_dir or os.path.join(directory, "runs")
             sinks.append(TensorBoardSink(logdir, name, config, start_step))
         elif sink == "wandb":
-            sinks.append(WandbSink(cfg.output_dir, name, config))
-    return MetricsLog(cfg.output_dir, sinks)
+            sinks.append(WandbSink(directory, name, config))
+    return MetricsLog(directory, sinks)
 
 
 class Progress:

@@ -8,6 +8,7 @@ import os
 import shutil
 from typing import Optional
 
+from raylm import storage
 from raylm.checkpoint.manager import TRAINER_STATE, CheckpointManager, read_trainer_state
 from raylm.data.sampler import micro_batches, padded_step_schedule, rank_share
 from raylm.models.lora import point_adapter_at_own_base
@@ -27,8 +28,10 @@ class Outputs:
 
     def __init__(self, cfg, group: WorkerGroup, record, metrics: MetricsLog,
                  progress: Progress, spec=None, ckpt: Optional[CheckpointManager] = None,
-                 best: Optional[BestTracker] = None):
+                 best: Optional[BestTracker] = None, out=None):
         self.cfg, self.group, self.record = cfg, group, record
+        # --output_dir (raylm.runtime.output_dir.OutputDir): the model goes to its dest
+        self.out = out
         self.metrics, self.progress = metrics, progress
         self.spec, self.ckpt, self.best = spec, ckpt, best
         self.last_eval = (None, {})  # (step, results) of the latest evaluation
@@ -95,6 +98,7 @@ class Outputs:
             self.save_tokenizer(tmp)
         else:
             self.group.call("save_checkpoint", tmp)
+        self.out.sync(strict=False)  # (an object store's: the metrics up to this step)
         path = self.ckpt.commit(tmp, run.step, {
             "step": run.step, "epoch": sampler.epoch_of(run.step),
             "global_batch_size": run.plan.global_batch_size,
@@ -147,19 +151,20 @@ class Outputs:
         """The final model into output_dir: with --load_best_model_at_end that of the
         best checkpoint (loaded into the ranks, in whatever layout they have now, or
         copied as it is when the checkpoint is model-only), else the ranks' own."""
-        out = os.path.abspath(self.cfg.output_dir)
+        out = self.out.dest
         best, step = self.best_path(), self.best.best_checkpoint_step
         if self.cfg.load_best_model_at_end and best and step != self.record.step:
-            if not os.path.isfile(os.path.join(best, TRAINER_STATE)):
+            if not storage.isfile(storage.join(best, TRAINER_STATE)):
                 log.warning("the best checkpoint %s is gone: saving the last model", best)
             elif read_trainer_state(best).get("model_only"):
-                for name in os.listdir(best):
-                    src = os.path.join(best, name)
-                    if os.path.isdir(src):  # (a LoRA run's base_model/, merged/)
-                        shutil.copytree(src, os.path.join(out, name), dirs_exist_ok=True)
-                    elif name != TRAINER_STATE:
-                        shutil.copy2(src, os.path.join(out, name))
-                point_adapter_at_own_base(out)
+                with storage.read_dir(best) as src, storage.written_dir(out) as dst:
+                    for name in os.listdir(src):
+                        path = os.path.join(src, name)
+                        if os.path.isdir(path):  # (a LoRA run's base_model/, merged/)
+                            shutil.copytree(path, os.path.join(dst, name), dirs_exist_ok=True)
+                        elif name != TRAINER_STATE:
+                            shutil.copy2(path, os.path.join(dst, name))
+                    point_adapter_at_own_base(dst, named_dir=out)
                 log.info("saved the model of the best checkpoint, %s (%s)", best,
                          self.best.describe())
                 return
@@ -176,8 +181,10 @@ class Outputs:
         if self.spec.objective == "image_classification":  # (no tokenizer: its images')
             from raylm.models.vision import save_image_processor
 
-            save_image_processor(self.spec, directory)
+            with storage.written_dir(directory) as out:
+                save_image_processor(self.spec, out)
             return
         # The tokenizer resolve_model loaded (cached), saved beside the model.
-        load_tokenizer(self.spec.tokenizer_dir).save_pretrained(directory)
+        with storage.written_dir(directory) as out:
+            load_tokenizer(self.spec.tokenizer_dir).save_pretrained(out)
 

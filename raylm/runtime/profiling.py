@@ -20,6 +20,7 @@ and renamed).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
@@ -93,8 +94,11 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.path = os.path.join(directory, f"rank-{rank}.json")
-        os.makedirs(directory, exist_ok=True)
+        from raylm import storage
+
+        self.path = storage.join(directory, f"rank-{rank}.json")
+        if not storage.is_remote(directory):
+            os.makedirs(directory, exist_ok=True)
         self.remaining = 1 + 1 + steps  # skipped, warm-up, traced
         self.prof = torch.profiler.profile(
             activities=activities,
@@ -103,6 +107,13 @@ class StepProfiler:
         self.prof.start()
 
     def _write(self, prof) -> None:
+        from raylm import storage
+
+        if storage.is_remote(self.path):  # (an object-store output_dir: one upload)
+            with tempfile.TemporaryDirectory(prefix="raylm-trace-") as tmp:
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                storage.upload_file(os.path.join(tmp, "trace.json"), self.path)
+            return
         tmp = self.path + ".tmp"
         prof.export_chrome_trace(tmp)
         os.replace(tmp, self.path)

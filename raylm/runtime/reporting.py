@@ -34,8 +34,9 @@ class Reporter:
     timings; ``record`` is the run's RunRecord (its step, plan and history)."""
 
     def __init__(self, cfg, record, metrics: MetricsLog, progress: Progress, steps: int,
-                 spec, block_size: int):
+                 spec, block_size: int, directory: str):
         self.cfg, self.record = cfg, record
+        self.directory = directory  # (the driver's files: OutputDir.local)
         self.metrics, self.progress = metrics, progress
         self.steps, self.spec, self.block_size = steps, spec, block_size
         self.flops_per_token = self.peak_flops = None  # for the mfu, when the peak is known
@@ -112,7 +113,7 @@ class Reporter:
             stream.release_before(run.step)
             self.stream_rate_check(plan.global_batch_size)
         if cfg.log_sample_ids:
-            with open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") as f:
+            with open(os.path.join(self.directory, "samples.jsonl"), "a") as f:
                 f.write(json.dumps({"step": run.step, "ranks": [
                     r.sample_ids for r in results if r.sample_ids is not None]}) + "\n")
         if results[0].memory is not None:
@@ -243,13 +244,15 @@ class Reporter:
                 f"{low} to {high}, the most on rank {top}"
             log.info("memory per rank (parameters, gradients, optimizer, activations, weight "
                      "copies): %s%s; each rank's in memory.json", spread, foreseen[top])
-        with open(os.path.join(cfg.output_dir, "memory.json"), "w") as f:
-            json.dump({"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
-                                  "sequence_parallel": plan.sequence_parallel,
-                                  "recompute": plan.recompute,
-                                  "reshard_after_forward": plan.reshard_after_forward},
-                       "precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
-                       "step": self.record.step, "ranks": ranks}, f, indent=2)
+        from raylm import storage
+
+        storage.write_bytes(os.path.join(self.directory, "memory.json"), json.dumps(
+            {"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
+                        "sequence_parallel": plan.sequence_parallel,
+                        "recompute": plan.recompute,
+                        "reshard_after_forward": plan.reshard_after_forward},
+             "precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
+             "step": self.record.step, "ranks": ranks}, indent=2).encode())
 
     # -- events -----------------------------------------------------------------------------
     def event(self, event: str, detail: str) -> None:

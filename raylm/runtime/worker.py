@@ -633,15 +633,19 @@ class RankWorker:
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
             dtype = saved_dtype(self.cfg)
-            if self.spec.model_init is not None:  # a model of the user's own
-                from raylm.models.custom import save_custom
+            from raylm import storage
 
-                save_custom(model, output_dir, dtype)
-            elif self.spec.lora is not None:  # the adapter (and the merged model)
-                save_lora(model, self.spec, output_dir, dtype,
-                          lambda m, d: save_in_dtype(m, d, dtype))
-            else:
-                save_in_dtype(model, output_dir, dtype)
+            # (an object-store output_dir: written here, then uploaded)
+            with storage.written_dir(output_dir) as out:
+                if self.spec.model_init is not None:  # a model of the user's own
+                    from raylm.models.custom import save_custom
+
+                    save_custom(model, out, dtype)
+                elif self.spec.lora is not None:  # the adapter (and the merged model)
+                    save_lora(model, self.spec, out, dtype,
+                              lambda m, d: save_in_dtype(m, d, dtype), named_dir=output_dir)
+                else:
+                    save_in_dtype(model, out, dtype)
         return True
 
 
