@@ -1,7 +1,7 @@
 """Entry point for `ray job submit`: the same flags as `raylm train`.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/train.py --max_steps 100 --output_dir /shared/run1
+        python jobs/train.py --max_steps 100 --output_dir s3://my-bucket/runs/run1
 
 Inside a Ray job, RAY_ADDRESS is set, so the driver joins the job's cluster. With
 --working-dir ., the package travels with the job and the rank actors import it from there.
