@@ -49,6 +49,7 @@ COMMANDS = {
     "bench_data": "python benchmarks/bench_data.py",
     "bench_given": "python benchmarks/bench_given.py",
     "bench_image_cache": "python benchmarks/bench_image_cache.py",
+    "bench_output_store": "python benchmarks/bench_output_store.py",
     "bench_elastic": "python benchmarks/bench_elastic.py",
     "bench_elastic_quiet": "python benchmarks/bench_elastic.py --quiet_only",
     "bench_elastic_two_nodes": "python benchmarks/bench_elastic.py --two_nodes_only",
