@@ -19,6 +19,7 @@ REGION = "us-east-1"
 
 class S3Endpoint:
     def __init__(self, host: str, port: int):
+        self.address = f"{host}:{port}"
         self.query = f"endpoint_override={host}:{port}&scheme=http&region={REGION}"
         self.fs = pafs.S3FileSystem(access_key=KEY, secret_key=SECRET, scheme="http",
                                     endpoint_override=f"{host}:{port}", region=REGION,
@@ -31,6 +32,22 @@ class S3Endpoint:
     def put(self, key: str, data: bytes) -> None:
         with self.fs.open_output_stream(f"{BUCKET}/{key}") as f:
             f.write(data)
+
+    @contextlib.contextmanager
+    def checking_credentials(self):
+        """Requests need the credentials of a user the server knows (none here) while
+        the block runs: moto's own switch (POST /moto-api/reset-auth)."""
+        import urllib.request
+
+        def reset(count: bytes) -> None:
+            urllib.request.urlopen(urllib.request.Request(
+                f"http://{self.address}/moto-api/reset-auth", data=count, method="POST",
+                headers={"Content-Type": "text/plain"}))
+        reset(b"0")
+        try:
+            yield
+        finally:
+            reset(b"inf")
 
     def keys(self, prefix: str) -> list[str]:
         selector = pafs.FileSelector(f"{BUCKET}/{prefix}", recursive=True,

@@ -119,7 +119,8 @@ def test_a_run_into_a_bucket_resumes_from_it_in_another_layout(
 def test_checkpoints_in_a_bucket_commit_by_their_marker(s3):
     """No rename in an object store: a checkpoint is written in place and counts once
     its trainer_state.json exists; one without it is never found and is cleared;
-    rotation and a same-step save take the marker first."""
+    rotation takes the marker first; a step saved again is written beside the first
+    save, which goes only once the new one is committed."""
     m = CheckpointManager(s3.uri("manager"))
     assert m.latest() is None and m.list() == []
     path = m.begin(10)
@@ -136,11 +137,20 @@ def test_checkpoints_in_a_bucket_commit_by_their_marker(s3):
         m.commit(m.begin(step), step, {"step": step})
     m.rotate(2, protect=path)
     assert [s for s, _ in m.list()] == [10, 20, 25]
-    again = m.begin(25)  # the same step saved again (after a recovery)
-    assert [s for s, _ in m.list()] == [10, 20]
+    first = m.latest()
+    again = m.begin(25)  # the same step saved again: beside the first save until committed
+    assert again != first and m.latest() == first and [s for s, _ in m.list()] == [10, 20, 25]
+    storage.write_bytes(storage.join(again, "part"), b"y")
+    m.clear_partial()  # (a crash before the commit: the first save stands)
+    assert m.latest() == first and not storage.exists(again)
+    again = m.begin(25)
     m.commit(again, 25, {"step": 25, "again": True})
+    assert m.latest() == again == m.path_for(25) and not storage.exists(first)
     assert json.loads(storage.read_bytes(storage.join(m.latest(), "trainer_state.json"))) \
         == {"step": 25, "again": True}
+    m.rotate(1)
+    assert s3.keys("manager/checkpoints") == [
+        f"manager/checkpoints/{again.split('/')[-1].split('?')[0]}/trainer_state.json"]
 
 
 def test_the_driver_s_files_are_uploaded_whole(s3):
@@ -182,10 +192,15 @@ def test_the_driver_s_files_are_uploaded_whole(s3):
 
 
 def test_a_bucket_that_cannot_be_written_is_one_error_before_anything_starts(
-        s3, corpus_dir, cache_root):
+        s3, corpus_dir, cache_root, monkeypatch):
     """A missing bucket, an endpoint that does not answer, a scheme no file system
-    serves, a run record of another run there, a URI where raylm needs a local
-    directory: one ConfigError from the input checks, naming the flag (no Ray needed)."""
+    serves, a run record of another run there, credentials the bucket refuses or none,
+    a URI where raylm needs a local directory: one ConfigError from the input checks,
+    naming the flag (no Ray needed)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # (no instance role here)
     def refused(output_dir, match, **kw):
         with pytest.raises(ConfigError, match=match):
             check_inputs(config(output_dir, corpus_dir, cache_root, **kw))
@@ -198,6 +213,12 @@ def test_a_bucket_that_cannot_be_written_is_one_error_before_anything_starts(
             r"\(.*Unrecognized filesystem type")
     s3.put("other/raylm_run.json", json.dumps({"digest": "another run"}).encode())
     refused(s3.uri("other"), "holds a different run")
+    with s3.checking_credentials():  # credentials the bucket does not know, or none
+        refused(s3.uri("run").replace("test:test@", "nobody:wrong@"),
+                r"^--output_dir s3://.*: cannot write there \(.*INVALID_ACCESS_KEY_ID")
+        refused(f"s3://raylm-test/run?{s3.query}",
+                r"^--output_dir s3://raylm-test/run.*: cannot write there \(.*"
+                r"(AccessDenied|ACCESS_DENIED|credentials)")
     for flag in ("cache_dir", "logging_dir"):
         refused(s3.uri("ok"), rf"^--{flag} s3://.*: give a local path", **{flag: s3.uri("c")})
 
