@@ -3,15 +3,16 @@ URI ``pyarrow.fs`` opens), behind one set of path functions.
 
 Paths are strings: a local path, or a URI whose ``?query`` (endpoint, region) and
 user-info (credentials) travel with it, so any process, a rank on another node included,
-reopens the same file system from the path alone (raylm.data.sources.filesystem_for, as
-the data paths do). An object store has no rename: what must appear whole is written in
-one request (an object is never seen half-written) or committed by a marker file
-written last (raylm.checkpoint.manager).
+reopens the same file system from the path alone (``filesystem_for``; the data paths
+take theirs from here too). An object store has no rename: what must appear whole is
+written in one request (an object is never seen half-written) or committed by a marker
+file written last (raylm.checkpoint.manager).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import posixpath
@@ -20,9 +21,43 @@ import tempfile
 import urllib.parse
 from typing import Iterator
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raylm.data.sources import filesystem_for
+from raylm.errors import ConfigError
+
+
+def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem holding ``path`` and the path inside it."""
+    if "://" in path:
+        try:
+            return _filesystem_from_uri(path)
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise ConfigError(f"cannot open {path}: "
+                              f"{' '.join(str(e).split()) or type(e).__name__}") from None
+    return _LOCAL_FS, os.path.abspath(os.path.expanduser(path))
+
+
+_LOCAL_FS = pafs.LocalFileSystem()
+
+
+def _filesystem_from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    parts = urllib.parse.urlsplit(uri)
+    fs, base = _cached_filesystem(parts.scheme, parts.netloc, parts.query)
+    path = urllib.parse.unquote(parts.path).strip("/")
+    return fs, (base + "/" + path).rstrip("/") or "/"
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_filesystem(scheme: str, netloc: str, query: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of a URI's root, and the path of that root inside it.
+
+    Building an object-store filesystem resolves credentials and regions: it is done once
+    per bucket (scheme, netloc and options), not once per file. The root's path tells how
+    the scheme maps URIs to paths ('s3://bucket/' is 'bucket', 'file:///' is '/').
+    """
+    fs, base = pafs.FileSystem.from_uri(urllib.parse.urlunsplit((scheme, netloc, "/", query, "")))
+    return fs, base.rstrip("/")
 
 
 def is_remote(path: str) -> bool:

@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raylm"
 # mechanisms that carry them out (parallel), the checkpoint form, the reports that show a
 # plan rank by rank (they cut the meta-device model as the runtime does), the runtime and
 # the command line. ``raylm`` itself (the public API) may import anything.
-LAYERS = ("errors", "compat", "config", "data", "models", "plan", "parallel", "checkpoint",
-          "report", "runtime", "cli")
+LAYERS = ("errors", "compat", "storage", "config", "data", "models", "plan", "parallel",
+          "checkpoint", "report", "runtime", "cli")
 
 # plan is pure: no process groups, meshes or DTensors. It reads torch's pipeline schedule
 # tables (a pure function of the schedule's size) to count micro-batches in flight.

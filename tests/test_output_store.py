@@ -65,14 +65,17 @@ def bucket_metrics(s3, prefix: str) -> dict:
 
 @pytest.mark.slow
 def test_a_run_into_a_bucket_resumes_from_it_in_another_layout(
-        ray_cluster, s3, corpus_dir, cache_root, tmp_path):
+        ray_cluster, s3, corpus_dir, cache_root, tmp_path, monkeypatch):
     """Two ranks train into s3://, and the driver dies after step 4 (checkpoint at 3,
     metrics uploaded every 0.5 s); a crashed save of step 5 (no marker) lies in the
     bucket. The same command on one rank resumes from the bucket's step 3, clears the
     crashed save, and ends as the uninterrupted run on disk: the same losses and gradient
     norms, a model that plain transformers loads after a download, equal to the disk
-    run's, metrics and run record in the bucket, at most --save_total_limit checkpoints."""
+    run's, metrics, TensorBoard's events and the run record in the bucket, at most
+    --save_total_limit checkpoints, and nothing in the driver's working directory."""
     reference = train(config(tmp_path / "disk", corpus_dir, cache_root))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     uri = s3.uri("runs/gpt2")
     stop = StopAfter(s3, "runs/gpt2", 4, wait_s=1.5)
     with pytest.raises(KeyboardInterrupt):
@@ -87,7 +90,8 @@ def test_a_run_into_a_bucket_resumes_from_it_in_another_layout(
     assert sorted(bucket_metrics(s3, "runs/gpt2")) == [1, 2, 3, 4]
     s3.put("runs/gpt2/checkpoints/step-00000005/__0_0.distcp", b"a crashed save")
 
-    result = train(config(uri, corpus_dir, cache_root, save_total_limit=1))
+    result = train(config(uri, corpus_dir, cache_root, save_total_limit=1,
+                          report_to=["tensorboard"]))
     assert result.output_dir == uri
     assert [h["step"] for h in result.history] == [4, 5, 6]
     ref = {h["step"]: h for h in reference.history}
@@ -104,6 +108,8 @@ def test_a_run_into_a_bucket_resumes_from_it_in_another_layout(
     assert "runs/gpt2/checkpoints/step-00000006/trainer_state.json" in keys
     assert {"runs/gpt2/all_results.json", "runs/gpt2/model.safetensors",
             "runs/gpt2/config.json", "runs/gpt2/tokenizer.json"} <= set(keys)
+    assert any(k.startswith("runs/gpt2/runs/") and "tfevents" in k for k in keys)
+    assert os.listdir(tmp_path / "cwd") == []
 
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,6 @@ Everything is read in bounded chunks, so a file never has to fit in memory.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -33,6 +32,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from raylm.errors import ConfigError
+from raylm.storage import filesystem_for
 
 TEXT_EXTENSIONS = (".txt", ".text")
 TABLE_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
@@ -57,38 +57,7 @@ _SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 
 
 # --- filesystems and paths -----------------------------------------------------------------
-
-def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow filesystem holding ``path`` and the path inside it."""
-    if "://" in path:
-        try:
-            return _filesystem_from_uri(path)
-        except (pa.ArrowInvalid, ValueError, OSError) as e:
-            raise ConfigError(f"cannot open {path}: {_one_line(e)}") from None
-    return _LOCAL_FS, os.path.abspath(os.path.expanduser(path))
-
-
-_LOCAL_FS = pafs.LocalFileSystem()
-
-
-def _filesystem_from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
-    parts = urllib.parse.urlsplit(uri)
-    fs, base = _cached_filesystem(parts.scheme, parts.netloc, parts.query)
-    path = urllib.parse.unquote(parts.path).strip("/")
-    return fs, (base + "/" + path).rstrip("/") or "/"
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_filesystem(scheme: str, netloc: str, query: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem of a URI's root, and the path of that root inside it.
-
-    Building an object-store filesystem resolves credentials and regions: it is done once
-    per bucket (scheme, netloc and options), not once per file. The root's path tells how
-    the scheme maps URIs to paths ('s3://bucket/' is 'bucket', 'file:///' is '/').
-    """
-    fs, base = pafs.FileSystem.from_uri(urllib.parse.urlunsplit((scheme, netloc, "/", query, "")))
-    return fs, base.rstrip("/")
-
+# (filesystem_for: raylm.storage, the layer below; imported here for data's modules)
 
 def display_path(spec: str, fs: pafs.FileSystem, fs_path: str) -> str:
     """How a found file is named from now on: a local absolute path, or a URI.
