@@ -174,6 +174,12 @@ def upload_file(local_file: str, dest: str) -> None:
                     destination_filesystem=fs)
 
 
+def download_file(src: str, local_file: str) -> None:
+    fs, p = _fs(src)
+    pafs.copy_files(p, local_file, source_filesystem=fs,
+                    destination_filesystem=pafs.LocalFileSystem())
+
+
 def download_dir(src: str, local_dir: str) -> None:
     """Copy the files under ``src`` into ``local_dir`` (made if absent)."""
     fs, p = _fs(src)

@@ -320,8 +320,8 @@ def test_an_image_folder_in_an_object_store_is_the_local_folder(ray_cluster, ima
     """--train_dir s3://... (moto's S3 server on this machine, pyarrow's S3 client): the
     folder is listed and its images read through the object store's file system, in
     Ray Data tasks; the cache holds the local folder's pixels and labels row for row,
-    with the same classes and held-out split. A corrupt image there is one error naming
-    its URI."""
+    with the same classes and held-out split, in a local cache or in the bucket. A
+    corrupt image there is one error naming its URI."""
     from tests.object_store import s3_endpoint
 
     local_cfg = config(tmp_path / "local", image_dir, cache_root)
@@ -338,6 +338,18 @@ def test_an_image_folder_in_an_object_store_is_the_local_folder(ray_cluster, ima
         assert cache_rows(data.train) == cache_rows(local.train)
         assert (data.train_ids.tolist(), data.eval_ids.tolist()) == \
             (local.train_ids.tolist(), local.eval_ids.tolist())
+
+        # The cache in the bucket too: built locally, uploaded manifest last, the same
+        # rows read back (each node memory-maps its own copy of a shard); then reused.
+        in_bucket = dataclasses.replace(cfg, data_cache_dir=s3.uri("cache"))
+        built = prepare_data(in_bucket, check_inputs(in_bucket, check_output_dir=False))
+        assert not built.train.reused and built.train.shard_files[0].startswith("s3://")
+        assert cache_rows(built.train) == cache_rows(local.train)
+        keys = s3.keys("cache")
+        assert any(k.endswith("/manifest.json") for k in keys) and \
+            all(k.startswith("cache/images-") for k in keys)
+        again = prepare_data(in_bucket, check_inputs(in_bucket, check_output_dir=False))
+        assert again.train.reused and s3.keys("cache") == keys
 
         s3.put("shapes/square/square_07.png", b"\x89PNG\r\n\x1a\n this is not a picture")
         with pytest.raises(ConfigError, match=r"s3://.*shapes/square/square_07.png.*: cannot "

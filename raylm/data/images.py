@@ -15,7 +15,9 @@ rows with their sample ids; the driver writes what arrives as shards named by th
 id and checks that the shards cover every id once. A file PIL cannot read is returned by
 its task as data (not raised: Ray Data keeps only a traceback's text) and becomes one
 ``ConfigError`` naming the file. The cache commits atomically, as the token cache does
-(raylm.data.tokenized): written under a temporary name, manifest last, renamed.
+(raylm.data.tokenized): written under a temporary name, manifest last, renamed; into an
+object store (``--data_cache_dir s3://...``) built locally and uploaded, manifest last,
+and each node memory-maps its own copy of a shard (read_shard).
 
 Layout of a cache directory (``<cache_root>/images-<key>/``)::
 
@@ -41,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -49,6 +52,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from raylm import storage
 from raylm.errors import ConfigError, first_line
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -158,14 +162,13 @@ class ImageDataset:
 
     @classmethod
     def load(cls, cache_dir: str) -> "ImageDataset":
-        with open(os.path.join(cache_dir, MANIFEST)) as f:
-            m = json.load(f)
+        m = json.loads(storage.read_bytes(storage.join(cache_dir, MANIFEST)))
         if m.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"{cache_dir}: image cache format {m.get('format_version')} "
                               f"is not {FORMAT_VERSION}")
         return cls(cache_dir=cache_dir, num_samples=m["num_samples"],
                    image_size=m["image_size"], channels=m["channels"], classes=m["classes"],
-                   shard_files=[os.path.join(cache_dir, s["file"]) for s in m["shards"]],
+                   shard_files=[storage.join(cache_dir, s["file"]) for s in m["shards"]],
                    shard_offsets=[s["offset"] for s in m["shards"]])
 
 
@@ -235,17 +238,73 @@ def _write_shard(tmp: str, first: int, pixels: list, labels, width: int) -> dict
 
 
 def read_shard(path: str) -> pa.Table:
-    """A shard of the image cache, memory-mapped: its buffers are the file's pages."""
+    """A shard of the image cache, memory-mapped: its buffers are the file's pages (an
+    object store's shard: this node's copy of it)."""
+    if storage.is_remote(path):
+        path = _node_copy(path)
     return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
 
+def _node_copy(uri: str) -> str:
+    """An object store's shard on this node's disk, fetched once per node (a cache is
+    named by its contents: a shard never changes), whole or not at all."""
+    from raylm.data.tokenized import default_cache_root
+
+    name = hashlib.sha256(uri.partition("?")[0].rpartition("@")[2].encode()).hexdigest()
+    local = os.path.join(default_cache_root(), "bucket-images", name[:32] + ".arrow")
+    if not os.path.isfile(local):
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            storage.download_file(uri, tmp)
+            os.replace(tmp, local)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return local
+
+
 def _commit(tmp: str, final: str, manifest: dict, replace: bool) -> None:
-    """The manifest written last, then the directory renamed into place."""
+    """The manifest written last, then the directory renamed into place (an object
+    store's: the shards uploaded, then the manifest)."""
     from raylm.data.tokenized import commit_build
 
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, **manifest}, f, indent=1)
-    commit_build(pafs.LocalFileSystem(), tmp, final, replace=replace)
+    if not storage.is_remote(final):
+        commit_build(pafs.LocalFileSystem(), tmp, final, replace=replace)
+        return
+    if storage.isfile(storage.join(final, MANIFEST)):
+        if not replace:  # (another build of the same inputs finished first)
+            return
+        storage.delete(storage.join(final, MANIFEST))
+    storage.delete(final)  # (an interrupted upload's shards)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == MANIFEST):
+        storage.upload_file(os.path.join(tmp, name), storage.join(final, name))
+
+
+def _build_dirs(cache_root: str, name: str) -> tuple[str, str]:
+    """(the cache's root, a fresh local directory to build ``name`` in): under the root
+    on a local disk (renamed into place), a temporary one for an object store's."""
+    from raylm.data.tokenized import TMP_PREFIX, remove_stale_tmp
+
+    root = storage.local_path(cache_root)
+    local_root = tempfile.mkdtemp(prefix="raylm-images-") if storage.is_remote(root) \
+        else root
+    os.makedirs(local_root, exist_ok=True)
+    if local_root == root:
+        remove_stale_tmp(pafs.LocalFileSystem(), root, CACHE_PREFIX + name)  # (a crash's)
+    tmp = os.path.join(local_root, f"{TMP_PREFIX}{CACHE_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    return root, tmp
+
+
+def _remove_build_dir(root: str, tmp: str) -> None:
+    with contextlib.suppress(OSError):
+        pafs.LocalFileSystem().delete_dir(tmp)
+    if storage.is_remote(root):  # (the temporary root too)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(tmp))
 
 
 def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
@@ -255,23 +314,15 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
     from the same files and settings. Ray must be initialised."""
     import ray
 
-    from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, quiet_ray_data,
-                                      remove_stale_tmp)
+    from raylm.data.tokenized import TASK_NUM_CPUS, quiet_ray_data
 
-    if "://" in cache_root:
-        raise ConfigError(f"--data_cache_dir {cache_root}: the image cache is written to a "
-                          "local or shared file system (not yet to an object store)")
     key = _key(folder, image_size, channels)
-    root = os.path.abspath(os.path.expanduser(cache_root))
-    final = os.path.join(root, CACHE_PREFIX + key)
-    if os.path.isfile(os.path.join(final, MANIFEST)) and not overwrite:
+    final = storage.join(storage.local_path(cache_root), CACHE_PREFIX + key)
+    if storage.isfile(storage.join(final, MANIFEST)) and not overwrite:
         return dataclasses.replace(ImageDataset.load(final), reused=True)
     if before_decoding is not None:
         before_decoding()
-    os.makedirs(root, exist_ok=True)
-    remove_stale_tmp(pafs.LocalFileSystem(), root, CACHE_PREFIX + key)  # (a crash's)
-    tmp = os.path.join(root, f"{TMP_PREFIX}{CACHE_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    root, tmp = _build_dirs(cache_root, key)
     try:
         quiet_ray_data()
         n = len(folder.files)
@@ -306,8 +357,7 @@ def build_image_dataset(folder: ImageFolder, image_size: int, channels: int,
                                  channels=channels, classes=folder.classes,
                                  root=folder.root, shards=shards), replace=overwrite)
     finally:
-        with contextlib.suppress(OSError):
-            pafs.LocalFileSystem().delete_dir(tmp)
+        _remove_build_dir(root, tmp)
     return ImageDataset.load(final)
 
 
@@ -478,19 +528,11 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
     dataset's order; a cache of the same rows built earlier is reused (the pass runs to
     learn that), or replaced with ``overwrite`` (--overwrite_cache)."""
     from raylm.data.given import batches
-    from raylm.data.tokenized import (TASK_NUM_CPUS, TMP_PREFIX, quiet_ray_data,
-                                      remove_stale_tmp)
+    from raylm.data.tokenized import TASK_NUM_CPUS, quiet_ray_data
 
-    if "://" in cache_root:
-        raise ConfigError(f"--data_cache_dir {cache_root}: the image cache is written to a "
-                          "local or shared file system (not yet to an object store)")
     if before_decoding is not None:
         before_decoding()
-    root = os.path.abspath(os.path.expanduser(cache_root))
-    os.makedirs(root, exist_ok=True)
-    remove_stale_tmp(pafs.LocalFileSystem(), root, CACHE_PREFIX + given.arg)  # (a crash's)
-    tmp = os.path.join(root, f"{TMP_PREFIX}{CACHE_PREFIX}{given.arg}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    root, tmp = _build_dirs(cache_root, given.arg)
     width = image_size * image_size * channels
     # The digest: of the settings, the pixels and the labels, each in row order across
     # batches (not of how Ray Data cut the rows into them)
@@ -519,13 +561,12 @@ def build_given_images(given: GivenImages, image_size: int, channels: int, cache
         # version, which the cache format does not change; the directory names both.
         key = hashlib.sha256(json.dumps([1, image_size, channels, given.classes]).encode()
                              + pixel_digest.digest() + label_digest.digest()).hexdigest()[:24]
-        final = os.path.join(root, f"{CACHE_PREFIX}{key}-v{FORMAT_VERSION}")
-        if os.path.isfile(os.path.join(final, MANIFEST)) and not overwrite:
+        final = storage.join(root, f"{CACHE_PREFIX}{key}-v{FORMAT_VERSION}")
+        if storage.isfile(storage.join(final, MANIFEST)) and not overwrite:
             return dataclasses.replace(ImageDataset.load(final), reused=True), key
         _commit(tmp, final, dict(key=key, num_samples=n, image_size=image_size,
                                  channels=channels, classes=given.classes, root=given.root,
                                  shards=shards), replace=overwrite)
     finally:
-        with contextlib.suppress(OSError):
-            pafs.LocalFileSystem().delete_dir(tmp)
+        _remove_build_dir(root, tmp)
     return ImageDataset.load(final), key
