@@ -58,15 +58,21 @@ class S3Endpoint:
 
 @contextlib.contextmanager
 def s3_endpoint() -> Iterator[S3Endpoint]:
-    """A fresh, empty S3 endpoint (one bucket) on a free local port; stopped on exit."""
+    """A fresh, empty S3 endpoint (one bucket) on a free local port; stopped on exit.
+    (moto keeps its buckets in the process, shared by its servers: the bucket is emptied
+    on the way in and out.)"""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    endpoint = None
     try:
         endpoint = S3Endpoint(*server.get_host_and_port())
         endpoint.fs.create_dir(BUCKET)
+        endpoint.fs.delete_dir_contents(BUCKET)
         yield endpoint
     finally:
+        if endpoint is not None:
+            endpoint.fs.delete_dir_contents(BUCKET, missing_dir_ok=True)
         server.stop()
