@@ -37,7 +37,9 @@ RAY_CPUS = 4
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster shared by every test that needs one; stopped at the end."""
+    """A local Ray cluster shared by every test that needs one; stopped at the end. A
+    run's rank processes stay up for the session's next run of the same shape
+    (raylm.keep_ranks), which then starts in about a second instead of eight."""
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -48,19 +50,9 @@ def ray_cluster():
     # As `raylm train` starts its own (raylm.runtime.cluster.start_local): its ranks then
     # start with --huge_pages' allocator without a runtime_env of their own.
     start_local(num_cpus=RAY_CPUS, log_to_driver=False)
-    yield ray
-    stop_local()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kept_ranks():
-    """Within a test module, a run's rank processes stay up for the module's next run of
-    the same shape (raylm.keep_ranks), which then starts in about a second instead of
-    eight; stopped at the module's end."""
-    import raylm
-
     with raylm.keep_ranks():
-        yield
+        yield ray
+    stop_local()
 
 
 @pytest.fixture(scope="session")
