@@ -16,7 +16,6 @@ import functools
 import io
 import os
 import posixpath
-import shutil
 import tempfile
 import urllib.parse
 from typing import Iterator
@@ -186,16 +185,6 @@ def download_dir(src: str, local_dir: str) -> None:
     os.makedirs(local_dir, exist_ok=True)
     pafs.copy_files(p, local_dir, source_filesystem=fs,
                     destination_filesystem=pafs.LocalFileSystem())
-
-
-def copy_tree(src: str, dest: str) -> None:
-    """Copy the files under ``src`` to ``dest`` (both on the same kind of storage)."""
-    if not is_remote(src) and not is_remote(dest):
-        shutil.copytree(src, dest, dirs_exist_ok=True)
-        return
-    with tempfile.TemporaryDirectory(prefix="raylm-copy-") as tmp:
-        download_dir(src, tmp)
-        upload_dir(tmp, dest)
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ class CheckpointManager:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        final = self.path_for(step)
+        final = os.path.join(self.root, f"step-{step:08d}")  # (no listing: one name)
         if os.path.exists(final):  # the same step saved again after a recovery
             self._discard(final)
         os.rename(tmp, final)

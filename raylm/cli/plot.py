@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 
+from raylm import storage
 from raylm.errors import ConfigError
 
 log = logging.getLogger("raylm")
@@ -35,8 +36,6 @@ def eval_sets(records: list) -> list[str]:
 def plot_run(output_dir: str, out_path: str | None = None) -> str:
     """Write the PNG (default: OUTPUT_DIR/metrics.png, an object store's too); returns
     its path."""
-    from raylm import storage
-
     output_dir = storage.local_path(str(output_dir))
     path = storage.join(output_dir, "metrics.jsonl")
     try:

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raylm import storage
 from raylm.errors import ConfigError, first_line
 
 log = logging.getLogger("raylm")
@@ -157,7 +158,6 @@ def _export(tables, arg: str, text_column: Optional[str], cache_root: str,
             kind: str) -> tuple[str, str]:
     """Written locally under a temporary name, then renamed into place, or uploaded in
     one request to an object-store ``cache_root`` (a crash leaves nothing that is read)."""
-    from raylm import storage
     from raylm.data.tokenized import TMP_PREFIX, remove_stale_tmp
 
     cache_root = storage.local_path(cache_root)  # (file:// URIs too)

@@ -22,6 +22,7 @@ import os
 import uuid
 from typing import Optional
 
+from raylm import storage
 from raylm.errors import ConfigError, first_line
 
 log = logging.getLogger("raylm")
@@ -110,8 +111,6 @@ def _export(ds, split: str, cache_root: str) -> str:
     """The split as one parquet file, written once per dataset fingerprint: to a
     temporary name, then renamed, or to an object store in one upload (a crash leaves
     nothing that is read)."""
-    from raylm import storage
-
     path = storage.join(storage.local_path(cache_root), EXPORT_DIR, ds._fingerprint,
                         f"{split}.parquet")
     if storage.isfile(path):

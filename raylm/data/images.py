@@ -271,16 +271,9 @@ def _commit(tmp: str, final: str, manifest: dict, replace: bool) -> None:
 
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, **manifest}, f, indent=1)
-    if not storage.is_remote(final):
-        commit_build(pafs.LocalFileSystem(), tmp, final, replace=replace)
-        return
-    if storage.isfile(storage.join(final, MANIFEST)):
-        if not replace:  # (another build of the same inputs finished first)
-            return
-        storage.delete(storage.join(final, MANIFEST))
-    storage.delete(final)  # (an interrupted upload's shards)
-    for name in sorted(os.listdir(tmp), key=lambda n: n == MANIFEST):
-        storage.upload_file(os.path.join(tmp, name), storage.join(final, name))
+    fs, path = storage.filesystem_for(final)
+    commit_build(fs, tmp, path, replace=replace,
+                 src_fs=pafs.LocalFileSystem() if storage.is_remote(final) else None)
 
 
 def _build_dirs(cache_root: str, name: str) -> tuple[str, str]:

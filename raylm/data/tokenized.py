@@ -295,7 +295,7 @@ def _join(base: str, name: str) -> str:
 
 
 def commit_build(fs: pafs.FileSystem, tmp_path: str, final_path: str,
-            replace: bool = False) -> None:
+                 replace: bool = False, src_fs: pafs.FileSystem | None = None) -> None:
     """Move a finished cache directory into place.
 
     Locally this is one rename(2): atomic. Object stores have no directory rename, so the
@@ -303,12 +303,14 @@ def commit_build(fs: pafs.FileSystem, tmp_path: str, final_path: str,
     exists, a crash midway still leaves nothing that is read as a cache. ``replace``: an
     existing build is moved aside first (locally a rename, so a reader sees the old
     build or the new one, never a mix; on an object store it is deleted, manifest first).
+    ``src_fs``: the file system ``tmp_path`` is on when it is not ``fs`` (a build made on
+    local disk for an object store: its files are uploaded, the manifest last).
     """
     if _has_manifest(fs, final_path):
         if not replace:
             # Another build of the same inputs finished first; its result is identical.
             return
-        if isinstance(fs, pafs.LocalFileSystem):
+        if isinstance(fs, pafs.LocalFileSystem) and src_fs is None:
             # (named as a build's temporary directory: one a crash leaves is cleared)
             old = posixpath.join(posixpath.dirname(final_path), TMP_PREFIX
                                  + posixpath.basename(final_path)[len(CACHE_PREFIX):]
@@ -321,17 +323,20 @@ def commit_build(fs: pafs.FileSystem, tmp_path: str, final_path: str,
     if fs.get_file_info(final_path).type != pafs.FileType.NotFound:
         # A directory without a manifest is an interrupted object-store commit: replace it.
         fs.delete_dir(final_path)
-    try:
-        fs.move(tmp_path, final_path)
-        return
-    except (OSError, pa.ArrowNotImplementedError):
-        if isinstance(fs, pafs.LocalFileSystem):
-            if _has_manifest(fs, final_path):  # lost a race to a concurrent build
-                return
-            raise
-    names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(tmp_path))]
+    if src_fs is None:
+        try:
+            fs.move(tmp_path, final_path)
+            return
+        except (OSError, pa.ArrowNotImplementedError):
+            if isinstance(fs, pafs.LocalFileSystem):
+                if _has_manifest(fs, final_path):  # lost a race to a concurrent build
+                    return
+                raise
+    src = src_fs or fs
+    names = [i.base_name for i in src.get_file_info(pafs.FileSelector(tmp_path))]
     for name in sorted(names, key=lambda n: n == MANIFEST):
-        fs.copy_file(posixpath.join(tmp_path, name), posixpath.join(final_path, name))
+        pafs.copy_files(posixpath.join(tmp_path, name), posixpath.join(final_path, name),
+                        source_filesystem=src, destination_filesystem=fs)
 
 
 # --- tokenization --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from raylm import storage
 from raylm.errors import ConfigError
 
 log = logging.getLogger("raylm")
@@ -196,8 +197,6 @@ def open_metrics(cfg, directory: str, start_step: int = 0) -> MetricsLog:
     """The run's MetricsLog in ``directory`` (output_dir, or an object store's local
     stage: raylm.runtime.output_dir.OutputDir) with the sinks of --report_to (checked
     before: prepare)."""
-    from raylm import storage
-
     name = cfg.run_name or storage.basename(str(cfg.output_dir))
     config = dict(cfg.to_dict(), token="<set>" if cfg.token else None)  # no secret in logs
     sinks = []

@@ -23,6 +23,8 @@ import os
 import tempfile
 import time
 
+from raylm import storage
+
 BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
              "boundary_idle_s")
 
@@ -94,8 +96,6 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        from raylm import storage
-
         self.path = storage.join(directory, f"rank-{rank}.json")
         if not storage.is_remote(directory):
             os.makedirs(directory, exist_ok=True)
@@ -107,8 +107,6 @@ class StepProfiler:
         self.prof.start()
 
     def _write(self, prof) -> None:
-        from raylm import storage
-
         if storage.is_remote(self.path):  # (an object-store output_dir: one upload)
             with tempfile.TemporaryDirectory(prefix="raylm-trace-") as tmp:
                 prof.export_chrome_trace(os.path.join(tmp, "trace.json"))

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Optional
 
+from raylm import storage
 from raylm.models.objectives import PREDICTS_A_SAMPLE
 from raylm.plan.layout import Plan
 from raylm.plan.text import human_bytes
@@ -244,8 +245,6 @@ class Reporter:
                 f"{low} to {high}, the most on rank {top}"
             log.info("memory per rank (parameters, gradients, optimizer, activations, weight "
                      "copies): %s%s; each rank's in memory.json", spread, foreseen[top])
-        from raylm import storage
-
         storage.write_bytes(os.path.join(self.directory, "memory.json"), json.dumps(
             {"layout": {**plan.dims.to_dict(), "zero_stage": plan.zero_stage,
                         "sequence_parallel": plan.sequence_parallel,

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import ray
 
+from raylm import storage
 from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.faults import Faults
@@ -633,8 +634,6 @@ class RankWorker:
 
             hf_logging.disable_progress_bar()  # a bar per save in the driver's log is noise
             dtype = saved_dtype(self.cfg)
-            from raylm import storage
-
             # (an object-store output_dir: written here, then uploaded)
             with storage.written_dir(output_dir) as out:
                 if self.spec.model_init is not None:  # a model of the user's own
