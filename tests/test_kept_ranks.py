@@ -1,8 +1,8 @@
 """raylm.keep_ranks: the runs of one driver share rank processes when their shape fits,
 with the results of fresh processes; a run of more ranks starts only those it lacks;
 a run of fewer ranks leaves the rest idle for the next; kept processes stop when
-released, when a run of another shape comes, and before data must be tokenized (Ray
-Data needs their CPUs)."""
+released, when a run of another shape comes, and before data must be tokenized if they
+leave Ray Data's tasks no CPU."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import raylm
 from raylm import TrainConfig, train
 from raylm.runtime import kept
-from tests.conftest import SHAKESPEARE, TINY_GPT2
+from tests.conftest import CPUS, RAY_CPUS, SHAKESPEARE, TINY_GPT2
 from tests.test_elastic import _gone
 
 pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
@@ -36,14 +36,14 @@ def _all_gone(pids, timeout_s: float = 30.0) -> bool:
     return all(_gone(p) for p in pids)
 
 
-def _run(out, files, cache_root, workers=2):
+def _run(out, files, cache_root, workers=2, cpus=CPUS):
     """3 steps of global batch 4 (2 per rank, accumulated on one rank)."""
     pids = Pids()
     result = train(TrainConfig(
         model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(f) for f in files],
         block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=3,
         logging_steps=1, save_steps=1000, disable_tqdm=True, do_eval=False,
-        num_workers=workers, cpus_per_worker=0.5, per_device_train_batch_size=2,
+        num_workers=workers, cpus_per_worker=cpus, per_device_train_batch_size=2,
         gradient_accumulation_steps=2 // workers,
         learning_rate=1e-3), callbacks=(pids,))
     return result, pids.pids
@@ -73,22 +73,33 @@ def test_kept_ranks_train_again_alike_and_stop_when_released_or_outgrown(
     np.testing.assert_allclose([h["loss"] for h in again.history],
                                [h["loss"] for h in first.history], rtol=1e-6)
 
-    # Data not in the cache yet: the kept rank stops before Ray Data tokenizes it (its
-    # CPUs could be the ones the tokenizing tasks need), and the run starts fresh.
-    new_play = tmp_path / "play"
-    new_play.mkdir()
-    shutil.copy(SHAKESPEARE / "lovers_complaint.txt", new_play / "lovers_complaint.txt")
-    fresh, fresh_pids = _run(tmp_path / "d", [new_play], cache_root, workers=1)
-    assert not fresh_pids & first_pids and _all_gone(first_pids)
+    # Data not in the cache yet, with CPUs left beside the kept ranks: Ray Data tokenizes
+    # it there, and the run takes a kept rank.
+    fresh, fresh_pids = _run(tmp_path / "d", [_play(tmp_path, "lovers_complaint.txt")],
+                             cache_root, workers=1)
+    assert fresh_pids < first_pids
     assert fresh.history[-1]["loss"] < fresh.history[0]["loss"]
 
-    # A run of more ranks takes the kept one and starts only the rank it lacks.
-    grown, grown_pids = _run(tmp_path / "e", [corpus_dir], cache_root)
-    assert fresh_pids < grown_pids and len(grown_pids) == 2
-    np.testing.assert_allclose([h["loss"] for h in grown.history],
-                               [h["loss"] for h in first.history], rtol=1e-5)
-
     # Released (as at the end of the outermost keep_ranks block): stopped.
-    assert not any(_gone(p) for p in grown_pids)
+    assert not any(_gone(p) for p in first_pids)
     kept.release()
-    assert _all_gone(grown_pids)
+    assert _all_gone(first_pids)
+
+    # A kept rank that holds every CPU stops before Ray Data tokenizes new data (the
+    # tasks need a CPU), and the run starts fresh.
+    full, full_pids = _run(tmp_path / "f", [corpus_dir], cache_root, workers=1,
+                           cpus=RAY_CPUS)
+    other, other_pids = _run(tmp_path / "g", [_play(tmp_path, "passionate_pilgrim.txt")],
+                             cache_root, workers=1, cpus=RAY_CPUS)
+    assert not other_pids & full_pids and _all_gone(full_pids)
+    assert other.history[-1]["loss"] < other.history[0]["loss"]
+    kept.release()
+    assert _all_gone(other_pids)
+
+
+def _play(tmp_path, name):
+    """A directory holding one play of the corpus (its blocks not in the cache yet)."""
+    d = tmp_path / name.split(".")[0]
+    d.mkdir()
+    shutil.copy(SHAKESPEARE / name, d / name)
+    return d

@@ -9,7 +9,7 @@ import numpy as np
 
 from raylm.config import TrainConfig
 from raylm.errors import ConfigError
-from raylm.runtime.inputs import Data, Inputs, release_kept_ranks, room_for_tasks
+from raylm.runtime.inputs import Data, Inputs, room_for_tasks
 
 log = logging.getLogger("raylm")
 
@@ -132,7 +132,7 @@ def image_data(cfg: TrainConfig, inputs: Inputs) -> Data:
             return folder
         return build_image_dataset(folder, size, c, cfg.data_cache_dir or default_cache_root(),
                                    overwrite=cfg.overwrite_cache,
-                                   before_decoding=release_kept_ranks)
+                                   before_decoding=room_for_tasks)
 
     train = build(train_folder)
     log.info("training data: %d images of %d classes, %dx%d (%s)", train.num_samples,

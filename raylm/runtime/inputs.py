@@ -42,20 +42,13 @@ class Data:
     stream: object = None  # --streaming: the TokenStream (train is then its StreamSpec)
 
 
-def release_kept_ranks() -> None:
-    """Stop the rank processes kept between runs (raylm.keep_ranks): Ray Data's tasks
-    need their CPUs."""
-    from raylm.runtime import kept  # (Ray: only once there is something to tokenize)
-
-    kept.release()
-
-
 def room_for_tasks() -> None:
-    """Before a dataset given to train() is read: rank processes kept from an earlier
-    run (raylm.keep_ranks) are stopped if they leave no CPU for Ray Data's tasks."""
+    """Before Ray Data's tasks tokenize, decode or read a dataset given to train(): rank
+    processes kept from an earlier run (raylm.keep_ranks) are stopped if they leave no
+    CPU for those tasks."""
     import ray
 
     from raylm.runtime import kept
 
     if ray.is_initialized() and not kept.room_for_tasks():
-        release_kept_ranks()
+        kept.release()

@@ -11,7 +11,8 @@ never gives an actor a worker that ran tasks or another actor.
 
 Kept ranks hold their bundles' CPUs (and GPUs) while they wait, so they are kept only
 inside ``keep_ranks`` and released when it ends, when a run has another shape, when the
-data must be tokenized first (Ray Data's tasks need the CPUs), or when Ray went away. A
+data must be tokenized first and they leave Ray Data's tasks no CPU, or when Ray went
+away. A
 run of fewer ranks takes as many as it needs and leaves the rest idle beside it (a
 placement group frees its bundles only all together), unless that leaves Ray Data no
 CPU; the next run gets them all back.

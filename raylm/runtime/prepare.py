@@ -12,15 +12,15 @@ from raylm.config import TrainConfig
 from raylm.data.sampler import rank_share, split_train_eval
 from raylm.errors import ConfigError
 from raylm.runtime.image_classification import image_data
-from raylm.runtime.inputs import Data, Inputs, release_kept_ranks
+from raylm.runtime.inputs import Data, Inputs, room_for_tasks
 
 log = logging.getLogger("raylm")
 
 
 def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
     """Tokenize (or reuse the cache) and choose the train and eval sample ids. Rank
-    processes kept between runs (raylm.keep_ranks) are stopped before any tokenizing:
-    Ray Data's tasks may need their CPUs."""
+    processes kept between runs (raylm.keep_ranks) are stopped before any tokenizing if
+    they leave Ray Data's tasks no CPU."""
     from raylm.data.tokenized import build_tokenized_dataset
 
     def build(files):
@@ -30,7 +30,7 @@ def prepare_data(cfg: TrainConfig, inputs: Inputs) -> Data:
                 line_by_line=cfg.line_by_line, text_column=cfg.text_column,
                 cache_root=cfg.data_cache_dir, num_workers=cfg.preprocessing_num_workers,
                 keep_linebreaks=cfg.keep_linebreaks, overwrite=cfg.overwrite_cache,
-                before_tokenizing=release_kept_ranks, piece_mb=cfg.piece_size_mb)
+                before_tokenizing=room_for_tasks, piece_mb=cfg.piece_size_mb)
         except ConfigError as e:
             raise _naming_the_argument(e, files, inputs) from None
 
