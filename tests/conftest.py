@@ -33,6 +33,9 @@ TINY_GPT2_DROPOUT = "n_layer=2,n_embd=32,n_head=2,n_positions=64"
 # Ray sees 4 logical CPUs on this 2-core machine so that 4 rank actors of 1 CPU each
 # can be placed; each uses one torch thread.
 RAY_CPUS = 4
+# What a run on the session's cluster reserves per rank, unless it tests another value:
+# ranks are kept only for runs of one shape (raylm.keep_ranks), and up to 8 fit.
+CPUS = 0.5
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +56,28 @@ def ray_cluster():
     with raylm.keep_ranks():
         yield ray
     stop_local()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_kept_ranks_beside_other_clusters(request):
+    """A module none of whose tests trains on the session's cluster (they start clusters
+    or drivers of their own) runs with no ranks kept: idle, those still take memory and
+    some CPU time from the ranks the module's own clusters start."""
+    if not any("ray_cluster" in item.fixturenames for item in request.session.items
+               if item.module is request.module):
+        from raylm.runtime import kept
+
+        kept.release()
+
+
+@pytest.fixture
+def ray_address(ray_cluster):
+    """The session cluster's address, for a test that starts another driver on it: the
+    ranks the session keeps are stopped first, so that driver finds every CPU free."""
+    from raylm.runtime import kept
+
+    kept.release()
+    return ray_cluster.get_runtime_context().gcs_address
 
 
 @pytest.fixture(scope="session")

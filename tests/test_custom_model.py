@@ -19,6 +19,7 @@ from raylm import ConfigError, TrainConfig, train
 from raylm.data.reader import BlockReader
 from raylm.runtime.driver import Driver
 from raylm.runtime.faults import inject
+from tests.conftest import CPUS
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import THREE_LAYOUTS, reference_of
 
@@ -70,7 +71,7 @@ def config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(train_file=[str(corpus)], block_size=32, data_cache_dir=cache_root,
                 output_dir=str(out), max_steps=STEPS, logging_steps=1, save_steps=1000,
                 disable_tqdm=True, learning_rate=1e-2, warmup_steps=1, do_eval=False,
-                per_device_train_batch_size=2, report_to=["none"])
+                per_device_train_batch_size=2, report_to=["none"], cpus_per_worker=CPUS)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -251,8 +252,7 @@ def test_own_model_bad_input_is_one_clear_error(model_init, flags, message, ray_
 ], ids=["not-a-linear", "no-match", "sharded-logits", "unknown-style", "indivisible"])
 def test_a_bad_tensor_parallel_plan_is_one_error(plan, tp, message, ray_cluster, corpus_dir,
                                                  cache_root, tmp_path):
-    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=tp, tp=tp,
-                 cpus_per_worker=1.0)
+    cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=tp, tp=tp)
     driver = Driver(cfg, model_init=toy_lm, tp_plan=plan)
     with pytest.raises(ConfigError, match=message) as err:
         driver.run()
@@ -497,7 +497,7 @@ def test_own_model_with_a_tensor_parallel_plan_in_pipeline_stages_matches_single
     the losses, gradient norms and saved weights (whole again, under the module's names)
     are the single process's. (tp=2 alone: test_own_loss_matches_single_process.)"""
     cfg = config(tmp_path / "out", corpus_dir, cache_root, num_workers=4, tp=2, pp=2,
-                 gradient_accumulation_steps=4, cpus_per_worker=0.5)
+                 gradient_accumulation_steps=4)
     result = train(cfg, model_init=toy_lm, tp_plan=WIDE_PLAN)
     assert_steps_match(result.history, reference, STEPS, label="pp2 tp2 own plan")
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))

@@ -70,11 +70,6 @@ def test_the_readme_links_lead_somewhere():
             assert (REPO / target).exists(), f"README links to {target}, which is missing"
 
 
-@pytest.fixture(scope="module")
-def ray_address(ray_cluster):
-    return ray_cluster.get_runtime_context().gcs_address
-
-
 NAMED = {"getting-started-python.py": "model: gpt2 from its default config with n_layer=2,"
          "n_embd=64,n_head=2,n_positions=128, fresh weights; objective: causal LM; "
          "tokenizer: raylm's built-in BPE (4,096 tokens)",

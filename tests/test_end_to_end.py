@@ -18,6 +18,7 @@ from raylm.data.sampler import GlobalBatchSampler
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.prepare import prepare_data
 from raylm.config import TrainConfig
+from tests.conftest import CPUS
 
 
 def records(output_dir):
@@ -85,7 +86,8 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
     out = tmp_path / "finetuned"
     args = ["train", "--model_name_or_path", pretrained, "--max_steps", "2",
             "--logging_steps", "1", "--output_dir", str(out), "--data_cache_dir", cache_root,
-            "--num_workers", "2", "--per_device_train_batch_size", "2",
+            "--num_workers", "2", "--cpus_per_worker", str(CPUS),
+            "--per_device_train_batch_size", "2",
             "--block_size", "64", "--disable_tqdm", "--do_eval", "false"]
     assert main(args) == 0
 
@@ -106,7 +108,7 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
     eval_out = tmp_path / "eval"
     assert main(["train", "--do_eval", "--model_name_or_path", str(out), "--block_size", "64",
                  "--data_cache_dir", cache_root, "--output_dir", str(eval_out),
-                 "--num_workers", "2"]) == 0
+                 "--num_workers", "2", "--cpus_per_worker", str(CPUS)]) == 0
     with open(eval_out / "eval_results.json") as f:
         res = json.load(f)
     assert res["perplexity"] == pytest.approx(math.exp(res["eval_loss"]))

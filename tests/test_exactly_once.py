@@ -13,7 +13,7 @@ import pytest
 from raylm import TrainConfig, train
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.prepare import prepare_data
-from tests.conftest import TINY_GPT2
+from tests.conftest import CPUS, TINY_GPT2
 
 pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
 
@@ -31,7 +31,7 @@ def config(out, data, cache_root, workers):
                        per_device_train_batch_size=1,
                        gradient_accumulation_steps=WORKERS // workers, num_workers=workers,
                        logging_steps=1, save_steps=1000, disable_tqdm=True, do_eval=False,
-                       log_sample_ids=True, learning_rate=1e-3)
+                       log_sample_ids=True, learning_rate=1e-3, cpus_per_worker=CPUS)
 
 
 def test_one_epoch_sees_every_training_sample_once(ray_cluster, corpus_dir, cache_root,

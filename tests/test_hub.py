@@ -123,7 +123,7 @@ def test_a_hub_name_that_cannot_be_had_offline_is_one_line(hub, args, says):
 
 
 @pytest.mark.slow
-def test_eval_of_a_hub_model_equals_transformers_on_the_same_blocks(hub, ray_cluster,
+def test_eval_of_a_hub_model_equals_transformers_on_the_same_blocks(hub, ray_address,
                                                                     cache_root, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,7 +132,7 @@ def test_eval_of_a_hub_model_equals_transformers_on_the_same_blocks(hub, ray_clu
                  "--dataset_name", "acme/verses", "--cache_dir", hub["cache"],
                  "--data_cache_dir", cache_root, "--block_size", str(BLOCK),
                  "--num_workers", "1", "--cpus_per_worker", "0.5", "--output_dir", str(out),
-                 "--address", ray_cluster.get_runtime_context().gcs_address)
+                 "--address", ray_address)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((out / "eval_results.json").read_text())["eval_loss"]
     snapshot = os.path.join(hub["cache"], "models--acme--tiny-gpt2", "snapshots",
@@ -180,7 +180,7 @@ def test_dataset_name_with_its_own_splits_refuses_files(hub, tmp_path):
 
 
 @pytest.mark.slow
-def test_run_clm_readme_command_runs_unchanged(hub, ray_cluster, tmp_path):
+def test_run_clm_readme_command_runs_unchanged(hub, ray_address, tmp_path):
     """The first command of transformers' examples/pytorch/language-modeling/README.md,
     with only its output path changed, after `raylm train` instead of
     `python run_clm.py`. The Hub is the test's cache (HF_HUB_CACHE, offline) and the Ray
@@ -202,7 +202,7 @@ def test_run_clm_readme_command_runs_unchanged(hub, ray_cluster, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_HUB_CACHE=hub["cache"], HF_DATASETS_CACHE=str(tmp_path / "datasets"),
                RAYLM_CACHE_DIR=str(tmp_path / "blocks"),
-               RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+               RAY_ADDRESS=ray_address)
     proc = subprocess.run([sys.executable, "-m", "raylm.cli.main", "train", *words[2:]],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,7 @@ from raylm import ConfigError, TrainConfig, train
 from raylm.runtime.driver import Driver
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.prepare import prepare_data
+from tests.conftest import CPUS
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import THREE_LAYOUTS, reference_of
 
@@ -70,7 +71,8 @@ def config(out, image_dir, cache_root, **kw) -> TrainConfig:
                 train_dir=str(image_dir), data_cache_dir=cache_root, output_dir=str(out),
                 max_steps=STEPS, logging_steps=1, save_steps=1000, disable_tqdm=True,
                 learning_rate=2e-3, warmup_steps=1, per_device_train_batch_size=2,
-                per_device_eval_batch_size=4, report_to=["none"], train_val_split=0.25)
+                per_device_eval_batch_size=4, report_to=["none"], train_val_split=0.25,
+                cpus_per_worker=CPUS)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -665,7 +667,7 @@ FAST_PARAMS = {
 
 
 @pytest.mark.parametrize("layout", [dict(num_workers=2, tp=2),
-                                    dict(num_workers=4, tp=2, pp=2, cpus_per_worker=0.5)],
+                                    dict(num_workers=4, tp=2, pp=2)],
                          ids=["tp2", "pp2-tp2"])
 def test_vit_under_tensor_parallelism_matches_single_process(layout, reference, ray_cluster,
                                                              image_dir, cache_root, tmp_path):
@@ -706,7 +708,7 @@ def test_swin_under_a_tensor_parallel_plan_in_pipeline_stages_matches_single_pro
     from safetensors.torch import load_file
 
     cfg = swin_config(tmp_path / "out", image_dir, cache_root, num_workers=4, tp=2, pp=2,
-                      gradient_accumulation_steps=4, cpus_per_worker=0.5)
+                      gradient_accumulation_steps=4)
     result = train(cfg, tp_plan=SWIN_MLP_PLAN)
     assert_steps_match(result.history, swin_reference, STEPS, label="swin-pp2-tp2")
     saved = load_file(os.path.join(result.output_dir, "model.safetensors"))

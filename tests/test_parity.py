@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from raylm import TrainConfig, train
 from raylm.runtime.input_checks import check_inputs
 from raylm.runtime.prepare import prepare_data
-from tests.conftest import TINY_GPT2
+from tests.conftest import CPUS, TINY_GPT2
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import single_process_reference
 from tests.test_pipeline import assert_recomputed
@@ -31,7 +31,7 @@ def tiny_config(out, corpus, cache_root, **kw) -> TrainConfig:
     base = dict(model_type="gpt2", config_overrides=TINY_GPT2, train_file=[str(corpus)],
                 block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
-                warmup_steps=2, per_device_train_batch_size=2)
+                warmup_steps=2, per_device_train_batch_size=2, cpus_per_worker=CPUS)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from raylm import TrainConfig, train
+from tests.conftest import CPUS
 from tests.numerics import assert_steps_match, assert_weights_match
 from tests.reference import reference_fixture
 
@@ -46,7 +47,7 @@ def pp_config(out, corpus, cache_root, model="gpt2", models=None, **kw) -> Train
                 block_size=32, data_cache_dir=cache_root, output_dir=str(out), max_steps=STEPS,
                 logging_steps=1, save_steps=1000, disable_tqdm=True, learning_rate=1e-3,
                 warmup_steps=1, per_device_train_batch_size=MICRO,
-                gradient_accumulation_steps=GLOBAL_BATCH // MICRO)
+                gradient_accumulation_steps=GLOBAL_BATCH // MICRO, cpus_per_worker=CPUS)
     if model_type == "t5":  # block continuation (span corruption: tests/test_t5_spans.py)
         base["objective"] = "seq2seq"
     base.update(kw)

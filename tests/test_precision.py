@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from raylm import train
 from raylm.checkpoint.manager import CheckpointManager, read_trainer_state
 from raylm.runtime.faults import inject
+from tests.conftest import CPUS
 from tests.reference import reference_fixture
 from tests.test_pipeline import GLOBAL_BATCH, STEPS
 from tests.test_tensor_layouts import tp_config
@@ -111,7 +112,7 @@ def test_bf16_layout_matches_single_process_bf16(dp, pp, tp, stage, reference, r
     saved_as = "bfloat16" if (dp, stage) == (2, 0) else None
     cfg = bf16_config(tmp_path / "out", corpus_dir, cache_root, dp=dp, pp=pp, tp=tp,
                       num_workers=dp * pp * tp, zero_stage=stage, torch_dtype=saved_as,
-                      cpus_per_worker=0.5 if dp * pp * tp > 2 else 1.0)
+                      cpus_per_worker=CPUS)
     result = train(cfg)
     assert_close_to(result, reference("gpt2"), f"bf16 dp={dp} pp={pp} tp={tp} ZeRO-{stage}")
     assert_bf16_memory_predicted(result.output_dir, stage)
@@ -162,7 +163,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ray_cluster, cor
     from tests.reference import Reference, reference_run
 
     cfg = tp_config(tmp_path / "out", corpus_dir, cache_root, "gpt2", fp16=True,
-                    loss_scale_window=1, dp=2, pp=2, num_workers=4, cpus_per_worker=0.5,
+                    loss_scale_window=1, dp=2, pp=2, num_workers=4,
                     save_steps=2)
     inputs = check_inputs(cfg)
     data = prepare_data(cfg, inputs)

@@ -19,7 +19,7 @@ import pytest
 
 from raylm import TrainConfig, train
 from raylm.cli.main import main
-from tests.conftest import TINY_GPT2_DROPOUT
+from tests.conftest import CPUS, TINY_GPT2_DROPOUT
 from tests.dashboards import tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.slow  # (the tiers: docs/development.md)
@@ -34,7 +34,7 @@ def run_config(out, corpus, cache_root, **kw) -> TrainConfig:
                 output_dir=str(out), max_steps=STEPS, save_steps=SAVE, logging_steps=1,
                 disable_tqdm=True, learning_rate=1e-3, num_workers=2,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                do_eval=False)
+                do_eval=False, cpus_per_worker=CPUS)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -120,10 +120,10 @@ def test_rank_killed_mid_run_recovers_with_same_losses(uninterrupted, ray_cluste
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
-def test_killed_driver_resumes_by_rerunning_the_command(uninterrupted, ray_cluster, corpus_dir,
+def test_killed_driver_resumes_by_rerunning_the_command(uninterrupted, ray_address, corpus_dir,
                                                         cache_root, tmp_path):
     out = tmp_path / "out"
-    address = ray_cluster.get_runtime_context().gcs_address
+    address = ray_address
     cmd = [sys.executable, "-m", "raylm.cli.main", "train", "--model_type", "gpt2",
            "--config_overrides", TINY_GPT2_DROPOUT, "--train_file", str(corpus_dir),
            "--block_size", "32", "--data_cache_dir", cache_root, "--output_dir", str(out),

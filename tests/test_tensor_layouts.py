@@ -36,7 +36,6 @@ MODELS = {
 
 
 def tp_config(out, corpus, cache_root, model="gpt2", **kw) -> TrainConfig:
-    kw.setdefault("cpus_per_worker", 0.5)  # up to 8 rank actors on the session's 4 CPUs
     # The global batch is fixed: fewer micro-batches per replica as dp grows.
     kw["gradient_accumulation_steps"] = GLOBAL_BATCH // (MICRO * kw.get("dp", 1))
     return pp_config(out, corpus, cache_root, model, models=MODELS, **kw)

@@ -17,6 +17,7 @@ import pytest
 
 from raylm import train
 from raylm.plan.zero import theory_bytes
+from tests.conftest import CPUS
 from tests.reference import reference_fixture
 from tests.test_pipeline import GLOBAL_BATCH, STEPS, assert_parity, assert_recomputed
 from tests.test_tensor_layouts import tp_config
@@ -63,7 +64,7 @@ def test_zero_matches_single_process(stage, dp, pp, tp, recompute, reference, ra
     resharded = (stage, dp, pp, tp, recompute) in RESHARDED
     cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=dp, pp=pp, tp=tp,
                       num_workers=dp * pp * tp, zero_stage=stage,
-                      cpus_per_worker=0.5 if dp * pp * tp > 2 else 1.0,
+                      cpus_per_worker=CPUS,
                       activation_checkpointing=recompute,
                       reshard_after_forward=True if resharded else None)
     result = train(cfg)
@@ -86,7 +87,7 @@ def test_zero3_parameters_kept_gathered_through_the_step(reference, ray_cluster,
     gradient norms and final weights; between steps the states are sharded as at
     ZeRO-3, to the byte of the ZeRO figures."""
     cfg = zero_config(tmp_path / "out", corpus_dir, cache_root, dp=2, num_workers=2,
-                      zero_stage=3, cpus_per_worker=1.0,
+                      zero_stage=3, cpus_per_worker=CPUS,
                       do_train=True, do_eval=True, eval_strategy="steps", eval_steps=1,
                       max_eval_samples=8)
     result = train(cfg)
@@ -135,7 +136,7 @@ def test_checkpoint_moves_between_stages(reference, ray_cluster, corpus_dir, cac
     are DTensor shards that torch.distributed.checkpoint reshards."""
     ref_losses = reference("gpt2").losses
     first = train(zero_config(tmp_path / "src", corpus_dir, cache_root, dp=4, num_workers=4,
-                              zero_stage=3, cpus_per_worker=0.5, save_steps=1))
+                              zero_stage=3, save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")
     assert os.path.isdir(ckpt)
     for name, layout in (("stage1-dp2", dict(dp=2, num_workers=2, zero_stage=1)),
@@ -156,7 +157,7 @@ def test_zero3_tensor_parallel_checkpoint_resumes_without_it(reference, ray_clus
     resumes under ZeRO-2 with dp=2 and no tensor parallelism, with the reference's losses."""
     ref_losses = reference("gpt2").losses
     first = train(zero_config(tmp_path / "src", corpus_dir, cache_root, dp=2, tp=2,
-                              num_workers=4, zero_stage=3, cpus_per_worker=0.5, save_steps=1))
+                              num_workers=4, zero_stage=3, save_steps=1))
     ckpt = os.path.join(first.output_dir, "checkpoints", "step-00000001")
     resumed = train(zero_config(tmp_path / "dst", corpus_dir, cache_root, dp=2, num_workers=2,
                                 zero_stage=2, resume_from_checkpoint=ckpt))
@@ -178,5 +179,5 @@ def test_zero3_pipelines_not_supported_yet_are_one_clear_error(kw, message, ray_
     from tests.test_bad_input import assert_fails_before_any_actor
 
     assert_fails_before_any_actor(message, tmp_path, corpus_dir, cache_root, dp=2, pp=2,
-                                  num_workers=4, zero_stage=3, cpus_per_worker=0.5,
+                                  num_workers=4, zero_stage=3,
                                   gradient_accumulation_steps=2, **kw)
