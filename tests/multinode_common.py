@@ -14,6 +14,19 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_t
                           "health_check_timeout_ms": 500}
 
 
+def quiet_ray(system_config: dict) -> dict:
+    """``system_config`` with the settings raylm gives a cluster it starts itself
+    (raylm.runtime.cluster.LOCAL_SYSTEM_CONFIG, LOCAL_ENV's stats interval, set in this
+    process's environment for the nodes it starts): without them each node's dashboard
+    agent scans every process of this one machine, and took up to 60% of a core, which
+    the ranks' steps and recoveries lost."""
+    from raylm.runtime.cluster import LOCAL_ENV, LOCAL_SYSTEM_CONFIG
+
+    interval = "REPORTER_UPDATE_INTERVAL_MS"
+    os.environ.setdefault(interval, LOCAL_ENV[interval])
+    return {**LOCAL_SYSTEM_CONFIG, **system_config}
+
+
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -109,7 +122,7 @@ def start_cluster(workers: int = 2, cpus: int = 1, node_dirs: list = None,
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False,  # (nothing here reads it)
-        "_system_config": {**FAST_FAILURE_DETECTION, **system_config}})
+        "_system_config": quiet_ray({**FAST_FAILURE_DETECTION, **system_config})})
     for _ in range(workers):
         if node_dirs is None:
             cluster.add_node(num_cpus=cpus)

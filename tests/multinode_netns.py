@@ -55,7 +55,7 @@ except (OSError, subprocess.CalledProcessError) as e:
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from multinode_common import descendants  # noqa: E402
+from multinode_common import descendants, quiet_ray  # noqa: E402
 from multinode_cut import CutOff, run_and_report  # noqa: E402
 
 
@@ -64,8 +64,8 @@ try:
     # Ray's own health checks tolerate the cut (a node is declared dead after 60 s).
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": HOST_IP, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 1000,
-                           "health_check_failure_threshold": 60}})
+        "_system_config": quiet_ray({"health_check_period_ms": 1000,
+                                     "health_check_failure_threshold": 60})})
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     node_proc = subprocess.Popen(
         ["ip", "netns", "exec", NS, ray_cli, "start", "--address", cluster.address,
