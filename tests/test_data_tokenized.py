@@ -32,6 +32,7 @@ from raylm.data.tokenized import (
     interrupts_deferred,
     load_tokenizer,
     tokenize_file,
+    tokenizer_digest,
 )
 from raylm.errors import ConfigError
 
@@ -276,6 +277,26 @@ def test_second_build_reuses_the_cache_without_tokenizing(ray_local, tmp_path, t
     # Other settings are other caches.
     assert not build(three_files, root, block_size=4).reused
     assert len(os.listdir(root)) == 2
+
+
+def test_a_model_directory_s_tokenizer_is_known_by_its_own_files(tmp_path):
+    """A tokenizer loaded from a model directory is identified by the files AutoTokenizer
+    reads: the weights and checkpoints there are not read, and a new checkpoint is not a
+    new cache; a changed vocabulary is."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(TOKENIZER, model_dir)
+    (model_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    digest = tokenizer_digest(str(model_dir))
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    (model_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (model_dir / "checkpoints" / "step-00000002" / "model.safetensors").write_bytes(b"w")
+    (model_dir / "metrics.jsonl").write_text("{}\n")
+    assert tokenizer_digest(str(model_dir)) == digest
+    (model_dir / "merges.txt").write_text("a b\n")
+    merged = tokenizer_digest(str(model_dir))
+    assert merged != digest
+    (model_dir / "config.json").write_text('{"model_type": "bert"}')
+    assert tokenizer_digest(str(model_dir)) not in (digest, merged)
 
 
 def test_changed_input_gives_a_new_cache(ray_local, tok, tmp_path, three_files):

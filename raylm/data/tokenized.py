@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import itertools
@@ -265,21 +266,46 @@ def cache_key(files: list[str], tokenizer_dir: str, block_size: int, line_by_lin
 
 
 def tokenizer_digest(tokenizer_dir: str) -> str:
-    """Hash of a local tokenizer directory's files (names and bytes); for a Hub name, the name."""
+    """Hash of a local tokenizer's files (names and bytes, ``_tokenizer_files``); for a
+    Hub name, the name. A model directory's weights and checkpoints are not read: they
+    would cost a read of the whole model and a new cache whenever a checkpoint lands."""
     h = hashlib.sha256()
     if not os.path.isdir(tokenizer_dir):
         h.update(f"name:{tokenizer_dir}".encode())
         return h.hexdigest()
-    for dirpath, dirnames, filenames in os.walk(tokenizer_dir):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(n for n in filenames if not n.startswith(".")):
-            full = os.path.join(dirpath, name)
-            h.update(os.path.relpath(full, tokenizer_dir).encode() + b"\0")
-            with open(full, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            h.update(b"\0")
+    for full in _tokenizer_files(tokenizer_dir):
+        h.update(os.path.relpath(full, tokenizer_dir).encode() + b"\0")
+        with open(full, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
     return h.hexdigest()
+
+
+# What AutoTokenizer reads from a directory: transformers' own file names
+# (tokenization_utils_base), config.json (it may pick the tokenizer's class), and the
+# vocabulary files of every tokenizer kind (vocab.json, merges.txt, vocab.txt,
+# spiece.model, tokenizer.model, *.tiktoken, ...).
+_TOKENIZER_NAMES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                    "config.json"}
+_TOKENIZER_PATTERNS = ("vocab*", "merges*", "tokenizer*", "spiece*", "sentencepiece*",
+                       "*.model", "*.tiktoken")
+_CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def _tokenizer_files(tokenizer_dir: str) -> list[str]:
+    """The files of ``tokenizer_dir`` a tokenizer is loaded from, in a fixed order."""
+    out = []
+    for name in sorted(os.listdir(tokenizer_dir)):
+        full = os.path.join(tokenizer_dir, name)
+        if name == _CHAT_TEMPLATES_DIR and os.path.isdir(full):
+            out += sorted(os.path.join(full, n) for n in os.listdir(full)
+                          if os.path.isfile(os.path.join(full, n)))
+        elif os.path.isfile(full) and (name in _TOKENIZER_NAMES or any(
+                fnmatch.fnmatch(name, p) for p in _TOKENIZER_PATTERNS)):
+            out.append(full)
+    return out
 
 
 def _has_manifest(fs: pafs.FileSystem, dir_path: str) -> bool:
