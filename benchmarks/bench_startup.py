@@ -8,6 +8,8 @@ Rows, a tiny GPT-2 (2 x 32) on one play for 2 steps, so that the start-up is nea
 the call:
 
   cold-1, cold-2   `raylm train` as a command, 1 and 2 ranks: it starts Ray itself
+  eval-1, eval-2   the same command evaluating the model the cold-N run saved
+                   (--do_eval without --do_train, the play as --validation_file)
   warm-1, warm-2   `raylm.train(...)` in a driver that has Ray running and has trained once
                    (the data cached), as a script or a notebook running several trainings
   kept-1, kept-2   the same inside `raylm.keep_ranks()`: each run takes the rank processes
@@ -45,19 +47,33 @@ def flags(out: str, cache: str, play: str, workers: int) -> dict:
                 cpus_per_worker=1 / workers)
 
 
-def cold(out: str, cache: str, play: str, workers: int) -> dict:
-    args = []
-    for k, v in flags(out, cache, play, workers).items():
+def command(args: dict, out: str) -> dict:
+    """Run `raylm train` with ``args``: its all_results.json's startup_s and the call's wall
+    time."""
+    argv = []
+    for k, v in args.items():
         if v is True:
-            args.append(f"--{k}")
+            argv.append(f"--{k}")
         elif v is not False:
-            args += [f"--{k}", *(map(str, v) if isinstance(v, list) else [str(v)])]
+            argv += [f"--{k}", *(map(str, v) if isinstance(v, list) else [str(v)])]
     t0 = time.time()
-    subprocess.run([os.path.join(VENV_BIN, "raylm"), "train", *args], check=True,
+    subprocess.run([os.path.join(VENV_BIN, "raylm"), "train", *argv], check=True,
                    capture_output=True, text=True)
     wall = time.time() - t0
     return {**json.load(open(os.path.join(out, "all_results.json")))["startup_s"],
             "call": wall}
+
+
+def cold(out: str, cache: str, play: str, workers: int) -> dict:
+    return command(flags(out, cache, play, workers), out)
+
+
+def evaluate(model: str, out: str, cache: str, play: str, workers: int) -> dict:
+    """An eval-only run of the saved ``model`` on ``play``."""
+    return command(dict(model_name_or_path=model, validation_file=[play], block_size=32,
+                        data_cache_dir=cache, output_dir=out, do_train=False, do_eval=True,
+                        per_device_eval_batch_size=2, num_workers=workers,
+                        cpus_per_worker=1 / workers), out)
 
 
 def main(argv=None) -> int:
@@ -80,6 +96,10 @@ def main(argv=None) -> int:
         for workers in (1, 2):
             rows[f"cold-{workers}"] = [cold(os.path.join(work, f"c{workers}-{i}"), cache, play,
                                             workers) for i in range(args.runs)]
+        for workers in (1, 2):
+            rows[f"eval-{workers}"] = [evaluate(os.path.join(work, "c1-0"),
+                                                os.path.join(work, f"e{workers}-{i}"), cache,
+                                                play, workers) for i in range(args.runs)]
         start_local(num_cpus=2, log_to_driver=False)  # as `raylm train` starts Ray
         train(TrainConfig(**flags(os.path.join(work, "first"), cache, play, 1)))
         for workers in (1, 2):

@@ -112,6 +112,9 @@ def test_fine_tune_loads_the_pretrained_weights_and_eval_only_scores_them(
     with open(eval_out / "eval_results.json") as f:
         res = json.load(f)
     assert res["perplexity"] == pytest.approx(math.exp(res["eval_loss"]))
+    with open(eval_out / "all_results.json") as f:  # (as the Trainer's save_metrics)
+        both = json.load(f)
+    assert both["eval_loss"] == res["eval_loss"] and both["startup_s"]["engines"] > 0
     tuned = AutoModelForCausalLM.from_pretrained(str(out))
     reader = BlockReader(data.train)
     loss_sum, count = 0.0, 0

@@ -609,6 +609,9 @@ class Driver:
         out = self.outputs.evaluate(data)
         storage.write_bytes(os.path.join(self.out.local, "eval_results.json"),
                             json.dumps(out, indent=2).encode())
+        # (the Trainer's save_metrics writes all_results.json too; raylm's adds the start-up)
+        storage.write_bytes(os.path.join(self.out.local, "all_results.json"),
+                            json.dumps({**out, "startup_s": self.startup}, indent=2).encode())
         self.metrics.close()
         self._enter(State.FINISHED, f"eval_loss {out['eval_loss']:.4f}, " + (
             f"accuracy {out['eval_accuracy']:.4f}" if "eval_accuracy" in out else
