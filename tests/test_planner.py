@@ -729,6 +729,29 @@ def test_ownership_splits_every_tensor_over_dp(stage):
     assert f"{len(shapes)} tensors, {total:,} elements" in lines[1]
 
 
+def test_ownership_at_a_thousand_data_parallel_ranks_is_each_rank_s_own():
+    """dp=1,000 (more ranks than most tensors have rows: the last ranks own nothing of
+    them): each rank's counts, computed for all ranks at once, are what owned_partition
+    gives that rank alone; without rows (the driver's log) the counts are the same."""
+    from raylm.plan.zero import owned_partition
+    from raylm.report.ownership import zero_ownership
+
+    cfg = _zero_cfg(dp=1000, zero_stage=3)
+    spec, seq = _spec(cfg)
+    plan = make_plan(cfg, 1000, spec, seq)
+    shapes = {n: tuple(p.shape) for n, p in _meta(spec).named_parameters()}
+    assert min(s[0] for s in shapes.values()) < 1000 < max(s[0] for s in shapes.values())
+    owners = zero_ownership(spec, plan, seq)
+    bare = zero_ownership(spec, plan, seq, rows_limit=0)
+    assert len(owners) == len(bare) == 1000 and not any("rows" in e for e in bare)
+    for e, b in zip(owners, bare):
+        rows, owned = owned_partition(shapes, 1000, e["coords"]["dp"])
+        assert e["rows"] == rows and e["elements"]["owned"] == owned
+        assert b["elements"] == e["elements"] and b["bytes"] == e["bytes"]
+    assert sum(e["elements"]["owned"] for e in owners) == owners[0]["elements"]["held"]
+    assert owners[-1]["elements"]["owned"] < owners[0]["elements"]["owned"]
+
+
 def _meta(spec):
     from raylm.models.units import meta_model
 

@@ -21,7 +21,10 @@ whole of what it holds, or its partition once the stage partitions that category
 
 from __future__ import annotations
 
+import math
 from typing import Optional
+
+import numpy as np
 
 from raylm.models.families import family_of
 from raylm.models.tensor_plans import tensor_parallel_shapes
@@ -102,7 +105,8 @@ def held_shapes(spec, plan, seq_len: int, model=None) -> dict:
 
 
 # -- the ownership table --------------------------------------------------------------------
-def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
+def zero_ownership(spec, plan, seq_len: int, model=None,
+                   rows_limit: Optional[int] = None) -> list[dict]:
     """One entry per global rank of ``plan`` (``plan.dims`` order): what it holds and
     which partition of it it owns under ``plan.zero_stage``, and its state bytes.
 
@@ -113,8 +117,14 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
     each}; ``bytes`` {"parameters", "gradients", "optimizer", "total"} (fp32, AdamW);
     ``rows`` {parameter name: (start, stop)}: the rows of dim 0 (of the local tp shard)
     it owns of each tensor it holds (the whole tensor when nothing is partitioned).
-    Ranks of equal (pp shapes, dp rank) share one ``rows`` dict. ``model``: the meta
-    model, if the caller built one (it is not modified)."""
+    Ranks of equal (pp shapes, dp rank) share one ``rows`` dict. ``rows_limit``: no
+    ``rows`` when the ranks hold more tensors than that in all (0: never; the log's
+    lines need only the counts). ``model``: the meta model, if the caller built one (it
+    is not modified).
+
+    The counts of every dp rank of a group come from one array operation over the
+    group's tensors (owned_rows' arithmetic, vectorised): a plan of 16,384 ranks has
+    2,048 dp ranks to a group, and a loop over them and their tensors took seconds."""
     model = model if model is not None else meta_model(spec)
     groups = held_shapes(spec, plan, seq_len, model)
     # Frozen parameters (a LoRA run's base) have no gradient and no optimizer state.
@@ -122,34 +132,55 @@ def zero_ownership(spec, plan, seq_len: int, model=None) -> list[dict]:
     stage = plan.zero_stage
     parts = STAGE_PARTITIONS[stage]
     split = stage > 0 and plan.dp > 1
-    cache: dict = {}
+    dp = plan.dp if split else 1
+    # Groups of equal shapes (the tp ranks of equal shards) share their counts and rows.
+    kinds: dict = {}
+    same = {g: kinds.setdefault(tuple(shapes.items()), len(kinds))
+            for g, shapes in groups.items()}
+    rows = rows_limit is None or plan.dp * sum(map(len, groups.values())) <= rows_limit
+    counts: dict = {}  # the shapes -> (held, owned[dp], trained held, owned[dp])
+    row_cache: dict = {}
     entries = []
     for rank in range(plan.world_size):
         coords = plan.dims.coords(rank)
-        d = coords["dp"]
+        d = coords["dp"] if split else 0
         shapes = groups[(coords["pp"], coords["tp"])]
-        key = (tuple(shapes.items()), d if split else 0)
-        if key not in cache:
-            whole, held = owned_partition(shapes, 1, 0)  # everything, nothing split
-            rows, owned = owned_partition(shapes, plan.dp, d) if split else (whole, held)
-            trained = {n: s for n, s in shapes.items() if n not in frozen}
-            t_held = owned_partition(trained, 1, 0)[1]
-            t_owned = owned_partition(trained, plan.dp, d)[1] if split else t_held
-            cache[key] = (rows, held, owned, t_held, t_owned)
-        rows, held, owned, t_held, t_owned = cache[key]
-        elements = {"held": held, "owned": owned}
+        key = same[(coords["pp"], coords["tp"])]
+        if key not in counts:
+            counts[key] = _owned_counts(shapes, frozen, dp)
+        held, owned, t_held, t_owned = counts[key]
+        elements = {"held": held, "owned": int(owned[d])}
         for c in CATEGORIES:
             if c == "parameters":
-                elements[c] = owned if (split and c in parts) else held
+                elements[c] = elements["owned"] if (split and c in parts) else held
             else:  # trained tensors only
-                elements[c] = t_owned if (split and c in parts) else t_held
+                elements[c] = int(t_owned[d]) if (split and c in parts) else t_held
         nbytes = {c: BYTES[c] * elements[c] for c in CATEGORIES}
         nbytes["total"] = sum(nbytes.values())
-        entries.append({"rank": rank, "coords": coords,
-                        "stage": stage, "partitioned": list(parts) if split else [],
-                        "tensors": len(shapes), "elements": elements, "bytes": nbytes,
-                        "rows": rows})
+        entry = {"rank": rank, "coords": coords,
+                 "stage": stage, "partitioned": list(parts) if split else [],
+                 "tensors": len(shapes), "elements": elements, "bytes": nbytes}
+        if rows:
+            if (key, d) not in row_cache:
+                row_cache[(key, d)] = owned_partition(shapes, dp, d)[0]
+            entry["rows"] = row_cache[(key, d)]
+        entries.append(entry)
     return entries
+
+
+def _owned_counts(shapes: dict, frozen: set, dp: int) -> tuple:
+    """(elements held, elements each of the ``dp`` ranks owns, the same two of the
+    trained tensors only) of one group's tensors ``shapes``: raylm.plan.zero's
+    owned_numel for every dp rank at once (a 0-d tensor is one row)."""
+    dims = [tuple(int(n) for n in s) or (1,) for s in shapes.values()]
+    first = np.array([d[0] for d in dims], dtype=np.int64)
+    inner = np.array([math.prod(d[1:]) for d in dims], dtype=np.int64)
+    trained = np.array([n not in frozen for n in shapes], dtype=bool)
+    per = -(-first // dp)  # ceil(rows / dp); 0 for a tensor of no rows
+    start = np.minimum(np.arange(dp, dtype=np.int64)[:, None] * per, first)
+    owned = (np.minimum(start + per, first) - start) * inner  # [dp, tensors]
+    return (int((first * inner).sum()), owned.sum(axis=1),
+            int((first * inner)[trained].sum()), owned[:, trained].sum(axis=1))
 
 
 def _ranges(values: list) -> str:

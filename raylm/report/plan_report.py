@@ -257,13 +257,11 @@ def zero_report(spec, plan, seq_len: int, shape, part, layout, hw, requested, se
                        "fits": m.total <= hw.worker_memory, "chosen": z == plan.zero_stage,
                        "ranks": [r.to_dict() for r in ranks]})
     try:
-        entries = zero_ownership(spec, plan, seq_len, model)
-        lines = ownership_lines(entries, plan.dp)
+        owners = zero_ownership(spec, plan, seq_len, model, OWNERSHIP_ROWS_LIMIT)
+        lines = ownership_lines(owners, plan.dp)
     except Exception as e:  # noqa: BLE001 - a view of the plan; the plan stands without it
-        entries, lines = [], [f"ZeRO ownership: not available for this model ({e})"]
-    rows_kept = sum(e["tensors"] for e in entries) <= OWNERSHIP_ROWS_LIMIT
-    owners = [e if rows_kept else {k: v for k, v in e.items() if k != "rows"}
-              for e in entries]
+        owners, lines = [], [f"ZeRO ownership: not available for this model ({e})"]
+    rows_kept = all("rows" in e for e in owners)
     return {"stage": plan.zero_stage, "requested": requested, "chosen_by": how,
             "cpu_offload": plan.cpu_offload, "dp": plan.dp,
             "reshard_after_forward": plan.reshard_after_forward,

@@ -265,8 +265,9 @@ class Driver:
                 try:
                     from raylm.report.ownership import ownership_lines, zero_ownership
 
-                    for line in ownership_lines(zero_ownership(inputs.spec, plan,
-                                                               inputs.block_size), plan.dp):
+                    owners = zero_ownership(inputs.spec, plan, inputs.block_size,
+                                            rows_limit=0)
+                    for line in ownership_lines(owners, plan.dp):
                         log.info("%s", line)
                 except Exception as e:  # the log line must never stop a run
                     log.warning("ZeRO ownership unavailable: %s", e)
