@@ -41,6 +41,7 @@ COMMANDS = {
     "bench_boundary": "python benchmarks/bench_boundary.py",
     "bench_ray_idle": "python benchmarks/bench_ray_idle.py",
     "bench_startup": "python benchmarks/bench_startup.py",
+    "bench_planner_scale": "python benchmarks/bench_planner_scale.py",
     "bench_pipeline": "python benchmarks/bench_pipeline.py",
     "bench_layouts": "python benchmarks/bench_layouts.py",
     "bench_zero": "python benchmarks/bench_zero.py",
@@ -426,11 +427,39 @@ def t_gpu(f: dict) -> list:
     return out + [""]
 
 
+def t_planner_scale(f: dict) -> list:
+    def layout(r):
+        d = r["layout"]
+        return f"dp={d['dp']} x tp={d['tp']} x pp={d['pp']}"
+
+    def settings(r):
+        return f"ZeRO-{r['zero_stage']}, {r['recompute']} recompute"
+
+    def published(r):
+        p = r["published_in_raylm"]
+        if "error" in p:
+            return p["error"]
+        return (f"{settings(p)}: {p['memory_per_worker_gib']:.1f} GiB/GPU"
+                + ("" if p["fits"] else " (does not fit)")
+                + f", {p['predicted_step_s']:.1f} s")
+
+    rows = f["rows"]
+    return ["Planned on this machine, no Ray, no GPU: the layouts and steps are raylm's "
+            "cost model's predictions, not measurements.", ""] + table(
+        ["model", "GPUs", "plan (s)", "search (ms)", "layouts weighed", "chosen",
+         "memory/GPU (GiB)", "step (s)", "published layout", "published, in raylm's model"],
+        [[r["model"], f"{r['gpus']:,}", f"{r['plan_s']:.2f}", f"{r['search_s'] * 1000:.0f}",
+          r["layouts_weighed"], f"{layout(r)}, {settings(r)}",
+          f"{r['memory_per_worker_gib']:.1f}", f"{r['predicted_step_s']:.1f}",
+          f"{r['published']} ({r['published_source']})", published(r)]
+         for r in rows.values()])
+
+
 SPECS = {"bench_throughput": t_throughput, "bench_boundary": t_boundary,
          "bench_pipeline": t_pipeline, "bench_zero": t_zero, "bench_layouts": t_layouts,
          "bench_precision": t_precision, "bench_startup": t_startup, "bench_data": t_data,
          "bench_ray_idle": t_ray_idle, "bench_collectives": t_collectives,
-         "bench_gpu": t_gpu}
+         "bench_gpu": t_gpu, "bench_planner_scale": t_planner_scale}
 
 
 def render(name: str, figures: dict) -> list:
