@@ -155,6 +155,8 @@ def merge(exports: list) -> MemoryState:
     if len(steps) != 1:
         raise ValueError(f"the ranks' states are at different steps: {sorted(steps)}")
     sd_md, planner_data, holders = {}, {}, {}
+    known: dict = {}  # key -> the offsets of its chunks listed so far (linear in chunks:
+    # under ZeRO each dp rank holds chunks of its own, dp of them to a tensor)
     for e in exports:
         md = e["metadata"]
         planner_data.update(md.planner_data or {})
@@ -165,11 +167,15 @@ def merge(exports: list) -> MemoryState:
             have = sd_md.get(key)
             if have is None:
                 sd_md[key] = have = TensorStorageMetadata(value.properties, value.size, [])
+                known[key] = set()
             elif tuple(have.size) != tuple(value.size):
                 raise ValueError(f"{key}: global shape {tuple(value.size)} here, "
                                  f"{tuple(have.size)} on another rank")
-            known = {tuple(c.offsets) for c in have.chunks}
-            have.chunks += [c for c in value.chunks if tuple(c.offsets) not in known]
+            seen = known[key]
+            for c in value.chunks:
+                if tuple(c.offsets) not in seen:
+                    seen.add(tuple(c.offsets))
+                    have.chunks.append(c)
         for index, ref in md.storage_data.items():
             holders.setdefault(MetadataIndex(index.fqn, index.offset), []).append(
                 (ref, e["node_id"]))

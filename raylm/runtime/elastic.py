@@ -143,7 +143,7 @@ class Recovery(Elastic):
             return False
         new_plan = plan.resized(n)
         chosen = live[:n]
-        kill(self.group.select(chosen, [states[live.index(i)] for i in chosen]))
+        kill(self.group.select(chosen, states[:n]))  # (chosen: the first n of live)
         t_replan = time.time()
         try:
             self.group.regroup(lambda master, generation: [
@@ -237,7 +237,8 @@ class Recovery(Elastic):
         except WorkerFailure as e:
             # A rank of the new group failed while rebuilding: the survivors' states
             # are no longer whole (they have no committed step until they load).
-            kill([old_workers[i] for i in live if i not in chosen])
+            kept = set(chosen)
+            kill([old_workers[i] for i in live if i not in kept])
             raise WorkerFailure(f"during the recovery: {e}") from e
         # The exported state is read: its holders drop it; ranks beyond the layout go.
         self.group.call("drop_export")
