@@ -97,7 +97,8 @@ def degenerate(cfg: TrainConfig, data: Data, global_batch: int, dp: int) -> list
                        "--per_device_train_batch_size")
         least = n % global_batch or global_batch  # an epoch's last, shortest step
         idle = sum(not len(rank_share(np.arange(least), r, dp)) for r in range(dp))
-        if idle:
+        per_epoch = math.ceil(n / global_batch)  # (the sampler's steps_per_epoch)
+        if idle and total_steps(cfg, per_epoch) >= per_epoch:  # (a run that reaches it)
             out.append(f"a step of {least} sample(s) leaves {idle} of the {dp} "
                        "data-parallel rank(s) with none: lower --num_workers or --dp")
     files = getattr(train, "samples_per_file", None)
