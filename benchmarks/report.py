@@ -42,6 +42,7 @@ COMMANDS = {
     "bench_ray_idle": "python benchmarks/bench_ray_idle.py",
     "bench_startup": "python benchmarks/bench_startup.py",
     "bench_planner_scale": "python benchmarks/bench_planner_scale.py",
+    "bench_control_plane": "python benchmarks/bench_control_plane.py",
     "bench_pipeline": "python benchmarks/bench_pipeline.py",
     "bench_layouts": "python benchmarks/bench_layouts.py",
     "bench_zero": "python benchmarks/bench_zero.py",
@@ -427,6 +428,24 @@ def t_gpu(f: dict) -> list:
     return out + [""]
 
 
+def t_control_plane(f: dict) -> list:
+    rows, m = f["rows"], f["model"]
+    out = table(["ranks", "driver CPU a step (ms)", "step (ms)", "boundary idle (ms)",
+                 "driver peak RSS (MiB)"],
+                [[r["ranks"], f"{r['driver_cpu_ms']:.2f}", f"{r['step_ms']:.2f}",
+                  num(r["boundary_idle_ms"]), f"{r['driver_peak_rss_bytes'] / 2**20:.0f}"]
+                 for r in rows.values()])
+    fitted = ", ".join(str(n) for n in m["fitted_on"])
+    return out + [
+        f"Fitted on {fitted} ranks: driver CPU a step = {m['intercept_ms']:.2f} ms + "
+        f"{m['per_rank_ms']:.3f} ms x ranks. Held back, {m['held_back']} ranks: predicted "
+        f"{m['held_back_predicted_ms']:.2f} ms, measured {m['held_back_measured_ms']:.2f} ms.",
+        "",
+        "Extrapolated, not measured: " + ", ".join(
+            f"{int(k):,} ranks {v:,.0f} ms" for k, v in m["extrapolated_ms"].items())
+        + f" (assumed: {m['assumption']}).", ""]
+
+
 def t_planner_scale(f: dict) -> list:
     def layout(r):
         d = r["layout"]
@@ -459,7 +478,8 @@ SPECS = {"bench_throughput": t_throughput, "bench_boundary": t_boundary,
          "bench_pipeline": t_pipeline, "bench_zero": t_zero, "bench_layouts": t_layouts,
          "bench_precision": t_precision, "bench_startup": t_startup, "bench_data": t_data,
          "bench_ray_idle": t_ray_idle, "bench_collectives": t_collectives,
-         "bench_gpu": t_gpu, "bench_planner_scale": t_planner_scale}
+         "bench_gpu": t_gpu, "bench_planner_scale": t_planner_scale,
+         "bench_control_plane": t_control_plane}
 
 
 def render(name: str, figures: dict) -> list:
