@@ -192,6 +192,26 @@ def test_line_by_line_pads_and_truncates_each_text(ray_local, tok, tmp_path, fmt
     assert torch.equal(got["labels"], torch.where(mask, got["input_ids"], -100))
 
 
+def test_line_by_line_blocks_of_mostly_padding_are_warned_of(ray_local, tmp_path):
+    """Lines of a few tokens in blocks of 64: the median sample is under a quarter of the
+    block, which degenerate() warns of with the numbers; blocks of 8 are not."""
+    from raylm.config import TrainConfig
+    from raylm.runtime.inputs import Data
+    from raylm.runtime.prepare import degenerate
+
+    files = [write_txt(tmp_path / "data" / "a.txt", TEXTS["a"] + TEXTS["b"] + TEXTS["c"])]
+    for block, warned in ((64, True), (8, False)):
+        ds = build(files, tmp_path / "cache", line_by_line=True, block_size=block)
+        median = int(np.median(all_samples(ds)["attention_mask"].sum(1).numpy()))
+        data = Data(train=ds, eval=None, train_ids=np.arange(ds.num_samples))
+        got = [w for w in degenerate(TrainConfig(max_steps=1), data, 2, 1)
+               if w.startswith("--line_by_line")]
+        assert got == ([f"--line_by_line: half the training samples hold {median} token(s) "
+                        f"or fewer of --block_size {block}; the rest of each block is "
+                        "padding, computed and thrown away: lower --block_size"]
+                       if warned else []), got
+
+
 @pytest.mark.parametrize("fmt", ["parquet-ids", "jsonl-ids"])
 def test_rows_of_token_ids_are_checked_as_files_and_train_no_tokenizer(tok, tmp_path, fmt):
     """Files of token ids pass the checks a run makes before it starts (their rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -107,10 +108,33 @@ def degenerate(cfg: TrainConfig, data: Data, global_batch: int, dp: int) -> list
                    f"each holds fewer than --block_size {train.block_size} tokens, and a "
                    "file's tokens short of a block are dropped (as run_clm's group_texts "
                    "does); lower --block_size")
+    short = _mostly_padding(train) if cfg.should_train and data.stream is None else None
+    if short is not None:
+        out.append(f"--line_by_line: half the training samples hold {short} token(s) or "
+                   f"fewer of --block_size {train.block_size}; the rest of each block is "
+                   "padding, computed and thrown away: lower --block_size")
     if cfg.should_eval and 0 < len(data.eval_ids) < FEW_EVAL:
         out.append(f"evaluation on {len(data.eval_ids)} sample(s): its loss says little; "
                    "give a --validation_file or a larger --validation_split_percentage")
     return out
+
+
+MOSTLY_PADDING = 4  # line by line: a median sample under 1/this of the block is warned of
+PADDING_PROBE = 1024  # samples read to tell (from the first shard: one file read)
+
+
+def _mostly_padding(train) -> Optional[int]:
+    """Line by line: the median sample's tokens when it is under 1/MOSTLY_PADDING of the
+    block size (None otherwise, or for blocks of concatenated text)."""
+    if not getattr(train, "line_by_line", False) or not train.num_samples:
+        return None
+    from raylm.data.reader import BlockReader  # (imports torch: only line by line needs it)
+
+    offsets = list(train.shard_offsets) + [train.num_samples]
+    first = next((b for b in offsets[1:] if b > 0), train.num_samples)
+    ids = np.unique(np.linspace(0, first - 1, min(first, PADDING_PROBE)).astype(np.int64))
+    median = int(np.median(BlockReader(train).read(ids)["attention_mask"].sum(1).numpy()))
+    return median if median * MOSTLY_PADDING < train.block_size else None
 
 
 def _eval_sets(cfg: TrainConfig, inputs: Inputs, eval_ds, eval_ids: np.ndarray):
