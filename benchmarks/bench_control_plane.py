@@ -11,7 +11,10 @@ the ranks (``raylm.keep_ranks()``), then a run of ``--steps`` is timed from its 
 step log line to its last (the driver's log is read as it writes it), without the
 start-up: the driver process's CPU time per step (all its threads, Ray's own
 included), the wall time per step, the ranks' median idle time at the step boundary,
-and the driver's peak resident memory. A line a + b x N is fitted to the driver's CPU
+and the driver's peak resident memory. Then, from 2 ranks on, a run whose last rank
+dies at step 25: the recovery's "detect and settle" (the failure seen, the survivors
+out of the old group) and "regroup" (the smaller group formed) times, from the
+driver's log. A line a + b x N is fitted to the driver's CPU
 per step over the smaller Ns and checked against the largest (held back), then
 extrapolated to 1,000 and 10,000 ranks, assuming that each rank costs the driver the
 same per step (one call out, one answer in) and nothing else grows with N. Asserts
@@ -57,37 +60,48 @@ class StepClock(logging.Handler):
     driver sends no step ahead while one is due)."""
 
     LINE = re.compile(r"^step (\d+)/")
+    SHRANK = re.compile(r"^shrank in memory to \d+ rank\(s\) \(generation \d+\) in "
+                        r"([\d.]+) s \(detect and settle ([\d.]+) s, regroup ([\d.]+) s\)")
 
     def __init__(self):
         super().__init__(logging.INFO)
         self.marks = []  # (step, process CPU s, wall s)
+        self.shrank = None  # a recovery's (whole, detect and settle, regroup) seconds
 
     def emit(self, record):
-        m = self.LINE.match(record.getMessage())
+        message = record.getMessage()
+        m = self.LINE.match(message)
         if m:
             self.marks.append((int(m.group(1)), time.process_time(), time.perf_counter()))
+        m = self.SHRANK.match(message)
+        if m:
+            self.shrank = tuple(float(x) for x in m.groups())
 
 
-def run(ranks: int, steps: int, play: str, cache: str) -> tuple:
-    """One run of ``steps`` steps on ``ranks`` ranks: (the StepClock's marks, the
-    history's per-step records)."""
+def run(ranks: int, steps: int, play: str, cache: str, kill_at: int = 0) -> tuple:
+    """One run of ``steps`` steps on ``ranks`` ranks (``kill_at``: the last rank dies
+    before step ``kill_at``'s forward): (the StepClock, the history's per-step
+    records)."""
     from raylm import TrainConfig, train
+    from raylm.runtime import faults
 
     clock = StepClock()
     logger = logging.getLogger("raylm")
     logger.addHandler(clock)
     logger.setLevel(logging.INFO)  # (main's handler shows warnings only)
+    kill = [{"rank": ranks - 1, "step": kill_at, "phase": "step"}] if kill_at else []
     try:
-        result = train(TrainConfig(
-            train_file=[play], block_size=8, data_cache_dir=cache,
-            per_device_train_batch_size=1, max_steps=steps, num_workers=ranks,
-            cpus_per_worker=min(0.5, 1.5 / ranks),
-            output_dir=tempfile.mkdtemp(prefix="bench-control-"), overwrite_output_dir=True,
-            logging_steps=LOG_EVERY, save_strategy="no", do_eval=False, report_to=["none"],
-            disable_tqdm=True), model_init=stand_in)
+        with faults.inject(*kill):
+            result = train(TrainConfig(
+                train_file=[play], block_size=8, data_cache_dir=cache,
+                per_device_train_batch_size=1, max_steps=steps, num_workers=ranks,
+                cpus_per_worker=min(0.5, 1.5 / ranks),
+                output_dir=tempfile.mkdtemp(prefix="bench-control-"),
+                overwrite_output_dir=True, logging_steps=LOG_EVERY, save_strategy="no",
+                do_eval=False, report_to=["none"], disable_tqdm=True), model_init=stand_in)
     finally:
         logger.removeHandler(clock)
-    return clock.marks, result.history
+    return clock, result.history
 
 
 def fit(points: dict) -> tuple:
@@ -120,12 +134,12 @@ def main(argv=None) -> int:
     rows = {}
     try:
         print(f"{'ranks':>5} {'driver CPU/step':>16} {'step':>10} {'boundary idle':>14} "
-              f"{'driver RSS':>11}")
+              f"{'driver RSS':>11} {'rank lost: settle':>18} {'regroup':>9}")
         with keep_ranks():
             for n in args.ranks:
                 run(n, 2, play, cache)  # (starts the ranks, and the first tokenizes)
-                marks, history = run(n, args.steps, play, cache)
-                (k0, c0, t0), (k1, c1, t1) = marks[1], marks[-1]  # (from step 2 x LOG_EVERY)
+                clock, history = run(n, args.steps, play, cache)
+                (k0, c0, t0), (k1, c1, t1) = clock.marks[1], clock.marks[-1]  # (2nd line on)
                 idle = [h["boundary_idle_s"] for h in history[k0:k1]
                         if h.get("boundary_idle_s") is not None]
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -133,10 +147,16 @@ def main(argv=None) -> int:
                            "step_ms": 1000 * (t1 - t0) / (k1 - k0),
                            "boundary_idle_ms": 1000 * statistics.median(idle) if idle else None,
                            "steps_timed": k1 - k0, "driver_peak_rss_bytes": rss}
+                if n > 1:  # a rank killed: the survivors carry on in memory
+                    shrank = run(n, 2 * LOG_EVERY, play, cache, kill_at=LOG_EVERY)[0].shrank
+                    if shrank:
+                        rows[n].update(zip(("recovery_s", "detect_settle_s", "regroup_s"),
+                                           shrank))
                 r = rows[n]
                 print(f"{n:>5} {r['driver_cpu_ms']:>13.2f} ms {r['step_ms']:>7.2f} ms "
-                      f"{(r['boundary_idle_ms'] or 0):>11.2f} ms {rss / 2**20:>7.0f} MiB",
-                      flush=True)
+                      f"{(r['boundary_idle_ms'] or 0):>11.2f} ms {rss / 2**20:>7.0f} MiB "
+                      + (f"{r['detect_settle_s']:>16.2f} s {r['regroup_s']:>7.2f} s"
+                         if "regroup_s" in r else ""), flush=True)
     finally:
         ray.shutdown()
     ns = sorted(rows)

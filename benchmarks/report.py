@@ -431,9 +431,11 @@ def t_gpu(f: dict) -> list:
 def t_control_plane(f: dict) -> list:
     rows, m = f["rows"], f["model"]
     out = table(["ranks", "driver CPU a step (ms)", "step (ms)", "boundary idle (ms)",
-                 "driver peak RSS (MiB)"],
+                 "driver peak RSS (MiB)", "a rank lost: detect and settle (s)",
+                 "regroup (s)"],
                 [[r["ranks"], f"{r['driver_cpu_ms']:.2f}", f"{r['step_ms']:.2f}",
-                  num(r["boundary_idle_ms"]), f"{r['driver_peak_rss_bytes'] / 2**20:.0f}"]
+                  num(r["boundary_idle_ms"]), f"{r['driver_peak_rss_bytes'] / 2**20:.0f}",
+                  num(r.get("detect_settle_s")), num(r.get("regroup_s"))]
                  for r in rows.values()])
     fitted = ", ".join(str(n) for n in m["fitted_on"])
     return out + [
