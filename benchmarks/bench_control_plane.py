@@ -104,14 +104,6 @@ def run(ranks: int, steps: int, play: str, cache: str, kill_at: int = 0) -> tupl
     return clock, result.history
 
 
-def fit(points: dict) -> tuple:
-    """Least squares a + b x N over {N: y}."""
-    ns, ys = list(points), list(points.values())
-    mn, my = statistics.fmean(ns), statistics.fmean(ys)
-    b = sum((n - mn) * (y - my) for n, y in zip(ns, ys)) / sum((n - mn) ** 2 for n in ns)
-    return my - b * mn, b
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -161,7 +153,7 @@ def main(argv=None) -> int:
         ray.shutdown()
     ns = sorted(rows)
     held = ns[-1]
-    a, b = fit({n: rows[n]["driver_cpu_ms"] for n in ns[:-1]})
+    b, a = statistics.linear_regression(ns[:-1], [rows[n]["driver_cpu_ms"] for n in ns[:-1]])
     model = {"intercept_ms": a, "per_rank_ms": b, "fitted_on": ns[:-1], "held_back": held,
              "held_back_predicted_ms": a + b * held,
              "held_back_measured_ms": rows[held]["driver_cpu_ms"],

@@ -65,17 +65,25 @@ def plan_once(size: str, gpus: int, train_file: str, layout=(0, 0, 0), **flags) 
     return time.perf_counter() - t0, report
 
 
+def figures_of(chosen: dict) -> dict:
+    """What the table shows of a planned layout (a report's "chosen")."""
+    return {"zero_stage": chosen["zero_stage"], "recompute": chosen["recompute"],
+            "fits": chosen["fits"], "memory_per_worker_gib": chosen["memory"]["total"] / 2**30,
+            "workspace_gib": chosen["memory"]["workspace"] / 2**30,
+            "predicted_step_s": chosen["time"]["step"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1, help="timings of each row (median)")
     args = ap.parse_args(argv)
 
     from raylm.data.sources import builtin_sample_files
+    from raylm.errors import ConfigError
 
     play = builtin_sample_files()[0]  # (the plan reads no data; the flag must name a file)
     plan_once("70B", 1024, play)  # imports and caches outside the timings
     rows = {}
-    from raylm.errors import ConfigError
 
     for size, gpus, published, fixed, source in ROWS:
         times, report = [], None
@@ -91,10 +99,7 @@ def main(argv=None) -> int:
             "global_batch": planner["global_batch"],
             "layout": {k: chosen[k] for k in ("dp", "tp", "pp")},
             "schedule": chosen["schedule"] if chosen["pp"] > 1 else None,
-            "zero_stage": chosen["zero_stage"], "recompute": chosen["recompute"],
-            "sequence_parallel": chosen["sequence_parallel"],
-            "memory_per_worker_gib": chosen["memory"]["total"] / 2**30,
-            "predicted_step_s": chosen["time"]["step"],
+            "sequence_parallel": chosen["sequence_parallel"], **figures_of(chosen),
             "published": published, "published_source": source}
         try:  # the published layout, in raylm's cost model: the settings the planner
             # gives it, or where none fits, its least memory (ZeRO-3, full recompute)
@@ -102,11 +107,7 @@ def main(argv=None) -> int:
             if not mine["fits"]:
                 mine = plan_once(size, gpus, play, fixed, zero_stage=3,
                                  activation_checkpointing="full")[1]["chosen"]
-            rows[f"llama3-{size}-{gpus}"]["published_in_raylm"] = {
-                "zero_stage": mine["zero_stage"], "recompute": mine["recompute"],
-                "fits": mine["fits"], "memory_per_worker_gib": mine["memory"]["total"] / 2**30,
-                "workspace_gib": mine["memory"]["workspace"] / 2**30,
-                "predicted_step_s": mine["time"]["step"]}
+            rows[f"llama3-{size}-{gpus}"]["published_in_raylm"] = figures_of(mine)
         except ConfigError as e:
             rows[f"llama3-{size}-{gpus}"]["published_in_raylm"] = {"error": str(e)}
         r = rows[f"llama3-{size}-{gpus}"]

@@ -10,6 +10,8 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
+from raylm.runtime.cluster import LOCAL_ENV, LOCAL_SYSTEM_CONFIG
+
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 500}
 
@@ -20,8 +22,6 @@ def quiet_ray(system_config: dict) -> dict:
     process's environment for the nodes it starts): without them each node's dashboard
     agent scans every process of this one machine, and took up to 60% of a core, which
     the ranks' steps and recoveries lost."""
-    from raylm.runtime.cluster import LOCAL_ENV, LOCAL_SYSTEM_CONFIG
-
     interval = "REPORTER_UPDATE_INTERVAL_MS"
     os.environ.setdefault(interval, LOCAL_ENV[interval])
     return {**LOCAL_SYSTEM_CONFIG, **system_config}

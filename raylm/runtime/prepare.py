@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from raylm.config import TrainConfig
-from raylm.data.sampler import rank_share, split_train_eval
+from raylm.data.sampler import GlobalBatchSampler, rank_share, split_train_eval
 from raylm.errors import ConfigError
 from raylm.runtime.image_classification import image_data
 from raylm.runtime.inputs import Data, Inputs, room_for_tasks
@@ -98,7 +98,8 @@ def degenerate(cfg: TrainConfig, data: Data, global_batch: int, dp: int) -> list
                        "--per_device_train_batch_size")
         least = n % global_batch or global_batch  # an epoch's last, shortest step
         idle = sum(not len(rank_share(np.arange(least), r, dp)) for r in range(dp))
-        per_epoch = math.ceil(n / global_batch)  # (the sampler's steps_per_epoch)
+        per_epoch = GlobalBatchSampler(data.train_ids, global_batch,
+                                       cfg.order_seed).steps_per_epoch  # (the driver's)
         if idle and total_steps(cfg, per_epoch) >= per_epoch:  # (a run that reaches it)
             out.append(f"a step of {least} sample(s) leaves {idle} of the {dp} "
                        "data-parallel rank(s) with none: lower --num_workers or --dp")
