@@ -70,3 +70,78 @@ def test_ranks_at_different_steps_do_not_merge():
     late[-1]["step"] = 6
     with pytest.raises(ValueError, match="different steps"):
         merge(late)
+
+
+# -- a step's answers under the ranks' protocol (raylm.runtime.protocol.StepTable) ----------
+
+
+def step_table(n: int, seed: int = 0):
+    """Every rank's row of one step at ``n`` ranks: the last of every 4 (a pipeline's last
+    stage) computes the loss; rank n // 3 is the slowest."""
+    import numpy as np
+
+    from raylm.runtime.protocol import StepResult, StepTable
+
+    rng = np.random.default_rng(seed)
+    results = [StepResult(loss=2.5, tokens=4096, local_tokens=64, has_loss=r % 4 == 3,
+                          learning_rate=1e-3, grad_norm=1.25, overflow=False,
+                          peak_rss_bytes=2**30 + r, data_wait_s=float(rng.random()) / 100,
+                          forward_backward_s=0.5, grad_sync_s=0.1, clip_s=0.01,
+                          optimizer_s=None if r == 0 else 0.02,
+                          step_s=0.7 + (0.5 if r == n // 3 else 0.0),
+                          boundary_idle_s=None if r < 2 else 0.001 * r, peer_wait_s=0.11)
+               for r in range(n)]
+    return results, StepTable.of(results)
+
+
+@pytest.mark.parametrize("n", [1000, 10000], ids=["1000 ranks", "10000 ranks"])
+def test_a_step_of_every_rank_is_read_from_one_table(n):
+    from raylm.runtime.profiling import slowest_breakdown
+    from raylm.runtime.reporting import least
+
+    results, table = step_table(n)
+    assert len(table) == n
+    assert table.loss_row() == results[3]  # (the first rank that computed the loss)
+    assert table.result(n - 1) == results[n - 1]  # (None, ints and flags come back)
+    parts = slowest_breakdown(table)
+    assert parts["forward_backward_s"] == 0.5 and parts["optimizer_s"] == 0.02
+    assert parts["boundary_idle_s"] == least(table.col("boundary_idle_s")) == 0.002
+    assert table.col("peak_rss_bytes").astype("int64").tolist() == \
+        [r.peak_rss_bytes for r in results]
+
+
+def test_each_ranks_peers_median_matches_the_definition():
+    """Groups of 1 (no peers), 2, 3 and 8 ranks, ties included, against the median of
+    each rank's peers taken one by one."""
+    import statistics
+
+    import numpy as np
+
+    from raylm.runtime.health import peers_median
+
+    rng = np.random.default_rng(1)
+    sizes = [1, 2, 3, 8] * 80
+    peers = np.repeat(np.arange(len(sizes)), sizes)
+    own = rng.integers(0, 5, len(peers)).astype(float) / 10
+    got = peers_median(own, peers)
+    for r in range(len(own)):
+        others = [own[k] for k in np.flatnonzero(peers == peers[r]) if k != r]
+        if others:
+            assert got[r] == pytest.approx(statistics.median(others))
+        else:
+            assert np.isnan(got[r])
+
+
+@pytest.mark.parametrize("n", [1000, 10000], ids=["1000 ranks", "10000 ranks"])
+def test_the_straggler_among_many_ranks_is_found(n):
+    import numpy as np
+
+    from raylm.runtime.health import Stragglers
+
+    own = np.full(n, 0.5)
+    own[n // 3] = 1.5
+    peers = np.arange(n) % 8  # (8 pipeline stages x tensor shards, each n / 8 replicas)
+    s = Stragglers(factor=2, steps=3)
+    for _ in range(2):
+        assert s.observe(own, peers)[:2] == (n // 3, 1.0)
+    assert s.observe(own, peers)[2] == [(n // 3, 0.5)]

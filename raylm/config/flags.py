@@ -475,6 +475,14 @@ class ClusterFlags:
     step_deadline_floor_s: float = _f(
         120.0, "The shortest step deadline (the first steps compile and warm up).",
         "elastic")
+    step_protocol: str = _f(
+        "ranks", "How steps reach the ranks. driver: one call per rank and step, the "
+        "commit decided by the driver. ranks: the ranks run the steps between the driver's "
+        "boundaries (an evaluation, a checkpoint, a resize) on their own, derive their "
+        "samples and agree each commit among themselves; the driver reads one answer per "
+        "step, so its cost does not grow with the ranks. The driver protocol still runs "
+        "with callbacks, --fp16, --streaming and --replace_stragglers.", "elastic",
+        choices=("driver", "ranks"))
     straggler_factor: float = _f(
         2.0, "A rank whose own work in a step (less its waits on the others) is over this "
         "many times its peers' median is slow in that step.", "elastic")

@@ -104,3 +104,17 @@ def padded_step_schedule(batch: np.ndarray, dp_size: int, micro_batch_size: int,
         out.append([full[i * micro_batch_size:(i + 1) * micro_batch_size]
                     for i in range(num_micro_batches)])
     return out
+
+
+def replica_schedule(sampler, plan, step: int) -> list:
+    """Each data-parallel replica's micro-batches of step ``step`` (0-based) as lists of
+    ints, under ``plan``: a fixed number of equal micro-batches, filled up, under a
+    pipeline. The driver sends them, or each rank derives its own (--step_protocol
+    ranks): the same function either way."""
+    batch = sampler.global_batch(step)
+    if plan.pp > 1:
+        out = padded_step_schedule(batch, plan.dp, plan.micro_batch_size,
+                                   plan.micro_batches_per_rank)
+    else:
+        out = step_schedule(batch, plan.dp, plan.micro_batch_size)
+    return [[m.tolist() for m in mbs] for mbs in out]

@@ -103,7 +103,28 @@ class Recovery(Elastic):
         log.warning("%s at step %d: %s%s", "a straggler replaced" if failure.replacing
                     else "rank failure", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")
+        self._catch_up(live)
         return Survivors(live, [leaving[i] for i in live], export, t0)
+
+    def _catch_up(self, live: list[int]) -> None:
+        """--step_protocol ranks: the ranks commit on their own, and rank 0 answers for
+        a step once it has committed it. Survivors that all committed a step past the
+        last one recorded (its answer lost with rank 0) carry on from there; survivors
+        that disagree leave the run at the driver's step (the recovery then finds that
+        their state cannot be used in memory)."""
+        run = self.record
+        if self.cfg.step_protocol != "ranks" or not live:
+            return
+        try:
+            infos = self.group.wait([self.group.actors[i].info.remote() for i in live],
+                                    timeout_s=60)
+        except WorkerFailure:
+            return
+        steps = {i["committed_step"] for i in infos}
+        if len(steps) == 1 and None not in steps and (step := steps.pop()) > run.step:
+            log.warning("the survivors committed step %d, whose answer was lost with "
+                        "rank 0: it is not in the history", step)
+            run.step = step
 
     def carry_on(self, survivors: "Survivors") -> bool:
         """Carry on with the survivors in memory (a smaller data-parallel group, or a

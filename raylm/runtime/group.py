@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raylm.plan.layout import Plan
 from raylm.runtime import cluster, kept
 from raylm.runtime.health import Heartbeats, behind, describe_doing, end
-from raylm.runtime.protocol import PendingCommit, StepRequest
+from raylm.runtime.protocol import PendingCommit, StepRequest, WindowRequest
 from raylm.runtime.worker import RankWorker
 
 log = logging.getLogger("raylm")
@@ -294,6 +294,60 @@ class WorkerGroup:
             req.generation, req.commit = self.generation, commit
         self.inflight = [a.train_step.remote(req) for a, req in zip(self.actors, requests)]
         return self.inflight
+
+    def send_window(self, req: WindowRequest) -> tuple:
+        """Steps for the ranks to run on their own (--step_protocol ranks), after the
+        pending commit: (rank 0's answers, streamed one per step; the others' refs, one
+        answer each at the window's end). The ranks are pinged once as it starts (their
+        sockets' endpoints, should one freeze in it)."""
+        req.generation, req.commit = self.generation, self.pending.take()
+        stream = self.actors[0].stream_steps.options(num_returns="streaming").remote(req)
+        self.inflight = [a.run_steps.remote(req) for a in self.actors[1:]]
+        if self.watching and self.heartbeats is not None:
+            self._check_heartbeats()
+        return stream, self.inflight
+
+    def next_agreed(self, stream, others: list, quiet_s: float,
+                    deadline_s: Optional[float] = None):
+        """Rank 0's next answer in a window of steps (a StepTable, then its final dict;
+        None past the end). Each answer says every rank lived through the step, so
+        while they come within ``quiet_s`` nothing else is looked at, and a step costs
+        the driver the same whatever the ranks. Past it, the others' calls (one that
+        failed stalls rank 0) and the heartbeats are, every heartbeat interval.
+        ``deadline_s``: the step's, past which its ranks furthest behind are lost."""
+        beats = self.heartbeats if self.watching else None
+        interval = beats.interval_s if beats is not None else 1.0
+        t0 = time.time()
+        try:
+            while True:
+                waited = time.time() - t0
+                wait_s = quiet_s - waited if waited < quiet_s else interval
+                if deadline_s is not None:
+                    wait_s = min(wait_s, max(0.0, deadline_s - waited))
+                if ray.wait([stream], timeout=wait_s)[0]:
+                    try:
+                        ref = next(stream)
+                    except StopIteration:
+                        return None
+                    return ray.get(ref)  # raises if rank 0 failed
+                waited = time.time() - t0
+                if waited < quiet_s:
+                    continue
+                for ref in ray.wait(others, num_returns=len(others), timeout=0)[0]:
+                    ray.get(ref)  # raises for a rank that failed
+                if beats is not None and beats.due():
+                    self._check_heartbeats()
+                if deadline_s is not None and waited > deadline_s:
+                    self._stuck(list(range(len(self.ranks))), deadline_s)
+                if waited > self.timeout_s:
+                    raise WorkerFailure(f"no answer from rank 0 in {self.timeout_s:.0f} s")
+        except (RayActorError, RayTaskError, GetTimeoutError) as e:
+            raise WorkerFailure(first_line(e)) from e
+
+    def ask_stop(self, first: int) -> None:
+        """End the running window of steps early: rank 0 says so in its next row, and
+        every rank stops after that step (not waited for)."""
+        self.ranks[0].actor.ask_stop.remote(first)
 
     def live(self, lost: tuple = ()) -> tuple[list[int], list[str]]:
         """(indices of the ranks that answer, descriptions of those that do not). An

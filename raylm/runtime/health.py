@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import ray
 
 
@@ -108,6 +109,10 @@ class StepDeadline:
     def add(self, seconds: float) -> None:
         self.times.append(seconds)
 
+    def median(self) -> float:
+        """The recent steps' median time (0 before the first)."""
+        return statistics.median(self.times) if self.times else 0.0
+
     def limit(self) -> float:
         if not self.times:
             return self.floor_s
@@ -122,30 +127,58 @@ class Stragglers:
 
     def __init__(self, factor: float, steps: int):
         self.factor, self.steps = factor, steps
-        self.streak: dict = {}  # rank -> slow steps in a row
+        self.streak = np.zeros(0, dtype=np.int64)  # per rank: slow steps in a row
 
-    def observe(self, own: list[float], peers: list) -> tuple:
+    def observe(self, own, peers) -> tuple:
         """``own``: each rank's own work in the step; ``peers``: each rank's key of the
         work it shares with its peers. Returns (the rank furthest behind its peers'
         median, or None with no peers; by how many seconds; (rank, its peers' median) of
-        the ranks that have just been slow for ``steps`` steps in a row)."""
-        worst, behind_s, persistent = None, 0.0, []
-        for r, t in enumerate(own):
-            others = [own[k] for k in range(len(own)) if k != r and peers[k] == peers[r]]
-            if not others:
-                continue
-            median = statistics.median(others)
-            if worst is None or t - median > behind_s:
-                worst, behind_s = r, t - median
-            slow = t > self.factor * median
-            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
-            if self.streak[r] == self.steps:
-                persistent.append((r, median))
-        return worst, behind_s, persistent
+        the ranks that have just been slow for ``steps`` steps in a row). In array
+        operations: the driver runs it every step, for every rank."""
+        own = np.asarray(own, dtype=np.float64)
+        median = peers_median(own, peers)
+        has = ~np.isnan(median)
+        if len(self.streak) != len(own):
+            self.streak = np.zeros(len(own), dtype=np.int64)
+        if not has.any():
+            return None, 0.0, []
+        gap = np.where(has, own - median, -np.inf)
+        worst = int(np.argmax(gap))  # (the first of the largest)
+        slow = has & (own > self.factor * median)
+        self.streak = np.where(slow, self.streak + 1, 0)
+        persistent = [(int(r), float(median[r]))
+                      for r in np.flatnonzero(self.streak == self.steps)]
+        return worst, float(gap[worst]), persistent
 
     def reset(self) -> None:
         """The group changed: ranks are renumbered."""
-        self.streak.clear()
+        self.streak = np.zeros(0, dtype=np.int64)
+
+
+def peers_median(own: np.ndarray, peers) -> np.ndarray:
+    """Each rank's peers' median of ``own`` (itself left out; NaN for a rank without
+    peers): a sort within each group of peers, no loop over ranks."""
+    n = len(own)
+    if isinstance(peers, np.ndarray) and peers.dtype.kind == "i":
+        gid = peers
+    else:
+        index: dict = {}
+        gid = np.array([index.setdefault(p, len(index)) for p in peers], dtype=np.int64)
+    order = np.lexsort((own, gid))
+    vals, g = own[order], gid[order]
+    starts = np.searchsorted(g, g, side="left")  # each one's group's first place
+    counts = np.searchsorted(g, g, side="right") - starts
+    pos = np.arange(n) - starts  # its place in its group, by time
+    m = counts - 1  # its peers
+
+    def peer(j):  # the j-th fastest of its peers (itself skipped)
+        j = np.clip(j, 0, np.maximum(m - 1, 0))
+        return vals[np.minimum(starts + j + (j >= pos), n - 1)]
+
+    med = np.where(m > 0, (peer((m - 1) // 2) + peer(m // 2)) / 2, np.nan)
+    out = np.empty(n)
+    out[order] = med
+    return out
 
 
 def behind(doings: list[tuple]) -> list[int]:

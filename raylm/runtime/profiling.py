@@ -23,19 +23,23 @@ import os
 import tempfile
 import time
 
+import numpy as np
+
 from raylm import storage
 
 BREAKDOWN = ("data_wait_s", "forward_backward_s", "grad_sync_s", "clip_s", "optimizer_s",
              "boundary_idle_s")
 
 
-def slowest_breakdown(results: list) -> dict:
+def slowest_breakdown(table) -> dict:
     """The step's parts on the rank that took longest (the one the others waited for),
-    with the boundary of the rank that waited least for the driver."""
-    slowest = max(results, key=lambda r: r.step_s + (r.optimizer_s or 0.0))
-    out = {k: float(getattr(slowest, k) or 0.0) for k in BREAKDOWN if k != "boundary_idle_s"}
-    idle = [r.boundary_idle_s for r in results if r.boundary_idle_s is not None]
-    out["boundary_idle_s"] = min(idle) if idle else 0.0
+    with the boundary of the rank that waited least for the driver. ``table``: the
+    ranks' answers (raylm.runtime.protocol.StepTable)."""
+    slowest = int(np.argmax(table.col("step_s") + np.nan_to_num(table.col("optimizer_s"))))
+    out = {k: float(np.nan_to_num(table.col(k)[slowest]))
+           for k in BREAKDOWN if k != "boundary_idle_s"}
+    idle = table.col("boundary_idle_s")
+    out["boundary_idle_s"] = 0.0 if np.isnan(idle).all() else float(np.nanmin(idle))
     return out
 
 

@@ -9,8 +9,10 @@ request, one Ray call per rank and step, or goes on its own (``PendingCommit``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import numpy as np
 
 
 @dataclass
@@ -80,6 +82,77 @@ class PendingCommit:
         """The step to commit (None when none is pending); it is no longer pending."""
         step, self.step = self.step, None
         return step
+
+
+@dataclass
+class WindowRequest:
+    """Steps ``first`` .. ``last`` - 1 (0-based), run by the ranks on their own
+    (--step_protocol ranks): each derives its micro-batches from ``sampler`` and the step
+    number, and the ranks agree each step's commit among themselves (``StepTable``)."""
+    first: int
+    last: int
+    steps: int  # the run's last step (the next step's ids are prefetched before it)
+    sampler: Any  # an ObjectRef of the run's GlobalBatchSampler (fetched once per rank)
+    generation: int = 0
+    commit: Optional[int] = None  # a step the driver's last call left to commit
+
+
+# The numbers of a StepResult that the ranks gather each step (--step_protocol ranks),
+# one row per rank; None is NaN. ``speaks``: the rank speaks for its replica's samples.
+COLUMNS = ("loss", "tokens", "local_tokens", "has_loss", "learning_rate", "grad_norm",
+           "overflow", "peak_rss_bytes", "data_wait_s", "forward_backward_s",
+           "grad_sync_s", "clip_s", "optimizer_s", "step_s", "boundary_idle_s",
+           "peer_wait_s", "snapshot_s", "stop", "speaks")
+_COL = {name: i for i, name in enumerate(COLUMNS)}
+_INT = ("tokens", "local_tokens", "peak_rss_bytes")
+_BOOL = ("has_loss", "overflow")
+
+
+class StepTable:
+    """Every rank's answer for one step as columns (one row per rank): what the driver
+    reads from a step, in array operations rather than a loop over ranks."""
+
+    def __init__(self, values: np.ndarray, memory: Optional[list] = None,
+                 sample_ids: Optional[list] = None):
+        self.values = values  # (ranks, len(COLUMNS)) float64
+        self.memory = memory  # each rank's StepResult.memory, on the step that measures
+        self.sample_ids = sample_ids  # --log_sample_ids: each replica's, in rank order
+
+    @staticmethod
+    def row(r: StepResult, stop: bool = False, speaks: bool = False) -> list:
+        """One rank's row."""
+        return [np.nan if v is None else float(v) for v in
+                [getattr(r, name) for name in COLUMNS[:-2]] + [stop, speaks]]
+
+    @classmethod
+    def of(cls, results: list) -> "StepTable":
+        """The table of the ranks' StepResults (the driver's own calls)."""
+        memory = [r.memory for r in results] if results[0].memory is not None else None
+        return cls(np.array([cls.row(r) for r in results], dtype=np.float64), memory,
+                   [r.sample_ids for r in results if r.sample_ids is not None])
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def col(self, name: str) -> np.ndarray:
+        return self.values[:, _COL[name]]
+
+    def loss_row(self) -> StepResult:
+        """The answer of a rank that computed the loss (under a pipeline, a last stage)."""
+        has = np.flatnonzero(self.col("has_loss") > 0)
+        return self.result(int(has[0]) if len(has) else 0)
+
+    def result(self, i: int) -> StepResult:
+        """Rank ``i``'s row as a StepResult."""
+        v = self.values[i]
+        kw = {}
+        for f in fields(StepResult):
+            if f.name not in _COL:
+                continue
+            x = v[_COL[f.name]]
+            kw[f.name] = (None if np.isnan(x) else int(x) if f.name in _INT
+                          else bool(x) if f.name in _BOOL else float(x))
+        return StepResult(**kw)
 
 
 def loss_result(results: list):

@@ -14,13 +14,17 @@ import os
 import time
 from typing import Optional
 
+import numpy as np
+
 from raylm import storage
 from raylm.models.objectives import PREDICTS_A_SAMPLE
+from raylm.plan.dims import AXES
 from raylm.plan.layout import Plan
 from raylm.plan.text import human_bytes
 from raylm.runtime.health import Stragglers
 from raylm.runtime.metrics import MetricsLog, Progress
 from raylm.runtime.profiling import WindowBreakdown, slowest_breakdown
+from raylm.runtime.protocol import StepTable
 
 log = logging.getLogger("raylm")
 
@@ -44,6 +48,7 @@ class Reporter:
         self.stream_warned = False  # --streaming's slow-pipeline warning, once
         self.window = Window()
         self.stragglers = Stragglers(cfg.straggler_factor, cfg.straggler_steps)
+        self._peers: tuple = (None, None)  # (the plan, each rank's group of peers)
         self.to_replace: list = []  # stragglers to replace (--replace_stragglers)
 
     # -- model FLOPs ------------------------------------------------------------------------
@@ -76,10 +81,11 @@ class Reporter:
         self.stragglers.reset()
 
     # -- each step --------------------------------------------------------------------------
-    def step(self, results: list, out, wall: float, waited: float, scale, after,
+    def step(self, table: StepTable, out, wall: float, waited: float, scale, after,
              overflow: bool, sampler, plan: Plan, stream=None) -> dict:
         """The record of the step just done (``record.step``), appended to the history,
-        with the log line, the progress bar and the window's entry when one is due."""
+        with the log line, the progress bar and the window's entry when one is due.
+        ``table``: every rank's answer (read in array operations, not rank by rank)."""
         cfg, run = self.cfg, self.record
         # Throughput counts the tokens the model read: a causal LM's labels are its
         # inputs (shifted), masked LM's and span corruption's a sample of them.
@@ -91,15 +97,14 @@ class Reporter:
                "throughput_tokens": read, "tokens_per_second": read / wall,
                "step_time_s": wall,
                # the ranks' reads, and the driver's wait for the stream's next blocks
-               "data_wait_s": max(r.data_wait_s for r in results) + waited,
-               "snapshot_s": max(r.snapshot_s for r in results),
+               "data_wait_s": float(table.col("data_wait_s").max()) + waited,
+               "snapshot_s": float(table.col("snapshot_s").max()),
                # The step boundary's cost: the rank that answered last waited least.
-               "boundary_idle_s": min((r.boundary_idle_s for r in results
-                                       if r.boundary_idle_s is not None), default=None),
-               "breakdown": slowest_breakdown(results),
-               "peak_rss_bytes": [r.peak_rss_bytes for r in results],
+               "boundary_idle_s": least(table.col("boundary_idle_s")),
+               "breakdown": slowest_breakdown(table),
+               "peak_rss_bytes": table.col("peak_rss_bytes").astype(np.int64).tolist(),
                "world_size": plan.world_size}
-        self._stragglers(results, plan, rec)
+        self._stragglers(table, plan, rec)
         if scale is not None:  # fp16: the scale used, and the state after the step
             rec.update({"loss_scale": scale.scale, "skipped": overflow,
                         "loss_scale_after": after.to_dict()})
@@ -115,10 +120,10 @@ class Reporter:
             self.stream_rate_check(plan.global_batch_size)
         if cfg.log_sample_ids:
             with open(os.path.join(self.directory, "samples.jsonl"), "a") as f:
-                f.write(json.dumps({"step": run.step, "ranks": [
-                    r.sample_ids for r in results if r.sample_ids is not None]}) + "\n")
-        if results[0].memory is not None:
-            self.memory_report(results)
+                f.write(json.dumps({"step": run.step, "ranks": table.sample_ids}) + "\n")
+        if table.memory is not None:
+            self.memory_report(table.memory,
+                               table.col("peak_rss_bytes").astype(np.int64).tolist())
         self.window.add(rec, waited)
         self.progress.update(run.step, rec["loss"], rec["tokens_per_second"])
         if cfg.at(cfg.logging_strategy, cfg.logging_steps, run.step,
@@ -126,12 +131,15 @@ class Reporter:
             self._log_window(rec, scale, plan, stream is not None)
         return rec
 
-    def _stragglers(self, results: list, plan: Plan, rec: dict) -> None:
+    def _stragglers(self, table: StepTable, plan: Plan, rec: dict) -> None:
         """The rank furthest behind its peers in the step, into its record; a warning
         for a rank slow step after step (--straggler_factor, --straggler_steps)."""
-        own = [r.step_s - r.peer_wait_s for r in results]
-        peers = [tuple(plan.dims.group(r, "dp")) for r in range(len(results))]
-        worst, behind_s, persistent = self.stragglers.observe(own, peers)
+        own = table.col("step_s") - table.col("peer_wait_s")
+        if self._peers[0] is not plan:  # (each rank's group of peers, once per layout)
+            others = tuple(a for a in AXES if a != "dp")
+            self._peers = (plan, np.array([plan.dims.index(r, others)
+                                           for r in range(len(table))], dtype=np.int64))
+        worst, behind_s, persistent = self.stragglers.observe(own, self._peers[1])
         if worst is None:
             return
         rec["slowest_rank"], rec["slowest_behind_s"] = worst, behind_s
@@ -191,7 +199,7 @@ class Reporter:
                         100 * wait / max(total, 1e-9))
 
     # -- memory -----------------------------------------------------------------------------
-    def memory_report(self, results: list) -> None:
+    def memory_report(self, memory: list, peak_rss: list) -> None:
         """Log each rank's measured memory next to the planner's prediction, and keep both
         in output_dir/memory.json (the first step after each start of the group at
         which the optimizer holds its state: step 2 of a fresh run)."""
@@ -212,8 +220,7 @@ class Reporter:
             log.warning("memory prediction unavailable: %s", e)
             predicted = None
         ranks, totals, foreseen = [], [], []  # (measured and predicted totals, per rank)
-        for r in results:
-            m = r.memory
+        for m, rss in zip(memory, peak_rss):
             pred = None
             if predicted is not None and not predicted.problem:
                 pred = predicted.ranks[m["coords"]["pp"]].to_dict()
@@ -229,7 +236,7 @@ class Reporter:
                           "zero_theory": theory_bytes(m.get("replica_elements") or 0,
                                                       plan.zero_stage, plan.dp,
                                                       trainable=m.get("replica_trained")),
-                          "peak_rss_bytes": r.peak_rss_bytes})
+                          "peak_rss_bytes": int(rss)})
             totals.append(sum(ranks[-1]["measured"].values()))
             foreseen.append(f" (predicted {human_bytes(sum(pred[k] for k in PREDICTED))})"
                             if pred else "")
@@ -318,3 +325,8 @@ class Window:
         self.steps += 1
         self.stream_wait += stream_wait
         self.parts.add(rec["breakdown"])
+
+
+def least(values: np.ndarray) -> Optional[float]:
+    """The smallest of ``values`` that is not NaN (None when none is)."""
+    return None if np.isnan(values).all() else float(np.nanmin(values))

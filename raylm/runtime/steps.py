@@ -14,11 +14,13 @@ import logging
 import time
 from typing import Optional
 
-from raylm.data.sampler import padded_step_schedule, step_schedule
+import ray
+
+from raylm.data.sampler import replica_schedule
 from raylm.data.stream import DataStreamError
 from raylm.runtime.group import WorkerFailure
 from raylm.runtime.health import StepDeadline
-from raylm.runtime.protocol import StepRequest, loss_result
+from raylm.runtime.protocol import StepRequest, StepTable, WindowRequest, loss_result
 
 log = logging.getLogger("raylm")
 
@@ -39,6 +41,7 @@ class StepLoop:
         self.deadline = StepDeadline(self.cfg.step_deadline_factor,
                                      self.cfg.step_deadline_floor_s)
         self.stopped_early = False  # --early_stopping_patience ran out
+        self.sampler_ref = None  # the sampler in the object store (--step_protocol ranks)
 
     # -- what goes to the ranks --------------------------------------------------------------
     def step_schedule(self, step: int) -> Optional[list]:
@@ -47,13 +50,7 @@ class StepLoop:
         than numpy arrays (pickled out of band), and the call is on the step boundary."""
         if step >= self.steps:
             return None
-        plan, batch = self.plan, self.sampler.global_batch(step)
-        if plan.pp > 1:  # a fixed number of equal micro-batches, filled up
-            out = padded_step_schedule(batch, plan.dp, plan.micro_batch_size,
-                                       plan.micro_batches_per_rank)
-        else:
-            out = step_schedule(batch, plan.dp, plan.micro_batch_size)
-        return [[m.tolist() for m in mbs] for mbs in out]
+        return replica_schedule(self.sampler, self.plan, step)
 
     def send(self, step: int, scale) -> float:
         """Send the step after ``step`` done ones to every rank, the last step's commit
@@ -104,14 +101,28 @@ class StepLoop:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> bool:
         """Steps until the run's last, an early stop or newcomers ready to join (True)."""
-        d, cfg, run = self.driver, self.cfg, self.run_record
-        group, growth, outputs, report = d.group, d.growth, d.outputs, d.report
-        self.plan = plan = run.plan
+        d, run = self.driver, self.run_record
+        self.plan = run.plan
         # (a step's ids go out twice: to prefetch, to run)
         self.schedule = functools.lru_cache(maxsize=4)(self.step_schedule)
-        report.new_window()
+        d.report.new_window()
+        d.growth.last_check = time.time()
+        if self.windowed():
+            while run.step < self.steps:
+                if d.growth.ready():
+                    return True  # the group grows (resizing), then runs on
+                self.run_window()
+                if self.stopped(run.step):
+                    return False
+            return False
+        return self.run_each()
+
+    def run_each(self) -> bool:
+        """The driver's protocol: one call per rank and step."""
+        d, cfg, run = self.driver, self.cfg, self.run_record
+        group, growth, outputs, report = d.group, d.growth, d.outputs, d.report
+        plan = self.plan
         t_last = time.time()
-        growth.last_check = time.time()
         sent, ahead = None, (None, 0.0)  # the step sent ahead, (its scale, stream wait)
         while run.step < self.steps:
             if sent == run.step:
@@ -145,21 +156,13 @@ class StepLoop:
                     data_error = e
                 else:  # (no newcomers: this only looks for room, and may start some)
                     growth.ready()
-            rec = report.step(results, out, wall, waited, scale, after, overflow,
-                              self.sampler, plan, self.data.stream)
+            rec = report.step(StepTable.of(results), out, wall, waited, scale, after,
+                              overflow, self.sampler, plan, self.data.stream)
             if data_error is not None:
                 outputs.save_before_data_error(self.sampler, self.fingerprint,
                                                d.loss_scale())
                 raise data_error
-            if self.evaluates_after(run.step):
-                outputs.best.observe(run.step, outputs.evaluate(self.data))
-            if self.saves_after(run.step):
-                outputs.save_checkpoint(self.sampler, self.fingerprint, d.loss_scale())
-            if outputs.best.should_stop():
-                self.stopped_early = True
-                log.warning("early stopping at step %d of %d: %s (--early_stopping_patience "
-                            "%d)", run.step, self.steps, outputs.best.describe(),
-                            cfg.early_stopping_patience)
+            if self.stopped(run.step):
                 return False
             for cb in d.callbacks:
                 if hasattr(cb, "on_step_end"):
@@ -171,6 +174,77 @@ class StepLoop:
                                     replacing=True)
         return False
 
+    def stopped(self, step: int) -> bool:
+        """What is due after ``step`` done ones (an evaluation, a checkpoint); True when
+        the run stops early (--early_stopping_patience)."""
+        outputs, cfg = self.driver.outputs, self.cfg
+        if self.evaluates_after(step):
+            outputs.best.observe(step, outputs.evaluate(self.data))
+        if self.saves_after(step):
+            outputs.save_checkpoint(self.sampler, self.fingerprint, self.driver.loss_scale())
+        if outputs.best.should_stop():
+            self.stopped_early = True
+            log.warning("early stopping at step %d of %d: %s (--early_stopping_patience "
+                        "%d)", step, self.steps, outputs.best.describe(),
+                        cfg.early_stopping_patience)
+            return True
+        return False
+
+    # -- the ranks' protocol (--step_protocol ranks) -------------------------------------------
+    def windowed(self) -> bool:
+        """Whether the ranks run the steps between the driver's boundaries on their own:
+        not while the driver must act on every step (a callback, fp16's loss scale,
+        --streaming's blocks, --replace_stragglers)."""
+        cfg = self.cfg
+        return (cfg.step_protocol == "ranks" and not self.driver.callbacks
+                and self.data.stream is None and self.driver.loss_scale() is None
+                and not cfg.replace_stragglers)
+
+    def window_end(self, step: int) -> int:
+        """The end of a window of steps from ``step`` done ones: the first step after
+        which the driver has work on the ranks (an evaluation, a checkpoint), or the
+        run's last."""
+        end = step + 1
+        while end < self.steps and not (self.evaluates_after(end) or self.saves_after(end)):
+            end += 1
+        return end
+
+    def run_window(self) -> None:
+        """The steps up to the next boundary (``window_end``), run by the ranks on their
+        own; each step recorded from rank 0's answer as it commits. Newcomers ready to
+        join end the window early, at a step the ranks agree on."""
+        d, run = self.driver, self.run_record
+        group, report = d.group, d.report
+        first, last = run.step, self.window_end(run.step)
+        log.debug("the ranks run steps %d-%d", first + 1, last)
+        if self.sampler_ref is None:
+            self.sampler_ref = ray.put(self.sampler)
+        stream, others = group.send_window(WindowRequest(first, last, self.steps,
+                                                         self.sampler_ref))
+        t_last, stopping = time.time(), False
+        while True:
+            # (a wait up to twice the usual step is not looked into)
+            quiet_s = max(self.cfg.heartbeat_interval_s, 2 * self.deadline.median())
+            got = group.next_agreed(stream, others, quiet_s, self.deadline.limit())
+            if not isinstance(got, StepTable):
+                break
+            run.step += 1
+            now = time.time()
+            wall, t_last = now - t_last, now
+            self.deadline.add(wall)
+            report.step(got, got.loss_row(), wall, 0.0, None, None, False, self.sampler,
+                        self.plan)
+            if not stopping and run.step < last and d.growth.ready():
+                group.ask_stop(first)  # (newcomers are warm: the group grows after)
+                stopping = True
+        finals = [got] + group.wait(others)
+        steps = {f["committed_step"] for f in finals}
+        if steps != {run.step}:
+            raise WorkerFailure(f"the ranks ended a window at steps {sorted(steps)}, the "
+                                f"driver at {run.step}")
+        measured = [f["memory"] for f in finals]
+        if all(measured):
+            report.memory_report([m for m, _ in measured], [rss for _, rss in measured])
 
 def _overflow(results: list) -> bool:
     """Whether the step's fp16 gradients overflowed: every rank sees the same global

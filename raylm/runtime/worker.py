@@ -23,7 +23,9 @@ from raylm.runtime.faults import Faults
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.profiling import StepClock, StepProfiler
-from raylm.runtime.protocol import EvalResult, StepRequest, StepResult
+from raylm.data.sampler import replica_schedule
+from raylm.runtime.protocol import EvalResult, StepRequest, StepResult, StepTable, \
+    WindowRequest
 
 _NO_REGION = contextlib.nullcontext()
 
@@ -71,6 +73,8 @@ class RankWorker:
         # What this rank is doing, for the driver's heartbeats (ping): (step, index in
         # STEP_PHASES) in a step, (committed step, -1) with what otherwise.
         self.doing = (0, -1, "starting")
+        self.stop_window = None  # the window (its first step) the driver asked to end
+        self.sampler = (None, None)  # (its ObjectRef, the run's sampler): --step_protocol
 
     # -- heartbeat -------------------------------------------------------------------------
     @ray.method(concurrency_group="health")
@@ -85,6 +89,13 @@ class RankWorker:
         changed = not known or endpoints != getattr(self, "reported_endpoints", None)
         self.reported_endpoints = endpoints
         return getattr(self, "doing", (0, -1, "starting")), endpoints if changed else None
+
+    @ray.method(concurrency_group="health")
+    def ask_stop(self, first: int) -> bool:
+        """End the window of steps from ``first`` (``run_steps``) early: this rank says
+        so in its next step's row, and every rank stops after that step."""
+        self.stop_window = first
+        return True
 
     @ray.method(concurrency_group="health")
     def release(self, peer_endpoints, abort: bool = False) -> int:
@@ -293,6 +304,85 @@ class RankWorker:
         # collective work objects in them, which hold the process group) alive:
         # leave_group must be able to drop the group's last reference.
         raise RuntimeError(failure)
+
+    # -- steps the ranks run on their own (--step_protocol ranks) --------------------------
+    def stream_steps(self, req: WindowRequest):
+        """Rank 0's part of ``run_steps``: each step's table of every rank's answer is
+        yielded as it commits (the driver's one answer per step), then the final one."""
+        yield from self._window(req)
+
+    def run_steps(self, req: WindowRequest) -> dict:
+        """Run steps ``req.first`` .. ``req.last`` - 1 without a call per step: each
+        rank derives its micro-batches from the sampler and the step, and the ranks
+        agree each step's commit among themselves (``_agree``). Returns this rank's
+        committed step and what it measured."""
+        final = None
+        for final in self._window(req):
+            pass
+        return final
+
+    def _window(self, req: WindowRequest):
+        self._check_generation(req.generation)
+        step = req.first
+        try:
+            if req.commit is not None:
+                self.commit(req.commit, req.generation)
+            if self.prepared is not None:
+                raise RuntimeError(f"step {self.prepared} was prepared and neither "
+                                   "committed nor dropped")
+            if self.sampler[0] != req.sampler:
+                self.sampler = (req.sampler, ray.get(req.sampler))
+            sampler, dp = self.sampler[1], self.plan.dims.index(self.rank, "dp")
+            self.engine.loss_scale = 1.0
+            ids = replica_schedule(sampler, self.plan, req.first)[dp]
+            memory = None
+            for step in range(req.first, req.last):
+                nxt = (replica_schedule(sampler, self.plan, step + 1)[dp]
+                       if step + 1 < req.steps else None)
+                out = self._train_step(step, ids, nxt)
+                table = self._agree(out, req.first, sampler.global_batch_size)
+                if self.rank == 0:  # (the step is decided: answered before it is applied)
+                    yield table
+                self.commit(step, req.generation)
+                if out.memory is not None:
+                    memory = (out.memory, out.peak_rss_bytes)
+                if table.col("stop").any():
+                    break
+                ids = nxt
+            final = {"committed_step": self.committed_step, "memory": memory}
+        except Exception as e:
+            failure = f"rank {self.rank}, step {step + 1}: {type(e).__name__}: {e}"
+        else:
+            yield final
+            return
+        raise RuntimeError(failure)  # (outside the handler: see train_step)
+
+    def _agree(self, out: StepResult, first: int, batch_size: int) -> StepTable:
+        """The step's commit, agreed among the ranks: every rank's row of answers is
+        all-gathered. That completes on a rank only once every rank has prepared the
+        step (a rank that failed never sends its row), so a rank that has the table may
+        commit; each then has every rank's figures, and rank 0 answers for all. A rank
+        whose gather fails does not commit (the driver's recovery finds the ranks'
+        committed steps). --log_sample_ids: each replica's sample ids too."""
+        import torch
+        import torch.distributed as dist
+
+        e = self.engine
+        row = torch.tensor(StepTable.row(out, self.stop_window == first,
+                                         e.speaks_for_replica),
+                           dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(row) for _ in range(self.world_size)]
+        dist.all_gather(rows, row)
+        table = StepTable(torch.stack(rows).cpu().numpy())
+        if self.cfg.get("log_sample_ids"):
+            mine = torch.full((batch_size,), -1, dtype=torch.int64, device=self.device)
+            if out.sample_ids:
+                mine[:len(out.sample_ids)] = torch.tensor(out.sample_ids)
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+            table.sample_ids = [[int(i) for i in ids.tolist() if i >= 0]
+                                for ids, speaks in zip(every, table.col("speaks")) if speaks]
+        return table
 
     def leave_group(self, export: bool = False):
         """After a failure: leave the process group for good, dropping every reference
