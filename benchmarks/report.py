@@ -429,23 +429,33 @@ def t_gpu(f: dict) -> list:
 
 
 def t_control_plane(f: dict) -> list:
-    rows, m = f["rows"], f["model"]
-    out = table(["ranks", "driver CPU a step (ms)", "step (ms)", "boundary idle (ms)",
-                 "driver peak RSS (MiB)", "a rank lost: detect and settle (s)",
-                 "regroup (s)"],
-                [[r["ranks"], f"{r['driver_cpu_ms']:.2f}", f"{r['step_ms']:.2f}",
-                  num(r["boundary_idle_ms"]), f"{r['driver_peak_rss_bytes'] / 2**20:.0f}",
-                  num(r.get("detect_settle_s")), num(r.get("regroup_s"))]
-                 for r in rows.values()])
-    fitted = ", ".join(str(n) for n in m["fitted_on"])
-    return out + [
-        f"Fitted on {fitted} ranks: driver CPU a step = {m['intercept_ms']:.2f} ms + "
-        f"{m['per_rank_ms']:.3f} ms x ranks. Held back, {m['held_back']} ranks: predicted "
-        f"{m['held_back_predicted_ms']:.2f} ms, measured {m['held_back_measured_ms']:.2f} ms.",
-        "",
-        "Extrapolated, not measured: " + ", ".join(
-            f"{int(k):,} ranks {v:,.0f} ms" for k, v in m["extrapolated_ms"].items())
-        + f" (assumed: {m['assumption']}).", ""]
+    rows = list(f["rows"].values())
+    models = f["models"]
+    out = table(["protocol", "ranks", "driver CPU a step (ms)", "step (ms)",
+                 "boundary idle (ms)", "driver peak RSS (MiB)",
+                 "a rank lost: detect and settle (s)", "regroup (s)",
+                 "a rank joins: pause (s)"],
+                [[r.get("protocol", "driver"), r["ranks"], f"{r['driver_cpu_ms']:.2f}",
+                  f"{r['step_ms']:.2f}", num(r["boundary_idle_ms"]),
+                  f"{r['driver_peak_rss_bytes'] / 2**20:.0f}",
+                  num(r.get("detect_settle_s")), num(r.get("regroup_s")),
+                  num(r.get("join_pause_s"))]
+                 for r in sorted(rows, key=lambda r: (r.get("protocol", "driver"),
+                                                      r["ranks"]))])
+    for protocol, m in models.items():
+        fitted = ", ".join(str(n) for n in m["fitted_on"])
+        out += [f"**{protocol}**, fitted on {fitted} ranks; {m['held_back']} ranks held "
+                f"back, measured {m['held_back_measured_ms']:.2f} ms "
+                f"(assumed: {m['assumption']}):", ""]
+        out += table(["shape", "a (ms)", "b (ms)", f"predicted at {m['held_back']} (ms)",
+                      "extrapolated to 1,000 ranks (ms)", "to 10,000 (ms)"],
+                     [[form["shape"] + (" (nearer)" if name == m["better"] else ""),
+                       f"{form['intercept_ms']:.3f}", f"{form['slope_ms']:.4f}",
+                       f"{form['held_back_predicted_ms']:.2f}",
+                       f"{form['extrapolated_ms']['1000']:,.1f}",
+                       f"{form['extrapolated_ms']['10000']:,.1f}"]
+                      for name, form in m["forms"].items()]) + [""]
+    return out
 
 
 def t_planner_scale(f: dict) -> list:
