@@ -145,3 +145,15 @@ def test_the_straggler_among_many_ranks_is_found(n):
     for _ in range(2):
         assert s.observe(own, peers)[:2] == (n // 3, 1.0)
     assert s.observe(own, peers)[2] == [(n // 3, 0.5)]
+
+
+def test_a_nan_loss_stays_a_number_and_an_unknown_time_is_none():
+    """A diverged step's NaN loss is a NaN in the record (the log prints it); NaN in an
+    optional column (no optimizer step yet, no boundary) is None."""
+    import math
+
+    results, table = step_table(8)
+    table.values[:, 0] = float("nan")  # (the loss column)
+    row = table.loss_row()
+    assert math.isnan(row.loss) and row.optimizer_s == 0.02
+    assert table.result(0).optimizer_s is None and table.result(0).boundary_idle_s is None

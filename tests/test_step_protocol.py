@@ -60,14 +60,18 @@ def unchanged(ray_cluster, corpus_dir, cache_root, tmp_path_factory):
 
 @pytest.mark.parametrize("fault", [{"rank": 1, "step": 4, "phase": "sync"},
                                    {"rank": 0, "step": 4, "phase": "commit"},
+                                   {"rank": 0, "step": 5, "phase": "agreed"},
                                    {"rank": 1, "step": 4, "phase": "step",
                                     "action": "freeze"}],
-                         ids=["killed-in-sync", "rank-0-killed-in-commit", "frozen"])
+                         ids=["killed-in-sync", "rank-0-killed-in-commit",
+                              "rank-0-killed-before-answering", "frozen"])
 def test_a_lost_rank_keeps_every_sample_once_and_the_losses(
         fault, unchanged, ray_cluster, corpus_dir, cache_root, tmp_path, caplog):
     """3 ranks; one dies in its gradient sync (the step commits nowhere, and runs again
     on the survivors), rank 0 (the one that answers the driver) dies applying a step
-    the others apply (it counts), one freezes before its forward (its heartbeat stops; it is ended): the survivors carry on
+    the others apply (it counts), or before answering for step 6, which the others
+    commit (its record comes from a survivor's copy, and the checkpoint due after it
+    is written), one freezes before its forward (its heartbeat stops; it is ended): the survivors carry on
     in memory with the unchanged run's losses, every step's samples once."""
     caplog.set_level("INFO", logger="raylm")
     out = tmp_path / "out"
@@ -85,6 +89,9 @@ def test_a_lost_rank_keeps_every_sample_once_and_the_losses(
     for ids in unchanged["samples"].values():
         assert len(ids) == len(set(ids))
     assert [h["world_size"] for h in result.history][-1] == 2
+    if fault["phase"] == "agreed":
+        assert "the survivors committed step 6, whose answer was lost" in caplog.text
+        assert (out / "checkpoints" / "step-00000006").is_dir()
 
 
 def test_newcomers_end_a_window_early_and_join(unchanged, ray_cluster, corpus_dir,

@@ -107,24 +107,30 @@ class Recovery(Elastic):
         return Survivors(live, [leaving[i] for i in live], export, t0)
 
     def _catch_up(self, live: list[int]) -> None:
-        """--step_protocol ranks: the ranks commit on their own, and rank 0 answers for
-        a step once it has committed it. Survivors that all committed a step past the
-        last one recorded (its answer lost with rank 0) carry on from there; survivors
-        that disagree leave the run at the driver's step (the recovery then finds that
-        their state cannot be used in memory)."""
+        """--step_protocol ranks: the ranks commit on their own, and rank 0 answers for a
+        step just before it commits it, so its answer can be lost with it. Survivors
+        that all committed the step after the last one recorded carry on from it, its
+        answer taken from a survivor's copy of the step's table (``lost_answer``, which
+        the step loop records). Survivors that disagree leave the run at the driver's
+        step (the recovery then finds their state cannot be used in memory)."""
         run = self.record
         if self.cfg.step_protocol != "ranks" or not live:
             return
         try:
             infos = self.group.wait([self.group.actors[i].info.remote() for i in live],
                                     timeout_s=60)
+            steps = {i["committed_step"] for i in infos}
+            if len(steps) != 1 or (step := steps.pop()) != run.step + 1:
+                return
+            agreed = self.group.wait([self.group.actors[live[0]].last_agreed.remote()],
+                                     timeout_s=60)[0]
         except WorkerFailure:
             return
-        steps = {i["committed_step"] for i in infos}
-        if len(steps) == 1 and None not in steps and (step := steps.pop()) > run.step:
-            log.warning("the survivors committed step %d, whose answer was lost with "
-                        "rank 0: it is not in the history", step)
-            run.step = step
+        if agreed is None or agreed[0] != run.step:
+            return
+        log.warning("the survivors committed step %d, whose answer was lost with rank 0: "
+                    "recorded from a survivor's copy", step)
+        run.step, run.lost_answer = step, (agreed[1], run.plan)  # (the layout it ran)
 
     def carry_on(self, survivors: "Survivors") -> bool:
         """Carry on with the survivors in memory (a smaller data-parallel group, or a

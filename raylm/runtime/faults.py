@@ -6,7 +6,8 @@ gradients overflow.
 A run takes the faults ``inject`` set in its process; a rank holds them as ``Faults``,
 which does nothing when empty. Phases: "step" (before its forward), "sync" (during its
 gradient sync), "overflow" (its gradient becomes inf before the sync, as an fp16
-overflow; the rank lives), "update" (after the sync), "commit", "checkpoint",
+overflow; the rank lives), "update" (after the sync), "agreed" (--step_protocol ranks: after the
+step's all-gather, before rank 0 answers and any rank commits), "commit", "checkpoint",
 "recovery" (rejoining after a failure). ``step`` counts the committed steps before it.
 """
 
@@ -20,7 +21,8 @@ import time
 
 log = logging.getLogger("raylm")
 
-PHASES = ("step", "sync", "overflow", "update", "commit", "checkpoint", "recovery")
+PHASES = ("step", "sync", "overflow", "update", "agreed", "commit", "checkpoint",
+          "recovery")
 ACTIONS = ("die", "freeze", "stall")
 _injected: list = []  # the faults the next runs in this process take (inject)
 

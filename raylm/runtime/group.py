@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -317,6 +317,8 @@ class WorkerGroup:
         ``deadline_s``: the step's, past which its ranks furthest behind are lost."""
         beats = self.heartbeats if self.watching else None
         interval = beats.interval_s if beats is not None else 1.0
+        if deadline_s is not None:
+            quiet_s = min(quiet_s, deadline_s)
         t0 = time.time()
         try:
             while True:
@@ -333,15 +335,18 @@ class WorkerGroup:
                 waited = time.time() - t0
                 if waited < quiet_s:
                     continue
-                for ref in ray.wait(others, num_returns=len(others), timeout=0)[0]:
+                done = ray.wait(others, num_returns=len(others), timeout=0)[0]
+                for ref in done:
                     ray.get(ref)  # raises for a rank that failed
                 if beats is not None and beats.due():
                     self._check_heartbeats()
                 if deadline_s is not None and waited > deadline_s:
-                    self._stuck(list(range(len(self.ranks))), deadline_s)
+                    done = set(done)
+                    self._stuck([0] + [i + 1 for i, ref in enumerate(others)
+                                       if ref not in done], deadline_s)
                 if waited > self.timeout_s:
                     raise WorkerFailure(f"no answer from rank 0 in {self.timeout_s:.0f} s")
-        except (RayActorError, RayTaskError, GetTimeoutError) as e:
+        except RayError as e:  # (a failed rank, or a table lost with rank 0's node)
             raise WorkerFailure(first_line(e)) from e
 
     def ask_stop(self, first: int) -> None:

@@ -7,7 +7,7 @@ an elastic runtime swaps these objects, not the driver's loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from raylm.plan.layout import Plan
 
@@ -83,3 +83,6 @@ class RunRecord:
     checkpoint: Optional[str] = None  # the latest committed checkpoint
     failures: int = 0
     history: list = field(default_factory=list)  # one dict per optimizer step
+    # --step_protocol ranks: (the StepTable, its plan) of the step the survivors of a
+    # failure committed and the driver had not recorded (rank 0's answer lost with it)
+    lost_answer: Optional[Any] = None

@@ -106,6 +106,7 @@ COLUMNS = ("loss", "tokens", "local_tokens", "has_loss", "learning_rate", "grad_
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 _INT = ("tokens", "local_tokens", "peak_rss_bytes")
 _BOOL = ("has_loss", "overflow")
+_OPTIONAL = ("optimizer_s", "boundary_idle_s")  # NaN in the table is None (a NaN loss stays)
 
 
 class StepTable:
@@ -150,8 +151,9 @@ class StepTable:
             if f.name not in _COL:
                 continue
             x = v[_COL[f.name]]
-            kw[f.name] = (None if np.isnan(x) else int(x) if f.name in _INT
-                          else bool(x) if f.name in _BOOL else float(x))
+            kw[f.name] = (None if f.name in _OPTIONAL and np.isnan(x) else
+                          int(x) if f.name in _INT else
+                          bool(x) if f.name in _BOOL else float(x))
         return StepResult(**kw)
 
 

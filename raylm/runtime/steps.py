@@ -42,6 +42,7 @@ class StepLoop:
                                      self.cfg.step_deadline_floor_s)
         self.stopped_early = False  # --early_stopping_patience ran out
         self.sampler_ref = None  # the sampler in the object store (--step_protocol ranks)
+        self.due_done = None  # the last step whose due work was looked at (windows)
 
     # -- what goes to the ranks --------------------------------------------------------------
     def step_schedule(self, step: int) -> Optional[list]:
@@ -108,13 +109,25 @@ class StepLoop:
         d.report.new_window()
         d.growth.last_check = time.time()
         if self.windowed():
-            while run.step < self.steps:
+            if self.due_done is None or run.step < self.due_done:
+                # (nothing is due for the step a run starts or restarts at)
+                self.due_done = run.step
+            if run.lost_answer is not None:  # (a step a recovery found committed)
+                (table, plan), run.lost_answer = run.lost_answer, None
+                d.report.step(table, table.loss_row(), float(table.col("step_s").max()),
+                              0.0, None, None, False, self.sampler, plan)
+            while True:
+                # What is due after the step done (also after one a failure ended a
+                # window at, or whose answer a recovery found).
+                if run.step > self.due_done:
+                    self.due_done = run.step
+                    if self.stopped(run.step):
+                        return False
+                if run.step >= self.steps:
+                    return False
                 if d.growth.ready():
                     return True  # the group grows (resizing), then runs on
                 self.run_window()
-                if self.stopped(run.step):
-                    return False
-            return False
         return self.run_each()
 
     def run_each(self) -> bool:

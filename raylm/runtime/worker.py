@@ -334,6 +334,7 @@ class RankWorker:
                 self.sampler = (req.sampler, ray.get(req.sampler))
             sampler, dp = self.sampler[1], self.plan.dims.index(self.rank, "dp")
             self.engine.loss_scale = 1.0
+            self.stop_window = None  # (an ask for an earlier window)
             ids = replica_schedule(sampler, self.plan, req.first)[dp]
             memory = None
             for step in range(req.first, req.last):
@@ -341,6 +342,8 @@ class RankWorker:
                        if step + 1 < req.steps else None)
                 out = self._train_step(step, ids, nxt)
                 table = self._agree(out, req.first, sampler.global_batch_size)
+                self.agreed = (step, table)  # (every rank has it: last_agreed)
+                self.faults.trip(self.rank, step, "agreed", self.generation)
                 if self.rank == 0:  # (the step is decided: answered before it is applied)
                     yield table
                 self.commit(step, req.generation)
@@ -356,6 +359,12 @@ class RankWorker:
             yield final
             return
         raise RuntimeError(failure)  # (outside the handler: see train_step)
+
+    def last_agreed(self):
+        """(step, StepTable) of the last step this rank agreed on (--step_protocol
+        ranks), or None: a recovery records from it a step whose answer was lost with
+        rank 0."""
+        return getattr(self, "agreed", None)
 
     def _agree(self, out: StepResult, first: int, batch_size: int) -> StepTable:
         """The step's commit, agreed among the ranks: every rank's row of answers is
