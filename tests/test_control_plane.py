@@ -97,7 +97,6 @@ def step_table(n: int, seed: int = 0):
 @pytest.mark.parametrize("n", [1000, 10000], ids=["1000 ranks", "10000 ranks"])
 def test_a_step_of_every_rank_is_read_from_one_table(n):
     from raylm.runtime.profiling import slowest_breakdown
-    from raylm.runtime.reporting import least
 
     results, table = step_table(n)
     assert len(table) == n
@@ -105,7 +104,7 @@ def test_a_step_of_every_rank_is_read_from_one_table(n):
     assert table.result(n - 1) == results[n - 1]  # (None, ints and flags come back)
     parts = slowest_breakdown(table)
     assert parts["forward_backward_s"] == 0.5 and parts["optimizer_s"] == 0.02
-    assert parts["boundary_idle_s"] == least(table.col("boundary_idle_s")) == 0.002
+    assert parts["boundary_idle_s"] == table.least("boundary_idle_s") == 0.002
     assert table.col("peak_rss_bytes").astype("int64").tolist() == \
         [r.peak_rss_bytes for r in results]
 

@@ -94,7 +94,7 @@ class Recovery(Elastic):
         export = plan.zero_stage == 0 and plan.dp > 1 and not plan.full_replica_per_rank
         failed = self.group.inflight  # (the failed calls: their errors are known soon)
         leaving = self.group.send(lambda r, w: w.leave_group.remote(export))
-        live, dead = self.group.live(failure.lost)
+        live, dead, infos = self.group.live(failure.lost)
         for ref in failed + leaving:
             try:
                 ray.get(ref, timeout=0)
@@ -103,25 +103,24 @@ class Recovery(Elastic):
         log.warning("%s at step %d: %s%s", "a straggler replaced" if failure.replacing
                     else "rank failure", run.step + 1, failure,
                     f"; dead: {', '.join(dead)}" if dead else "")
-        self._catch_up(live)
+        self._catch_up(live, infos)
         return Survivors(live, [leaving[i] for i in live], export, t0)
 
-    def _catch_up(self, live: list[int]) -> None:
+    def _catch_up(self, live: list[int], infos: list[dict]) -> None:
         """--step_protocol ranks: the ranks commit on their own, and rank 0 answers for a
         step just before it commits it, so its answer can be lost with it. Survivors
         that all committed the step after the last one recorded carry on from it, its
         answer taken from a survivor's copy of the step's table (``lost_answer``, which
         the step loop records). Survivors that disagree leave the run at the driver's
-        step (the recovery then finds their state cannot be used in memory)."""
+        step (the recovery then finds their state cannot be used in memory). ``infos``:
+        the survivors' RankWorker.info, asked after they left the group."""
         run = self.record
         if self.cfg.step_protocol != "ranks" or not live:
             return
+        steps = {i["committed_step"] for i in infos}
+        if len(steps) != 1 or (step := steps.pop()) != run.step + 1:
+            return
         try:
-            infos = self.group.wait([self.group.actors[i].info.remote() for i in live],
-                                    timeout_s=60)
-            steps = {i["committed_step"] for i in infos}
-            if len(steps) != 1 or (step := steps.pop()) != run.step + 1:
-                return
             agreed = self.group.wait([self.group.actors[live[0]].last_agreed.remote()],
                                      timeout_s=60)[0]
         except WorkerFailure:

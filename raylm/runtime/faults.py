@@ -6,9 +6,9 @@ gradients overflow.
 A run takes the faults ``inject`` set in its process; a rank holds them as ``Faults``,
 which does nothing when empty. Phases: "step" (before its forward), "sync" (during its
 gradient sync), "overflow" (its gradient becomes inf before the sync, as an fp16
-overflow; the rank lives), "update" (after the sync), "agreed" (--step_protocol ranks: after the
-step's all-gather, before rank 0 answers and any rank commits), "commit", "checkpoint",
-"recovery" (rejoining after a failure). ``step`` counts the committed steps before it.
+overflow; the rank lives), "update" (after the sync), "agreed" (--step_protocol ranks:
+after the step's all-gather, before rank 0 answers and any rank commits), "commit",
+"checkpoint", "recovery" (rejoining after a failure). ``step`` counts the committed steps before it.
 """
 
 from __future__ import annotations

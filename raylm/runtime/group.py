@@ -354,8 +354,9 @@ class WorkerGroup:
         every rank stops after that step (not waited for)."""
         self.ranks[0].actor.ask_stop.remote(first)
 
-    def live(self, lost: tuple = ()) -> tuple[list[int], list[str]]:
-        """(indices of the ranks that answer, descriptions of those that do not). An
+    def live(self, lost: tuple = ()) -> tuple[list[int], list[str], list[dict]]:
+        """(indices of the ranks that answer, descriptions of those that do not, the
+        answering ranks' RankWorker.info). An
         actor answers after the calls queued before it: a survivor once its failed step
         has returned (at once, or once a peer it waits on has left the group or been
         released from). One still blocked after RELEASE_AFTER_S waits in a collective on
@@ -369,15 +370,15 @@ class WorkerGroup:
         blocked = [i for i, ref in zip(asked, refs) if ref not in answered]
         if blocked:
             self.release(blocked, from_all=True)
-        live, dead = [], [self.describe(i) for i in lost]
+        live, dead, infos = [], [self.describe(i) for i in lost], []
         deadline = time.time() + SURVIVOR_GRACE_S
         for i, ref in zip(asked, refs):
             try:
-                ray.get(ref, timeout=max(0.1, deadline - time.time()))
+                infos.append(ray.get(ref, timeout=max(0.1, deadline - time.time())))
                 live.append(i)
             except Exception:
                 dead.append(self.describe(i))
-        return live, dead
+        return live, dead, infos
 
     # -- changing ---------------------------------------------------------------------------
     def select(self, indices: list[int], infos: Optional[list] = None) -> list:

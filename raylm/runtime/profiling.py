@@ -38,8 +38,8 @@ def slowest_breakdown(table) -> dict:
     slowest = int(np.argmax(table.col("step_s") + np.nan_to_num(table.col("optimizer_s"))))
     out = {k: float(np.nan_to_num(table.col(k)[slowest]))
            for k in BREAKDOWN if k != "boundary_idle_s"}
-    idle = table.col("boundary_idle_s")
-    out["boundary_idle_s"] = 0.0 if np.isnan(idle).all() else float(np.nanmin(idle))
+    idle = table.least("boundary_idle_s")
+    out["boundary_idle_s"] = 0.0 if idle is None else idle
     return out
 
 

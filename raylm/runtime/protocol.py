@@ -138,6 +138,11 @@ class StepTable:
     def col(self, name: str) -> np.ndarray:
         return self.values[:, _COL[name]]
 
+    def least(self, name: str) -> Optional[float]:
+        """The smallest of column ``name`` that is not NaN (None when none is)."""
+        values = self.col(name)
+        return None if np.isnan(values).all() else float(np.nanmin(values))
+
     def loss_row(self) -> StepResult:
         """The answer of a rank that computed the loss (under a pipeline, a last stage)."""
         has = np.flatnonzero(self.col("has_loss") > 0)

@@ -100,7 +100,7 @@ class Reporter:
                "data_wait_s": float(table.col("data_wait_s").max()) + waited,
                "snapshot_s": float(table.col("snapshot_s").max()),
                # The step boundary's cost: the rank that answered last waited least.
-               "boundary_idle_s": least(table.col("boundary_idle_s")),
+               "boundary_idle_s": table.least("boundary_idle_s"),
                "breakdown": slowest_breakdown(table),
                "peak_rss_bytes": table.col("peak_rss_bytes").astype(np.int64).tolist(),
                "world_size": plan.world_size}
@@ -325,8 +325,3 @@ class Window:
         self.steps += 1
         self.stream_wait += stream_wait
         self.parts.add(rec["breakdown"])
-
-
-def least(values: np.ndarray) -> Optional[float]:
-    """The smallest of ``values`` that is not NaN (None when none is)."""
-    return None if np.isnan(values).all() else float(np.nanmin(values))

@@ -17,13 +17,13 @@ from datetime import timedelta
 import ray
 
 from raylm import storage
+from raylm.data.sampler import replica_schedule
 from raylm.models.lora import save_lora
 from raylm.parallel.mesh import build_mesh
 from raylm.runtime.faults import Faults
 from raylm.runtime.metrics import perplexity
 from raylm.runtime.precision import save_in_dtype, saved_dtype
 from raylm.runtime.profiling import StepClock, StepProfiler
-from raylm.data.sampler import replica_schedule
 from raylm.runtime.protocol import EvalResult, StepRequest, StepResult, StepTable, \
     WindowRequest
 
@@ -75,6 +75,7 @@ class RankWorker:
         self.doing = (0, -1, "starting")
         self.stop_window = None  # the window (its first step) the driver asked to end
         self.sampler = (None, None)  # (its ObjectRef, the run's sampler): --step_protocol
+        self.agreed = None  # (step, StepTable) of the last step agreed on (last_agreed)
 
     # -- heartbeat -------------------------------------------------------------------------
     @ray.method(concurrency_group="health")
@@ -364,7 +365,7 @@ class RankWorker:
         """(step, StepTable) of the last step this rank agreed on (--step_protocol
         ranks), or None: a recovery records from it a step whose answer was lost with
         rank 0."""
-        return getattr(self, "agreed", None)
+        return self.agreed
 
     def _agree(self, out: StepResult, first: int, batch_size: int) -> StepTable:
         """The step's commit, agreed among the ranks: every rank's row of answers is
