@@ -73,8 +73,9 @@ def test_ranks_are_compared_with_their_peers_only():
 
 def test_a_survivor_blocked_on_a_silent_peer_is_released_by_its_own_side():
     """A thread blocked reading from a peer that never answers (frozen, or cut off) is
-    released when this process shuts down its sockets to that peer's endpoints; its
-    connection to another peer, and the listener, stay open."""
+    released when this process shuts down its sockets to that peer (as the peer's
+    heartbeat reported its sockets); its connection to another peer, and the listener,
+    stay open."""
     listener = socket.create_server(("127.0.0.1", 0))
     silent = socket.create_connection(listener.getsockname())
     other = socket.create_connection(listener.getsockname())
@@ -84,13 +85,36 @@ def test_a_survivor_blocked_on_a_silent_peer_is_released_by_its_own_side():
     reader = threading.Thread(target=lambda: got.append(ours_to_silent.recv(1)),
                               daemon=True)
     reader.start()
-    # the silent peer's endpoints, as its heartbeat reported them
-    assert silent.getsockname() in local_endpoints()
-    assert release_sockets([silent.getsockname()]) == 1
+    reported = {(silent.getsockname(), silent.getpeername())}  # the silent peer's
+    assert reported <= local_endpoints()
+    assert release_sockets(reported) == 1
     reader.join(timeout=5)
     assert not reader.is_alive() and got == [b""]
     other.sendall(b"x")
     assert ours_to_other.recv(1) == b"x"  # untouched
-    assert listener.getsockname() in local_endpoints()  # (still listening)
+    assert (listener.getsockname(), None) in local_endpoints()  # (still listening)
     for s in (listener, silent, other, ours_to_silent, ours_to_other):
+        s.close()
+
+
+def test_a_connection_from_the_same_port_number_to_another_peer_is_kept():
+    """On one host, two processes' connections to different peers may leave from the
+    same local port. Releasing a lost peer shuts the connection that mirrors one of its
+    own, not another process's connection that happens to come from the same port."""
+    gloo, grpc = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    clients = []
+    for server in (gloo, grpc):  # the lost peer's, then another process's, from one port
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        c.bind(("127.0.0.1", clients[0].getsockname()[1] if clients else 0))
+        c.connect(server.getsockname())
+        clients.append(c)
+    lost, bystander = clients
+    assert lost.getsockname() == bystander.getsockname()
+    from_lost, from_bystander = gloo.accept()[0], grpc.accept()[0]
+    assert release_sockets({(lost.getsockname(), lost.getpeername())}) == 1
+    assert from_lost.recv(1) == b""  # shut down
+    bystander.sendall(b"x")
+    assert from_bystander.recv(1) == b"x"  # untouched: before, it was shut too
+    for s in (gloo, grpc, lost, bystander, from_lost, from_bystander):
         s.close()

@@ -466,7 +466,7 @@ class WorkerGroup:
             peers = [k for k in range(len(self.ranks)) if k != i and (from_all or k in chosen)]
             gone = set().union(*(ends[k] for k in peers))
             if gone:
-                r.actor.release.remote(sorted(gone))
+                r.actor.release.remote(list(gone))
 
     def abort(self) -> None:
         """Every rank aborts its NCCL communicators (a survivor blocked on a peer that

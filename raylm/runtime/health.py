@@ -39,7 +39,7 @@ class Heartbeats:
     def __init__(self, interval_s: float, timeout_s: float):
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.pings: dict = {}  # id(actor) -> _Ping
-        # id(actor) -> its sockets' local (ip, port)s, as last reported (kept when a
+        # id(actor) -> its TCP sockets (local_endpoints), as last reported (kept when a
         # watch starts afresh: the rank sends them again only when they change)
         self.known: dict = {}
         self.checked_at = 0.0
@@ -94,7 +94,7 @@ class Heartbeats:
         return p.doing if p is not None else (0, -1, "starting")
 
     def endpoints(self, actor) -> frozenset:
-        """The local (ip, port) of every TCP socket ``actor`` had at its last answer."""
+        """``actor``'s TCP sockets at its last answer (``local_endpoints``)."""
         return self.known.get(id(actor), frozenset())
 
 
@@ -237,8 +237,8 @@ def _sigkill(pid: int) -> Optional[bool]:
 # when the peer's sockets close. A peer that is frozen, or on a node cut off, closes
 # nothing, and neither gloo's abort nor destroying the group frees a rank blocked in a
 # collective: so the survivor shuts down its own sockets to the peer, found by the
-# peer's local endpoints (which it reported while it was well), from a thread of its
-# own. The collective then raises at once and the process keeps its state. Only those
+# peer's sockets as it reported them while it was well (both ends of each connection),
+# from a thread of its own. The collective then raises at once and the process keeps its state. Only those
 # sockets: shutting down gloo's listener too makes gloo end the process.
 
 def _tcp_sockets():
@@ -266,13 +266,17 @@ def _endpoint(address) -> tuple:
 
 
 def local_endpoints() -> frozenset:
-    """The local (ip, port) of every TCP socket of this process (listening ones too):
-    what a peer's connections to it end at."""
+    """This process's TCP sockets, as a peer finds its connections to them: each
+    listener as ((ip, port), None), each connection as ((local ip, port), (peer ip,
+    port)). A connection needs both ends: a client's local port is unique only with its
+    peer's, and another process on the host may use the same number for another peer."""
     out = set()
     for s in _tcp_sockets():
         try:
-            out.add(_endpoint(s.getsockname()))
-        except OSError:
+            local = _endpoint(s.getsockname())
+            listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            out.add((local, None if listening else _endpoint(s.getpeername())))
+        except OSError:  # neither listening nor connected, or closed meanwhile
             pass
         finally:
             s.detach()
@@ -280,12 +284,20 @@ def local_endpoints() -> frozenset:
 
 
 def release_sockets(peer_endpoints) -> int:
-    """Shut down this process's connections to ``peer_endpoints`` (a lost peer's
-    ``local_endpoints``): what it is blocked on in them raises. Returns how many."""
-    peer_endpoints, shut = set(map(tuple, peer_endpoints)), 0
+    """Shut down this process's connections to a lost peer (its ``local_endpoints``):
+    those to its listeners, and those whose two ends mirror one of its connections.
+    What this process is blocked on in them raises. Returns how many."""
+    listeners, connections = set(), set()
+    for local, peer in peer_endpoints:
+        if peer is None:
+            listeners.add(tuple(local))
+        else:
+            connections.add((tuple(peer), tuple(local)))  # (as this side sees it)
+    shut = 0
     for s in _tcp_sockets():
         try:
-            if _endpoint(s.getpeername()) in peer_endpoints:
+            ends = (_endpoint(s.getsockname()), _endpoint(s.getpeername()))
+            if ends[1] in listeners or ends in connections:
                 s.shutdown(socket.SHUT_RDWR)
                 shut += 1
         except OSError:  # not connected (a listener), or closed meanwhile
@@ -293,6 +305,7 @@ def release_sockets(peer_endpoints) -> int:
         finally:
             s.detach()
     return shut
+
 
 def abort_groups() -> bool:
     """NCCL: a survivor blocked on a lost peer raises nothing, and closing sockets does

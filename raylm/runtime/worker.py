@@ -80,13 +80,13 @@ class RankWorker:
     # -- heartbeat -------------------------------------------------------------------------
     @ray.method(concurrency_group="health")
     def ping(self, known: bool = False) -> tuple:
-        """What this rank is doing (``doing``) and its sockets' local endpoints (None
-        when ``known`` and unchanged since the last ping), answered on a thread of its
+        """What this rank is doing (``doing``) and its TCP sockets (``local_endpoints``;
+        None when ``known`` and unchanged since the last ping), answered on a thread of its
         own: a rank busy training answers; one frozen, or on a node cut off, does not
         (raylm.runtime.health)."""
         from raylm.runtime.health import local_endpoints
 
-        endpoints = local_endpoints()  # (what a peer's connections to this rank end at)
+        endpoints = local_endpoints()  # (how a peer finds its connections to this rank)
         changed = not known or endpoints != getattr(self, "reported_endpoints", None)
         self.reported_endpoints = endpoints
         return getattr(self, "doing", (0, -1, "starting")), endpoints if changed else None
