@@ -313,24 +313,26 @@ def test_elastic_bounds_errors_before_any_actor(kw, message, ray_cluster, tmp_pa
                                   cpus_per_worker=0.5, **kw)
 
 
-def test_rank_zero_opens_the_next_groups_rendezvous_before_any_peer_connects():
-    """Every group (the first, and each regroup's) meets at a TCPStore its rank 0 opens
-    when the driver asks for the address (RankWorker.host_store): a peer that connects
-    before rank 0 joined finds the server there at once (a client that finds none
-    retries with a back-off, 0.3-0.8 s of a group's start), and rank 0's join takes it.
-    Called on a bare namespace: a RankWorker in this process would set its threads."""
+def test_every_generation_meets_at_the_drivers_store_over_one_kept_connection():
+    """The group's rendezvous is a TCPStore in the driver, one for the group's life
+    (WorkerGroup.rendezvous); a rank connects to it once and keeps the connection for
+    every later generation (RankWorker._store), so a regroup opens none. Called on a
+    bare namespace: a RankWorker in this process would set its threads."""
     from datetime import timedelta
     from types import SimpleNamespace
 
-    import ray
-    import torch.distributed as dist
-
+    from raylm.runtime.group import WorkerGroup
     from raylm.runtime.worker import RankWorker
 
-    rank0 = SimpleNamespace()
-    port = RankWorker.host_store(rank0, 30)
-    # (with no server there, this raises once it has retried for 2 s)
-    peer = dist.TCPStore(ray.util.get_node_ip_address(), port, None, is_master=False,
-                         timeout=timedelta(seconds=2), wait_for_workers=False)
-    peer.set("from-peer", b"1")
-    assert rank0.hosted_store.get("from-peer") == b"1"
+    group = WorkerGroup(collective_timeout_s=30, huge_pages=False)
+    master = group.rendezvous()
+    assert group.rendezvous() == master  # (the next generation's: the same store)
+    rank = SimpleNamespace(store=None)
+    client = RankWorker._store(rank, master, timedelta(seconds=2))
+    assert RankWorker._store(rank, master, timedelta(seconds=2)) is client
+    client.set("from-rank", b"1")
+    assert group.store.get("from-rank") == b"1"
+    group.stop()  # (a new run's group opens a new store: the rank connects to that one)
+    other = WorkerGroup(collective_timeout_s=30, huge_pages=False)
+    assert RankWorker._store(rank, other.rendezvous(), timedelta(seconds=2)) is not client
+    other.stop()

@@ -29,9 +29,6 @@ class Recorder:
         self.calls.append(("info",))
         return {"rank": 0, "node_id": "n", "ip": "127.0.0.1", "pid": 0}
 
-    def host_store(self, timeout_s):
-        return 1
-
     def seen(self):
         return list(self.calls)
 

@@ -419,8 +419,9 @@ class Growth(Elastic):
                               grown.world_size, self.cfg.huge_pages)
         from raylm.runtime.engine import builds_on_meta
 
-        warm = [a.warm_up.remote(self.spec, self.cfg.seed, builds_on_meta(grown, self.spec))
-                for a in actors]
+        on_meta, master = builds_on_meta(grown, self.spec), self.group.rendezvous()
+        warm = [a.warm_up.remote(self.spec, self.cfg.seed, on_meta, master,
+                                 self.cfg.collective_timeout_s) for a in actors]
         self.newcomers = (actors, pg, warm, slots)
         log.info("capacity for %d more rank(s): starting them (they join at a step "
                  "boundary once warm)", len(slots))

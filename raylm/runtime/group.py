@@ -14,6 +14,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import ray
@@ -74,6 +75,7 @@ class WorkerGroup:
         # Kept ranks this run of fewer ranks left idle, kept again with the group's own
         # at its end (take_kept)
         self.spares: list[Rank] = []
+        self.store = None  # the rendezvous store the driver hosts (rendezvous)
 
     # -- what the driver reads --------------------------------------------------------------
     @property
@@ -403,13 +405,26 @@ class WorkerGroup:
 
     def regroup(self, calls: Callable) -> list:
         """Move the ranks into a new generation of the process group: the generation
-        goes up, rank 0 hosts the rendezvous, and ``calls(master, generation)`` gives
-        the refs (each rank's join, regroup or rebuild) that are waited for."""
+        goes up and ``calls(master, generation)`` gives the refs (each rank's join,
+        regroup or rebuild) that are waited for; ``master``: ``rendezvous``."""
         self.flush()
         self.generation += 1
-        port = self.wait([self.ranks[0].actor.host_store.remote(self.collective_timeout_s)])[0]
-        master = f"{self.ranks[0].info['ip']}:{port}"
-        return self.wait(calls(master, self.generation))
+        return self.wait(calls(self.rendezvous(), self.generation))
+
+    def rendezvous(self) -> str:
+        """The address of the group's rendezvous: a TCPStore in the driver for the
+        group's life, where each generation meets under its own keys. A rank keeps its
+        connection across generations (RankWorker._store), so a regroup opens none;
+        torch looks up the peer's name of every new store connection, which costs the
+        resolver's timeout (5 s) whenever that lookup is lost, more often the more ranks
+        connect at once. And no rank, which may itself be the one lost, hosts it."""
+        import torch.distributed as dist
+
+        ip = ray.util.get_node_ip_address()
+        if self.store is None:
+            self.store = dist.TCPStore(ip, 0, None, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.collective_timeout_s))
+        return f"{ip}:{self.store.port}"
 
     def send_keepers(self, snapshots) -> None:
         """Tell each rank which snapshot keepers to send to (after every change)."""
@@ -500,6 +515,7 @@ class WorkerGroup:
         for pg in [self.pg] + self.growth_pgs:
             remove(pg)
         self.pg, self.growth_pgs = None, []
+        self.store = None  # (its server closes with it)
 
 
 def start_actors(plan: Plan, slots: list, ranks, world_size: int, huge_pages: bool) -> list:

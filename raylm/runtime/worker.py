@@ -69,7 +69,7 @@ class RankWorker:
         self.optimizer_s = None  # the last optimizer step's time, or its marks (commit)
         self.profiler = None  # raylm.runtime.profiling.StepProfiler under --profile
         self.profiled = False
-        self.hosted_store = None  # the next group's rendezvous store (host_store)
+        self.store = None  # (address, client) of the group's rendezvous store (_store)
         # What this rank is doing, for the driver's heartbeats (ping): (step, index in
         # STEP_PHASES) in a step, (committed step, -1) with what otherwise.
         self.doing = (0, -1, "starting")
@@ -126,20 +126,17 @@ class RankWorker:
                 "generation": self.generation, "committed_step": self.committed_step,
                 "device": _device_name()}
 
-    def host_store(self, timeout_s: float) -> int:
-        """Open the rendezvous store of the next process group this rank will be rank 0
-        of (a TCPStore server on a port the system picks) and return its port: ``join``
-        takes it. Opened before any rank connects: a TCPStore client that finds no server
-        retries with a back-off, and cost a group's start 0.3-0.8 s whenever a peer got
-        there before rank 0 (a port found free and opened by ``join`` also raced)."""
-        import ray
+    def _store(self, master: str, timeout: timedelta):
+        """A client of the rendezvous store at ``master`` (the driver's: WorkerGroup
+        .rendezvous), kept across the group's generations: a regroup opens no new
+        connection (each costs torch a lookup of the peer's name)."""
         import torch.distributed as dist
 
-        self.hosted_store = dist.TCPStore(ray.util.get_node_ip_address(), 0, None,
-                                          is_master=True,
-                                          timeout=timedelta(seconds=timeout_s),
-                                          wait_for_workers=False)
-        return self.hosted_store.port
+        if self.store is None or self.store[0] != master:
+            host, port = master.rsplit(":", 1)
+            self.store = (master, dist.TCPStore(host, int(port), None, is_master=False,
+                                                timeout=timeout, wait_for_workers=False))
+        return self.store[1]
 
     def join(self, master: str, plan, collective_timeout_s: float,
              generation: int = 0) -> bool:
@@ -157,15 +154,9 @@ class RankWorker:
         self.generation = generation
         self.collective_timeout_s = collective_timeout_s
         self.device = torch.device("cuda", 0) if plan.use_gpu else torch.device("cpu")
-        host, port = master.rsplit(":", 1)
         _gloo_on_node_address()
         timeout = timedelta(seconds=collective_timeout_s)
-        hosted, self.hosted_store = self.hosted_store, None
-        if self.rank == 0 and hosted is not None and hosted.port == int(port):
-            store = hosted  # (host_store)
-        else:
-            store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
-                                  timeout=timeout, wait_for_workers=False)
+        store = self._store(master, timeout)
         dist.init_process_group("nccl" if plan.use_gpu else "gloo",
                                 store=dist.PrefixStore(f"raylm/generation-{generation}", store),
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
@@ -173,15 +164,18 @@ class RankWorker:
         self.mesh = build_mesh(plan.dims, self.device.type)
         return True
 
-    def warm_up(self, spec, seed: int, on_meta: bool) -> dict:
+    def warm_up(self, spec, seed: int, on_meta: bool, master: str,
+                collective_timeout_s: float) -> dict:
         """What a rank that will join a running group does before it joins, while the
-        live ranks train on: the heavy imports (torch, transformers, the engine) and its
-        initial model (raylm.runtime.engine.initial_model: the whole model, or its
-        skeleton, ``on_meta``: raylm.runtime.engine.builds_on_meta), which ``build``
-        then takes instead of building one while the live ranks wait."""
+        live ranks train on: the heavy imports (torch, transformers, the engine), its
+        connection to the group's rendezvous at ``master``, and its initial model
+        (raylm.runtime.engine.initial_model: the whole model, or its skeleton,
+        ``on_meta``: raylm.runtime.engine.builds_on_meta), which ``build`` then takes
+        instead of building one while the live ranks wait."""
         from raylm.runtime.engine import initial_model
 
         t0 = time.time()
+        self._store(master, timedelta(seconds=collective_timeout_s))
         self.warm_model = (on_meta, initial_model(spec, seed, on_meta))
         return {"warm_up_s": time.time() - t0}
 
