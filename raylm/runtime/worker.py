@@ -213,8 +213,8 @@ class RankWorker:
 
         t0 = time.time()
         self.prepared, self.returned_at = None, None
-        if dist.is_initialized():
-            self.leave_group()
+        if dist.is_initialized():  # (a group that grows: every rank leaves it well)
+            self.leave_group(collect=False)
         self.rank, self.world_size = rank, world_size
         self.join(master, plan, self.collective_timeout_s, generation)
         self.faults.trip(self.rank, self.committed_step, "recovery", self.generation)
@@ -388,7 +388,7 @@ class RankWorker:
                                 for ids, speaks in zip(every, table.col("speaks")) if speaks]
         return table
 
-    def leave_group(self, export: bool = False):
+    def leave_group(self, export: bool = False, collect: bool = True):
         """After a failure: leave the process group for good, dropping every reference
         to it so that its connections close. Only that releases a survivor blocked on
         data from this rank (gloo's abort and shutdown do not close them; a process
@@ -398,7 +398,10 @@ class RankWorker:
 
         ``export``: first put this rank's state in Ray's object store, in checkpoint
         form (Engine.export_state), for the ranks of a new layout to read; returns what
-        it wrote (``rebuild``), else True."""
+        it wrote (``rebuild``), else True. ``collect``: collect the garbage at once, so
+        that groups held in reference cycles close now (a full collection, in a process
+        holding all of torch: the bulk of a rank's part of a regroup). Not needed when
+        no peer is blocked on this rank: Python collects them later."""
         self._doing("leaving its group")
         import gc
 
@@ -423,7 +426,8 @@ class RankWorker:
                 dist.destroy_process_group()
             except Exception as e:  # a broken group may not tear down cleanly
                 log.warning("rank %d: leaving the group: %s", self.rank, e)
-        gc.collect()
+        if collect:
+            gc.collect()
         return out
 
     def rebuild(self, master: str, plan, rank: int, world_size: int, generation: int,
