@@ -238,8 +238,9 @@ def _sigkill(pid: int) -> Optional[bool]:
 # nothing, and neither gloo's abort nor destroying the group frees a rank blocked in a
 # collective: so the survivor shuts down its own sockets to the peer, found by the
 # peer's sockets as it reported them while it was well (both ends of each connection),
-# from a thread of its own. The collective then raises at once and the process keeps its state. Only those
-# sockets: shutting down gloo's listener too makes gloo end the process.
+# from a thread of its own. The collective then raises at once and the process keeps
+# its state. Only those sockets: shutting down gloo's listener too makes gloo end the
+# process.
 
 def _tcp_sockets():
     """This process's TCP sockets, each as a socket object that shares its fd (detach
