@@ -390,6 +390,7 @@ def _split_rank(rank: int, port: int, out_dir: str, queue) -> None:
                           output_dir=out_dir)
         plan, _ = plan_run(cfg, WORLD, spec, 64)
         worker = RankWorker(rank, WORLD, 1)
+        worker.hosted = _host_rendezvous(rank, port)  # (open while the worker lives)
         worker.join(f"127.0.0.1:{port}", plan, 120)
         settings = {**cfg.to_dict(), "faults": (), "steps_per_epoch": 1,
                     "profile_dir": out_dir}
@@ -445,6 +446,15 @@ def test_a_split_layout_builds_only_its_share(tmp_path):
         assert r["held"] < 0.6 * r["model"], (rank, r)  # a quarter, twice (+ replicated norms)
         assert r["peak"] < r["held"] + 1.5 * r["block"], (rank, r)
         assert r["peak"] < 0.75 * results[0]["whole_build"], (rank, r)
+
+
+def _host_rendezvous(rank: int, port: int):
+    """Rank 0 hosts the group's rendezvous store at ``port``, as the driver does in a
+    run (WorkerGroup.rendezvous); the ranks' joins connect to it."""
+    if rank != 0:
+        return None
+    return torch.distributed.TCPStore("127.0.0.1", port, None, is_master=True,
+                                      wait_for_workers=False)
 
 
 def _checkpoints(root) -> dict:
@@ -533,6 +543,7 @@ def _zero3_rank(rank: int, port: int, root: str, queue) -> None:
             plan, _ = plan_run(cfg, 2, spec, 16)
             if worker is None:
                 worker = RankWorker(rank, 2, 1)
+                worker.hosted = _host_rendezvous(rank, port)  # (open while it lives)
                 worker.join(f"127.0.0.1:{port}", plan, 120)
             settings = {**cfg.to_dict(), "faults": (), "steps_per_epoch": 1,
                         "profile_dir": str(root / "out")}
