@@ -103,3 +103,27 @@ def _play(tmp_path, name):
     d.mkdir()
     shutil.copy(SHAKESPEARE / name, d / name)
     return d
+
+
+def _freeze_counts(rank, port, queue):
+    import gc
+
+    from raylm.runtime.worker import RankWorker
+
+    before = gc.get_freeze_count()
+    worker = RankWorker(0, 1, 1)
+    frozen = gc.get_freeze_count()
+    worker.reset(0, 1, 1)  # (a kept process becomes a new run's rank)
+    queue.put((rank, (before, frozen, gc.get_freeze_count())))
+
+
+def test_a_rank_sets_its_imports_aside_from_the_collector_once():
+    """A rank freezes what its imports made (gc.freeze) when it starts, so its full
+    collections (leaving a group, a reset) scan only what runs made; a kept process's
+    reset freezes nothing more (it would freeze the last run's groups, never closed)."""
+    from tests.gloo_ranks import run_ranks
+
+    results, _ = run_ranks(_freeze_counts, 1)
+    before, frozen, after_reset = results[0]
+    assert before == 0 and frozen > 100_000  # (torch's and transformers' objects)
+    assert after_reset <= frozen  # (frozen objects freed by their counts leave it)
