@@ -156,3 +156,41 @@ def test_a_nan_loss_stays_a_number_and_an_unknown_time_is_none():
     row = table.loss_row()
     assert math.isnan(row.loss) and row.optimizer_s == 0.02
     assert table.result(0).optimizer_s is None and table.result(0).boundary_idle_s is None
+
+
+def test_the_history_grows_by_a_record_a_step_not_by_a_rank(tmp_path):
+    """Each step's record lists every rank's peak memory; the records of steps in which
+    no peak changed share one list (10,000 ranks x 100,000 steps would otherwise hold
+    a billion numbers), and a changed peak is recorded as it is."""
+    import numpy as np
+
+    from raylm.config import TrainConfig
+    from raylm.data.sampler import GlobalBatchSampler
+    from raylm.models.loading import ModelSpec
+    from raylm.plan.dims import ParallelDims
+    from raylm.plan.layout import Plan
+    from raylm.runtime.metrics import MetricsLog, Progress
+    from raylm.runtime.policy import RunRecord
+    from raylm.runtime.protocol import COLUMNS
+    from raylm.runtime.reporting import Reporter
+
+    n = 10000
+    plan = Plan(ParallelDims(dp=n), micro_batch_size=1, global_batch_size=n,
+                cpus_per_worker=1)
+    record = RunRecord(plan=plan)
+    spec = ModelSpec(config=None, pretrained_path=None, tokenizer_dir=str(tmp_path),
+                     vocab_size=64, objective="clm")
+    report = Reporter(TrainConfig(train_file=["a.txt"], output_dir=str(tmp_path),
+                                  disable_tqdm=True), record, MetricsLog(str(tmp_path)),
+                      Progress(3, 0, True), 3, spec, 8, str(tmp_path))
+    sampler = GlobalBatchSampler(np.arange(3 * n), n, seed=0)
+    results, table = step_table(n)
+    for grown in (False, False, True):
+        if grown:
+            table.values[n - 1, COLUMNS.index("peak_rss_bytes")] += 4096
+        record.step += 1
+        report.step(table, table.loss_row(), 1.0, 0.0, None, None, False, sampler, plan)
+    first, second, third = (h["peak_rss_bytes"] for h in record.history)
+    assert first is second and first == [r.peak_rss_bytes for r in results]
+    assert third is not second and third[-1] == results[-1].peak_rss_bytes + 4096
+    assert third[:-1] == second[:-1]

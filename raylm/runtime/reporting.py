@@ -49,6 +49,7 @@ class Reporter:
         self.window = Window()
         self.stragglers = Stragglers(cfg.straggler_factor, cfg.straggler_steps)
         self._peers: tuple = (None, None)  # (the plan, each rank's group of peers)
+        self._rss: tuple = (None, None)  # each rank's peak memory: (array, list) (_peaks)
         self.to_replace: list = []  # stragglers to replace (--replace_stragglers)
 
     # -- model FLOPs ------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class Reporter:
                # The step boundary's cost: the rank that answered last waited least.
                "boundary_idle_s": table.least("boundary_idle_s"),
                "breakdown": slowest_breakdown(table),
-               "peak_rss_bytes": table.col("peak_rss_bytes").astype(np.int64).tolist(),
+               "peak_rss_bytes": self._peaks(table),
                "world_size": plan.world_size}
         self._stragglers(table, plan, rec)
         if scale is not None:  # fp16: the scale used, and the state after the step
@@ -130,6 +131,15 @@ class Reporter:
                   sampler.steps_per_epoch, last=self.steps):
             self._log_window(rec, scale, plan, stream is not None)
         return rec
+
+    def _peaks(self, table: StepTable) -> list:
+        """Each rank's peak resident memory so far: one list shared by the records of
+        the steps in which no peak changed (a high-water mark seldom does), so that the
+        history grows by a number a step, not by one a rank."""
+        rss = table.col("peak_rss_bytes").astype(np.int64)
+        if self._rss[0] is None or not np.array_equal(rss, self._rss[0]):
+            self._rss = (rss, rss.tolist())
+        return self._rss[1]
 
     def _stragglers(self, table: StepTable, plan: Plan, rec: dict) -> None:
         """The rank furthest behind its peers in the step, into its record; a warning
