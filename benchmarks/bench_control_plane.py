@@ -18,10 +18,12 @@ dies at step 25: the recovery's "detect and settle" (the failure seen, the survi
 out of the old group) and "regroup" (the smaller group formed) times, from the
 driver's log; and a run of N - 1 ranks that a new rank joins (rank 0 stalls 1.5 s in
 step 6, for the driver's look for room, and 12 s in step 26 while the newcomer warms
-up): how long the live ranks paused for the join. For each protocol two shapes, a + b x N and a + b x log2 N, are fitted to the
-driver's CPU per step over the smaller Ns and checked against the largest (held back),
-then extrapolated to 1,000 and 10,000 ranks (``--refit`` fits them again to a result
-file's rows).
+up): how long the live ranks paused for the join. Under the ranks' protocol a second
+timed run, each step sleeping ``--sleep_ms`` longer, splits the driver's CPU a step
+into a part a step and a part a second of step (Ray's threads). For each protocol
+(and each part) two shapes, a + b x N and a + b x log2 N, are fitted over the smaller
+Ns and checked against the largest (held back), then extrapolated to 1,000 and 10,000
+ranks (``--refit`` fits them again to a result file's rows).
 Asserts nothing; writes benchmarks/results/bench_control_plane-<date>.json.
 """
 
@@ -43,9 +45,12 @@ sys.path.insert(0, REPO)
 LOG_EVERY = 25  # steps between the driver's step lines, which the clock reads
 
 
-def stand_in():
+def stand_in(sleep_s: float = 0.0):
     """A language model whose step costs next to nothing: an embedding of width 1 and a
-    linear head over the built-in tokenizer's 4,096 tokens."""
+    linear head over the built-in tokenizer's 4,096 tokens; ``sleep_s``: its forward
+    also sleeps that long (a longer step at the same CPU)."""
+    import time
+
     from torch import nn
 
     class Tiny(nn.Module):
@@ -54,15 +59,18 @@ def stand_in():
             self.embed, self.head = nn.Embedding(4096, 1), nn.Linear(1, 4096)
 
         def forward(self, input_ids):
+            if sleep_s:
+                time.sleep(sleep_s)
             return self.head(self.embed(input_ids))
 
     return Tiny()
 
 
 class StepClock(logging.Handler):
-    """The driver process's CPU and wall clocks at each "step k/M" log line (the handler
-    runs in the driver's thread as it logs; a callback would change the protocol: the
-    driver sends no step ahead while one is due)."""
+    """The driver process's CPU, its logging thread's CPU (the driver's own loop) and the
+    wall clock at each "step k/M" log line (the handler runs in the driver's thread as
+    it logs; a callback would change the protocol: the driver sends no step ahead while
+    one is due)."""
 
     LINE = re.compile(r"^step (\d+)/")
     SHRANK = re.compile(r"^shrank in memory to \d+ rank\(s\) \(generation \d+\) in "
@@ -70,17 +78,28 @@ class StepClock(logging.Handler):
     GREW = re.compile(r"^grew in memory to \d+ rank\(s\) \(generation \d+\).*?paused "
                       r"([\d.]+) s")
 
-    def __init__(self):
+    def __init__(self, count: bool = False):
         super().__init__(logging.INFO)
-        self.marks = []  # (step, process CPU s, wall s)
+        self.marks = []  # (step, process CPU s, wall s, this thread's CPU s)
+        # ``count``: the function calls the driver's thread makes from the second step
+        # line to the third (its Python work, which the other processes on the cores
+        # cannot change as they change its CPU time)
+        self.count, self.calls = count, 0
         self.shrank = None  # a recovery's (whole, detect and settle, regroup) seconds
         self.grew = None  # how long a join paused the live ranks, seconds
+
+    def _call(self, frame, event, arg):
+        if event in ("call", "c_call"):
+            self.calls += 1
 
     def emit(self, record):
         message = record.getMessage()
         m = self.LINE.match(message)
         if m:
-            self.marks.append((int(m.group(1)), time.process_time(), time.perf_counter()))
+            self.marks.append((int(m.group(1)), time.process_time(), time.perf_counter(),
+                               time.thread_time()))
+            if self.count and len(self.marks) in (2, 3):
+                sys.setprofile(self._call if len(self.marks) == 2 else None)
         m = self.SHRANK.match(message)
         if m:
             self.shrank = tuple(float(x) for x in m.groups())
@@ -90,16 +109,19 @@ class StepClock(logging.Handler):
 
 
 def run(ranks: int, steps: int, play: str, cache: str, protocol: str,
-        kill_at: int = 0, grow_to: int = 0) -> tuple:
+        kill_at: int = 0, grow_to: int = 0, sleep_s: float = 0.0,
+        count: bool = False) -> tuple:
     """One run of ``steps`` steps on ``ranks`` ranks (``kill_at``: the last rank dies
     before step ``kill_at``'s forward; ``grow_to``: one rank more may join: rank 0
     stalls in step 6, so that the driver finds the room, and in step LOG_EVERY + 1
-    while the newcomer warms up): (the StepClock, the history's
-    per-step records)."""
+    while the newcomer warms up; ``sleep_s``: the stand-in's forward sleeps; ``count``:
+    StepClock's): (the StepClock, the history's per-step records)."""
+    import functools
+
     from raylm import TrainConfig, train
     from raylm.runtime import faults
 
-    clock = StepClock()
+    clock = StepClock(count)
     logger = logging.getLogger("raylm")
     logger.addHandler(clock)
     logger.setLevel(logging.INFO)  # (main's handler shows warnings only)
@@ -117,7 +139,7 @@ def run(ranks: int, steps: int, play: str, cache: str, protocol: str,
                 output_dir=tempfile.mkdtemp(prefix="bench-control-"),
                 overwrite_output_dir=True, logging_steps=LOG_EVERY, save_strategy="no",
                 do_eval=False, report_to=["none"], disable_tqdm=True,
-                step_protocol=protocol), model_init=stand_in)
+                step_protocol=protocol), model_init=functools.partial(stand_in, sleep_s))
     finally:
         logger.removeHandler(clock)
     return clock, result.history
@@ -135,34 +157,61 @@ ASSUMED = {
              "and here the step time, which the driver's Ray threads spend CPU through"}
 
 
+def fit(ns: list, values: dict, assumption: str, label: str) -> dict:
+    """Each form (FORMS) fitted to ``values`` on every N of ``ns`` but the largest, its
+    prediction for that one (held back) and its extrapolation to 1,000 and 10,000 ranks;
+    ``better``: the form whose held-back prediction was nearer."""
+    held = ns[-1]
+    forms = {}
+    for form, (x, words) in FORMS.items():
+        b, a = statistics.linear_regression([x(n) for n in ns[:-1]],
+                                            [values[n] for n in ns[:-1]])
+        forms[form] = {"shape": words, "intercept_ms": a, "slope_ms": b,
+                       "held_back_predicted_ms": a + b * x(held),
+                       "extrapolated_ms": {k: a + b * x(k) for k in (1000, 10000)}}
+    better = min(forms, key=lambda f: abs(forms[f]["held_back_predicted_ms"] - values[held]))
+    for m in forms.values():
+        print(f"{label}, {m['shape']}: a = {m['intercept_ms']:.3f} ms, b = "
+              f"{m['slope_ms']:.4f} ms (fitted on {ns[:-1]}); at {held} ranks predicted "
+              f"{m['held_back_predicted_ms']:.2f} ms, measured {values[held]:.2f} ms; "
+              f"extrapolated: 1,000 ranks {m['extrapolated_ms'][1000]:.1f} ms, 10,000 "
+              f"{m['extrapolated_ms'][10000]:.1f} ms")
+    return {"fitted_on": ns[:-1], "held_back": held, "held_back_measured_ms": values[held],
+            "forms": forms, "better": better, "assumption": assumption}
+
+
+SPLIT_ASSUMED = {
+    "per_step_cpu_ms": "the driver's CPU a step that does not depend on how long the step "
+                       "takes (reading rank 0's answer and its table of every rank's "
+                       "figures, the record, the log)",
+    "per_second_cpu_ms": "the driver's CPU a second of step whatever the steps (Ray's "
+                         "threads; the ranks' protocol sends no heartbeat while answers "
+                         "come on time)"}
+
+
 def fit_models(rows: dict, protocols: list) -> dict:
-    """Per protocol and form (FORMS): the line fitted on every N but the largest, its
-    prediction for that one (held back), and its extrapolation to 1,000 and 10,000
-    ranks; ``better``: the form whose held-back prediction was nearer."""
+    """Per protocol, FORMS fitted to the driver's CPU a step (``fit``); for a protocol
+    measured at two step times, also to its part per step and its part per second
+    (``split``), and their sum at 1,000 ranks and a step of 1 s."""
     models = {}
     for protocol in protocols:
         ns = sorted(n for p, n in rows if p == protocol)
         if len(ns) < 3:
             continue
-        held = ns[-1]
-        cpu = {n: rows[protocol, n]["driver_cpu_ms"] for n in ns}
-        forms = {}
-        for form, (x, words) in FORMS.items():
-            b, a = statistics.linear_regression([x(n) for n in ns[:-1]],
-                                                [cpu[n] for n in ns[:-1]])
-            forms[form] = {"shape": words, "intercept_ms": a, "slope_ms": b,
-                           "held_back_predicted_ms": a + b * x(held),
-                           "extrapolated_ms": {k: a + b * x(k) for k in (1000, 10000)}}
-        better = min(forms, key=lambda f: abs(forms[f]["held_back_predicted_ms"] - cpu[held]))
-        models[protocol] = {"fitted_on": ns[:-1], "held_back": held,
-                            "held_back_measured_ms": cpu[held], "forms": forms,
-                            "better": better, "assumption": ASSUMED[protocol]}
-        for form, m in forms.items():
-            print(f"{protocol}, {m['shape']}: a = {m['intercept_ms']:.3f} ms, b = "
-                  f"{m['slope_ms']:.4f} ms (fitted on {ns[:-1]}); at {held} ranks predicted "
-                  f"{m['held_back_predicted_ms']:.2f} ms, measured {cpu[held]:.2f} ms; "
-                  f"extrapolated: 1,000 ranks {m['extrapolated_ms'][1000]:.1f} ms, 10,000 "
-                  f"{m['extrapolated_ms'][10000]:.1f} ms")
+        models[protocol] = fit(ns, {n: rows[protocol, n]["driver_cpu_ms"] for n in ns},
+                               ASSUMED[protocol], protocol)
+        if all("per_step_cpu_ms" in rows[protocol, n] for n in ns):
+            parts = {key: fit(ns, {n: rows[protocol, n][key] for n in ns},
+                              SPLIT_ASSUMED[key], f"{protocol}, {key}")
+                     for key in SPLIT_ASSUMED}
+            step, second = parts["per_step_cpu_ms"], parts["per_second_cpu_ms"]
+            parts["at_1000_ranks_1s_step_ms"] = {
+                form: step["forms"][form]["extrapolated_ms"][1000]
+                + second["forms"][form]["extrapolated_ms"][1000] for form in FORMS}
+            models[protocol]["split"] = parts
+            print(f"{protocol}: at 1,000 ranks and a 1 s step, "
+                  + ", ".join(f"{form} {ms:.1f} ms" for form, ms
+                              in parts["at_1000_ranks_1s_step_ms"].items()))
     return models
 
 
@@ -182,17 +231,145 @@ def refit(path: str) -> str:
     return path
 
 
-def measure(n: int, steps: int, play: str, cache: str, protocol: str) -> dict:
-    """One protocol at ``n`` ranks: a timed run, then (from 2 ranks) one that loses a
-    rank and one of n - 1 ranks that one joins."""
-    clock, history = run(n, steps, play, cache, protocol)
-    (k0, c0, t0), (k1, c1, t1) = clock.marks[1], clock.marks[-1]  # (2nd line on)
+def step_table(n: int):
+    """Rank 0's answer under the ranks' protocol at ``n`` ranks: every rank's row of a
+    step (raylm.runtime.protocol.StepTable), rank n // 3 the slowest."""
+    from raylm.runtime.protocol import StepResult, StepTable
+
+    return StepTable.of([StepResult(
+        loss=2.5, tokens=8 * n, local_tokens=8, has_loss=True, learning_rate=1e-3,
+        grad_norm=1.25, overflow=False, peak_rss_bytes=2**29 + r, data_wait_s=1e-4,
+        forward_backward_s=0.5, grad_sync_s=0.1, clip_s=0.01, optimizer_s=0.02,
+        step_s=0.7 + (0.2 if r == n // 3 else 0.0), boundary_idle_s=0.001,
+        peer_wait_s=0.1) for r in range(n)])
+
+
+def simulate(n: int, steps: int = 500) -> dict:
+    """The driver's own work a step under the ranks' protocol at ``n`` ranks, without
+    Ray: rank 0's answer unpickled (as Ray reads it) and recorded by the real Reporter
+    (the record, the straggler check, the progress, the log window every LOG_EVERY
+    steps), plus the step deadline's update. What it leaves out, Ray's receipt of one
+    answer a step, does not depend on n; the measured part a step (``split``) holds
+    both. Returns the CPU a step and the bytes the history grew by a step."""
+    import pickle
+    import tracemalloc
+
+    import numpy as np
+
+    from raylm.config import TrainConfig
+    from raylm.data.sampler import GlobalBatchSampler
+    from raylm.models.loading import ModelSpec
+    from raylm.plan.dims import ParallelDims
+    from raylm.plan.layout import Plan
+    from raylm.runtime.health import StepDeadline
+    from raylm.runtime.metrics import MetricsLog, Progress
+    from raylm.runtime.policy import RunRecord
+    from raylm.runtime.reporting import Reporter
+
+    out = tempfile.mkdtemp(prefix="bench-control-sim-")
+    cfg = TrainConfig(train_file=["unused.txt"], output_dir=out, num_workers=n,
+                      max_steps=2 * steps, logging_steps=LOG_EVERY, disable_tqdm=True)
+    plan = Plan(ParallelDims(dp=n), micro_batch_size=1, global_batch_size=n,
+                cpus_per_worker=0.5)
+    sampler = GlobalBatchSampler(np.arange(2 * n * steps), n, seed=0)
+    spec = ModelSpec(config=None, pretrained_path=None, tokenizer_dir=out, vocab_size=4096,
+                     objective="clm")
+    record = RunRecord(plan=plan)
+    report = Reporter(cfg, record, MetricsLog(out), Progress(2 * steps, 0, True), 2 * steps,
+                      spec, 8, out)
+    deadline = StepDeadline(3.0, 60.0)
+    answer = pickle.dumps(step_table(n), protocol=5)
+
+    def steps_done() -> None:
+        for _ in range(steps):
+            table = pickle.loads(answer)
+            record.step += 1
+            deadline.add(0.7)
+            report.step(table, table.loss_row(), 0.7, 0.0, None, None, False, sampler, plan)
+
+    c0 = time.process_time()
+    steps_done()
+    cpu = time.process_time() - c0
+    tracemalloc.start()  # (a second pass: tracing slows the first's clock)
+    m0 = tracemalloc.get_traced_memory()[0]
+    steps_done()
+    grew = tracemalloc.get_traced_memory()[0] - m0
+    tracemalloc.stop()
+    calls = [0]  # (a third pass: its function calls)
+
+    def call(frame, event, arg):
+        calls[0] += event in ("call", "c_call")
+
+    sys.setprofile(call)
+    steps_done()
+    sys.setprofile(None)
+    return {"ranks": n, "cpu_ms": 1000 * cpu / steps, "history_bytes_a_step": grew / steps,
+            "answer_bytes": len(answer), "calls_a_step": calls[0] / steps}
+
+
+def simulated(rows: dict, models: dict, ns: list) -> dict:
+    """``simulate`` at each N; beside each measured N of the ranks' protocol, what the
+    measured part a step holds over the simulated (Ray's receipt of rank 0's answer,
+    and what else the simulation leaves out); and, at 1,000 ranks and a step of 1 s,
+    the simulated part a step + the most that was left over + the part a second as
+    each form extrapolates it."""
+    sims = {n: simulate(n) for n in ns}
+    left = {n: rows["ranks", n]["per_step_cpu_ms"] - sims[n]["cpu_ms"] for n in ns
+            if "per_step_cpu_ms" in rows.get(("ranks", n), {})}
+    for n, sim in sims.items():
+        print(f"simulated, {n} ranks: {sim['cpu_ms']:.3f} ms a step, the history "
+              f"{sim['history_bytes_a_step']:,.0f} bytes a step, {sim['calls_a_step']:,.0f} "
+              f"calls a step, rank 0's answer "
+              f"{sim['answer_bytes']:,} bytes"
+              + (f"; measured a step {sim['cpu_ms'] + left[n]:.3f} ms" if n in left else ""))
+    out = {"rows": {str(n): sim for n, sim in sims.items()},
+           "measured_over_simulated_ms": {str(n): ms for n, ms in left.items()}}
+    split_models = models.get("ranks", {}).get("split")
+    if left and split_models and 1000 in sims:
+        second = split_models["per_second_cpu_ms"]["forms"]
+        out["at_1000_ranks_1s_step_ms"] = {
+            form: sims[1000]["cpu_ms"] + max(left.values())
+            + second[form]["extrapolated_ms"][1000] for form in FORMS}
+        print("at 1,000 ranks and a 1 s step (simulated a step, the most left over, the "
+              "part a second extrapolated): " + ", ".join(
+                  f"{form} {ms:.1f} ms" for form, ms in out["at_1000_ranks_1s_step_ms"].items()))
+    return out
+
+
+def timed(clock: StepClock, history: list) -> dict:
+    """A run's figures a step, from its second step line to its last (no start-up)."""
+    (k0, c0, t0, m0), (k1, c1, t1, m1) = clock.marks[1], clock.marks[-1]
     idle = [h["boundary_idle_s"] for h in history[k0:k1]
             if h.get("boundary_idle_s") is not None]
-    out = {"driver_cpu_ms": 1000 * (c1 - c0) / (k1 - k0), "step_ms": 1000 * (t1 - t0) / (k1 - k0),
-           "boundary_idle_ms": 1000 * statistics.median(idle) if idle else None,
-           "steps_timed": k1 - k0,
-           "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"driver_cpu_ms": 1000 * (c1 - c0) / (k1 - k0),
+            "driver_loop_cpu_ms": 1000 * (m1 - m0) / (k1 - k0),
+            "step_ms": 1000 * (t1 - t0) / (k1 - k0),
+            "boundary_idle_ms": 1000 * statistics.median(idle) if idle else None,
+            "steps_timed": k1 - k0}
+
+
+def split(fast: dict, slow: dict) -> dict:
+    """The driver's CPU a step, c = a + b x T, as a part a step (a) and a part a second
+    of step (b), from two runs whose steps take T apart (the slow one's forward
+    sleeps: the same work, a longer step)."""
+    b = (slow["driver_cpu_ms"] - fast["driver_cpu_ms"]) / (slow["step_ms"] - fast["step_ms"])
+    return {"slow_step_ms": slow["step_ms"], "slow_driver_cpu_ms": slow["driver_cpu_ms"],
+            "per_step_cpu_ms": fast["driver_cpu_ms"] - b * fast["step_ms"],
+            "per_second_cpu_ms": 1000 * b}
+
+
+def measure(n: int, steps: int, play: str, cache: str, protocol: str,
+            sleep_ms: float = 0.0) -> dict:
+    """One protocol at ``n`` ranks: a timed run (and with ``sleep_ms`` one whose steps
+    sleep that long more: ``split``), then (from 2 ranks) one that loses a rank and one
+    of n - 1 ranks that one joins."""
+    out = timed(*run(n, steps, play, cache, protocol))
+    if sleep_ms:
+        out.update(split(out, timed(*run(n, steps, play, cache, protocol,
+                                         sleep_s=sleep_ms / 1000))))
+        counted = run(n, 3 * LOG_EVERY, play, cache, protocol, count=True)[0]
+        out["driver_calls_a_step"] = counted.calls / LOG_EVERY
+    out["driver_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n > 1:  # a rank killed: the survivors carry on in memory
         shrank = run(n, 2 * LOG_EVERY, play, cache, protocol, kill_at=LOG_EVERY)[0].shrank
         if shrank:
@@ -211,6 +388,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300, help="steps of each timed run")
     ap.add_argument("--protocol", nargs="+", choices=("driver", "ranks"),
                     default=["driver", "ranks"], help="the step protocols to measure")
+    ap.add_argument("--sleep_ms", type=float, default=200.0,
+                    help="a second timed run of the ranks' protocol, each step sleeping "
+                         "this long more: the driver's CPU split into a part a step and a "
+                         "part a second (0: none)")
     ap.add_argument("--refit", metavar="RESULT_FILE",
                     help="fit the models again to a result file's rows, measuring nothing")
     args = ap.parse_args(argv)
@@ -240,7 +421,9 @@ def main(argv=None) -> int:
             for n in args.ranks:
                 run(n, 2, play, cache, "driver")  # (starts the ranks; the first tokenizes)
                 for protocol in args.protocol:
-                    rows[protocol, n] = r = measure(n, args.steps, play, cache, protocol)
+                    rows[protocol, n] = r = measure(
+                        n, args.steps, play, cache, protocol,
+                        args.sleep_ms if protocol == "ranks" else 0.0)
                     print(f"{protocol:>8} {n:>5} {r['driver_cpu_ms']:>13.2f} ms "
                           f"{r['step_ms']:>7.2f} ms {(r['boundary_idle_ms'] or 0):>11.2f} ms "
                           f"{r['driver_peak_rss_bytes'] / 2**20:>7.0f} MiB "
@@ -248,14 +431,23 @@ def main(argv=None) -> int:
                              if "regroup_s" in r else "")
                           + (f" {r['join_pause_s']:>10.2f} s" if r.get("join_pause_s")
                              else ""), flush=True)
+                    if "per_step_cpu_ms" in r:
+                        print(f"{'':>14} steps {args.sleep_ms:.0f} ms longer: "
+                              f"{r['slow_step_ms']:.1f} ms, driver CPU "
+                              f"{r['slow_driver_cpu_ms']:.2f} ms; so "
+                              f"{r['per_step_cpu_ms']:.2f} ms a step + "
+                              f"{r['per_second_cpu_ms']:.2f} ms a second; "
+                              f"{r['driver_calls_a_step']:,.0f} calls a step", flush=True)
     finally:
         ray.shutdown()
     models = fit_models(rows, args.protocol)
     figures = {"config": {"steps": args.steps, "protocols": args.protocol,
+                          "sleep_ms": args.sleep_ms,
                           "model": "stand-in: embedding of width 1 and a head"},
                "rows": {f"{p}_ranks_{n}": {"protocol": p, "ranks": n, **r}
                         for (p, n), r in rows.items()},
-               "models": models}
+               "models": models,
+               "simulated": simulated(rows, models, sorted(set(args.ranks) | {1000, 10000}))}
     print(f"written to {write('bench_control_plane', figures)}")
     return 0
 
