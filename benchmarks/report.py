@@ -429,7 +429,7 @@ def t_gpu(f: dict) -> list:
 
 
 def t_control_plane(f: dict) -> list:
-    rows = list(f["rows"].values())
+    rows = sorted(f["rows"].values(), key=lambda r: (r.get("protocol", "driver"), r["ranks"]))
     models = f["models"]
     out = table(["protocol", "ranks", "driver CPU a step (ms)", "step (ms)",
                  "boundary idle (ms)", "driver peak RSS (MiB)",
@@ -439,22 +439,69 @@ def t_control_plane(f: dict) -> list:
                   f"{r['step_ms']:.2f}", num(r["boundary_idle_ms"]),
                   f"{r['driver_peak_rss_bytes'] / 2**20:.0f}",
                   num(r.get("detect_settle_s")), num(r.get("regroup_s")),
-                  num(r.get("join_pause_s"))]
-                 for r in sorted(rows, key=lambda r: (r.get("protocol", "driver"),
-                                                      r["ranks"]))])
-    for protocol, m in models.items():
+                  num(r.get("join_pause_s"))] for r in rows])
+    split = [r for r in rows if "per_step_cpu_ms" in r]
+    if split:
+        sleep = f["config"].get("sleep_ms", 0)
+        out += ["", f"The driver's CPU a step split, from a second run whose steps sleep "
+                f"{sleep:.0f} ms longer (c = a + b x step time), and the function calls its "
+                "thread makes a step:", ""]
+        out += table(["protocol", "ranks", "step (ms)", f"step + {sleep:.0f} ms (ms)",
+                      "driver CPU a step (ms)", "the same, longer steps (ms)",
+                      "part a step (ms)", "part a second (ms)", "driver's calls a step"],
+                     [[r["protocol"], r["ranks"], f"{r['step_ms']:.1f}",
+                       f"{r['slow_step_ms']:.1f}", f"{r['driver_cpu_ms']:.2f}",
+                       f"{r['slow_driver_cpu_ms']:.2f}", f"{r['per_step_cpu_ms']:.2f}",
+                       f"{r['per_second_cpu_ms']:.2f}",
+                       num(r.get("driver_calls_a_step"))] for r in split])
+    out.append("")
+
+    def fits(title: str, m: dict) -> list:
         fitted = ", ".join(str(n) for n in m["fitted_on"])
-        out += [f"**{protocol}**, fitted on {fitted} ranks; {m['held_back']} ranks held "
+        return [f"**{title}**, fitted on {fitted} ranks; {m['held_back']} ranks held "
                 f"back, measured {m['held_back_measured_ms']:.2f} ms "
-                f"(assumed: {m['assumption']}):", ""]
-        out += table(["shape", "a (ms)", "b (ms)", f"predicted at {m['held_back']} (ms)",
-                      "extrapolated to 1,000 ranks (ms)", "to 10,000 (ms)"],
-                     [[form["shape"] + (" (nearer)" if name == m["better"] else ""),
-                       f"{form['intercept_ms']:.3f}", f"{form['slope_ms']:.4f}",
-                       f"{form['held_back_predicted_ms']:.2f}",
-                       f"{form['extrapolated_ms']['1000']:,.1f}",
-                       f"{form['extrapolated_ms']['10000']:,.1f}"]
-                      for name, form in m["forms"].items()]) + [""]
+                f"(assumed: {m['assumption']}):", ""] + table(
+            ["shape", "a (ms)", "b (ms)", f"predicted at {m['held_back']} (ms)",
+             "extrapolated to 1,000 ranks (ms)", "to 10,000 (ms)"],
+            [[form["shape"] + (" (nearer)" if name == m["better"] else ""),
+              f"{form['intercept_ms']:.3f}", f"{form['slope_ms']:.4f}",
+              f"{form['held_back_predicted_ms']:.2f}",
+              f"{form['extrapolated_ms']['1000']:,.1f}",
+              f"{form['extrapolated_ms']['10000']:,.1f}"]
+             for name, form in m["forms"].items()]) + [""]
+
+    for protocol, m in models.items():
+        out += fits(f"{protocol}, driver CPU a step", m)
+        for key, words in (("per_step_cpu_ms", "its part a step"),
+                           ("per_second_cpu_ms", "its part a second")):
+            if key in m.get("split", {}):
+                out += fits(f"{protocol}, {words}", m["split"][key])
+    sim = f.get("simulated")
+    if sim:
+        left = sim["measured_over_simulated_ms"]
+        out += ["The driver's own work a step under the ranks' protocol, simulated without "
+                "Ray (rank 0's answer unpickled, the real Reporter, the step deadline); "
+                "Ray's receipt of that answer, measured alone (an actor's streaming "
+                "generator); and what the measured part a step holds over the two (the "
+                "driver's other Ray calls, and what the cores' other processes cost each "
+                "call):", ""]
+        out += table(["ranks", "simulated CPU a step (ms)", "calls a step",
+                      "history a step (bytes)", "rank 0's answer (bytes)",
+                      "its receipt (ms)", "measured over the two (ms)"],
+                     [[r["ranks"], f"{r['cpu_ms']:.3f}", f"{r['calls_a_step']:,.0f}",
+                       f"{r['history_bytes_a_step']:,.0f}", f"{r['answer_bytes']:,}",
+                       num(r.get("receipt_ms")), num(left.get(n))]
+                      for n, r in sim["rows"].items()]) + [""]
+        at = sim.get("at_1000_ranks_1s_step")
+        if at:
+            out += [f"**At 1,000 ranks and a step of 1 s: {at['total_ms']:.1f} ms of the "
+                    f"driver's CPU a step**, the sum of the simulated part a step at 1,000 "
+                    f"({at['simulated_a_step_ms']:.2f} ms), the answer's receipt at 1,000 "
+                    f"({at['receipt_ms']:.2f} ms), the most a measured part a step held "
+                    f"over the two ({at['most_left_over_ms']:.2f} ms) and the largest part a "
+                    f"second measured ({at['largest_part_a_second_ms']:.2f} ms, which did not "
+                    "grow with the ranks measured). Measured parts and a simulation, not a "
+                    "run of 1,000 ranks.", ""]
     return out
 
 
