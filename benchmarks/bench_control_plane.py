@@ -66,6 +66,19 @@ def stand_in(sleep_s: float = 0.0):
     return Tiny()
 
 
+class Calls:
+    """The function calls (Python's and C's) of the thread that profiles with it
+    (``sys.setprofile``): a count of its work that other processes on the cores cannot
+    inflate as they inflate its CPU time."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_call"):
+            self.n += 1
+
+
 class StepClock(logging.Handler):
     """The driver process's CPU, its logging thread's CPU (the driver's own loop) and the
     wall clock at each "step k/M" log line (the handler runs in the driver's thread as
@@ -81,16 +94,10 @@ class StepClock(logging.Handler):
     def __init__(self, count: bool = False):
         super().__init__(logging.INFO)
         self.marks = []  # (step, process CPU s, wall s, this thread's CPU s)
-        # ``count``: the function calls the driver's thread makes from the second step
-        # line to the third (its Python work, which the other processes on the cores
-        # cannot change as they change its CPU time)
-        self.count, self.calls = count, 0
+        # ``count``: the driver's thread's Calls from the second step line to the third
+        self.calls = Calls() if count else None
         self.shrank = None  # a recovery's (whole, detect and settle, regroup) seconds
         self.grew = None  # how long a join paused the live ranks, seconds
-
-    def _call(self, frame, event, arg):
-        if event in ("call", "c_call"):
-            self.calls += 1
 
     def emit(self, record):
         message = record.getMessage()
@@ -98,8 +105,8 @@ class StepClock(logging.Handler):
         if m:
             self.marks.append((int(m.group(1)), time.process_time(), time.perf_counter(),
                                time.thread_time()))
-            if self.count and len(self.marks) in (2, 3):
-                sys.setprofile(self._call if len(self.marks) == 2 else None)
+            if self.calls is not None and len(self.marks) in (2, 3):
+                sys.setprofile(self.calls if len(self.marks) == 2 else None)
         m = self.SHRANK.match(message)
         if m:
             self.shrank = tuple(float(x) for x in m.groups())
@@ -244,9 +251,9 @@ def simulate(n: int, steps: int = 500) -> dict:
     """The driver's own work a step under the ranks' protocol at ``n`` ranks, without
     Ray: rank 0's answer unpickled (as Ray reads it) and recorded by the real Reporter
     (the record, the straggler check, the progress, the log window every LOG_EVERY
-    steps), plus the step deadline's update. What it leaves out, Ray's receipt of one
-    answer a step, does not depend on n; the measured part a step (``split``) holds
-    both. Returns the CPU a step and the bytes the history grew by a step."""
+    steps), plus the step deadline's update. What it leaves out, Ray's receipt of the
+    answer, ``receipt_ms`` measures; the measured part a step (``split``) holds both.
+    Returns the CPU, the calls and the bytes the history grew by, a step."""
     import pickle
     import tracemalloc
 
@@ -291,16 +298,12 @@ def simulate(n: int, steps: int = 500) -> dict:
     steps_done()
     grew = tracemalloc.get_traced_memory()[0] - m0
     tracemalloc.stop()
-    calls = [0]  # (a third pass: its function calls)
-
-    def call(frame, event, arg):
-        calls[0] += event in ("call", "c_call")
-
-    sys.setprofile(call)
+    calls = Calls()  # (a third pass: its function calls)
+    sys.setprofile(calls)
     steps_done()
     sys.setprofile(None)
     return {"ranks": n, "cpu_ms": 1000 * cpu / steps, "history_bytes_a_step": grew / steps,
-            "answer_bytes": len(answer), "calls_a_step": calls[0] / steps}
+            "answer_bytes": len(answer), "calls_a_step": calls.n / steps}
 
 
 def receipt_ms(n: int, answers: int = 300) -> float:
@@ -401,7 +404,7 @@ def measure(n: int, steps: int, play: str, cache: str, protocol: str,
         out.update(split(out, timed(*run(n, steps, play, cache, protocol,
                                          sleep_s=sleep_ms / 1000))))
         counted = run(n, 3 * LOG_EVERY, play, cache, protocol, count=True)[0]
-        out["driver_calls_a_step"] = counted.calls / LOG_EVERY
+        out["driver_calls_a_step"] = counted.calls.n / LOG_EVERY
     out["driver_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if n > 1:  # a rank killed: the survivors carry on in memory
         shrank = run(n, 2 * LOG_EVERY, play, cache, protocol, kill_at=LOG_EVERY)[0].shrank
