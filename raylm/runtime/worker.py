@@ -43,9 +43,9 @@ _frozen = False  # (_freeze_imports: once per process)
 def _freeze_imports() -> None:
     """Import the engine's code, then set all the process holds aside from the garbage
     collector (gc.freeze): a full collection (leave_group, reset) then scans only what
-    the runs made, not the imports' half a million objects (about 0.2 s of CPU a rank,
-    every time). Once per process, before any process group exists: a group frozen in
-    a reference cycle would never be collected, nor its connections closed."""
+    the runs made, not every object of torch's and transformers' imports. Once per
+    process, before any process group exists: a group frozen in a reference cycle
+    would never be collected, nor its connections closed."""
     global _frozen
     if _frozen:
         return
